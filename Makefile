@@ -1,0 +1,40 @@
+# The single entry point: `make demo` runs the main job, `make test` runs the whole suite.
+# Both create .venv when it is missing and are safe to run again.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+PETASTORM_VENV := .venv-petastorm
+PETASTORM_STAMP := $(PETASTORM_VENV)/.installed
+
+.PHONY: demo test test-main test-petastorm venv bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints/ci.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade "pip>=23"
+	$(PIP) install -q -c constraints/ci.txt -e ".[dev,torch,spark]"
+	touch $(STAMP)
+
+$(PETASTORM_STAMP): pyproject.toml constraints/petastorm.txt
+	test -x $(PETASTORM_VENV)/bin/python || $(PYTHON) -m venv $(PETASTORM_VENV)
+	$(PETASTORM_VENV)/bin/python -m pip install -q --upgrade "pip>=23"
+	$(PETASTORM_VENV)/bin/python -m pip install -q -c constraints/petastorm.txt -e ".[dev,torch,spark,petastorm]"
+	touch $(PETASTORM_STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo_train.py
+
+test: test-main
+
+test-main: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PIP) install -q -c constraints/ci.txt -e ".[mpi]"
+	$(PY) benchmarks/collectives.py
+
+clean:
+	rm -rf $(VENV) $(PETASTORM_VENV) build *.egg-info

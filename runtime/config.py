@@ -1,0 +1,276 @@
+"""Every ``SPARK_HVD_*`` setting, declared once: the worker contract and the tuning knobs.
+
+Precedence is explicit argument > environment > default. Horovod's variable names are read as
+aliases, so job configurations written for Horovod keep working. This is the only module of the
+project that reads ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+
+__all__ = [
+    "Setting",
+    "SETTINGS",
+    "RuntimeConfig",
+    "worker_environment",
+    "new_secret",
+    "read_setting",
+    "environ_snapshot",
+]
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean such as 1/0 or true/false, got {text!r}")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One configuration variable of the runtime."""
+
+    field: str
+    """Attribute name on :class:`RuntimeConfig`."""
+    env: str
+    """The ``SPARK_HVD_*`` environment variable."""
+    type: Callable[[str], Any]
+    """Parser from the environment's text."""
+    default: Any
+    """Value used when neither an argument nor the environment gives one."""
+    doc: str
+    """One line saying what the setting does."""
+    aliases: Tuple[str, ...] = ()
+    """Other environment variables (Horovod's names) read when ``env`` is unset."""
+    scale: float = 1.0
+    """Factor from an alias's unit to ours (Horovod gives some times in other units)."""
+
+
+MiB = 1024 * 1024
+
+SETTINGS: Tuple[Setting, ...] = (
+    # The worker contract, written by exactly one launcher function: worker_environment().
+    Setting("rank", "SPARK_HVD_RANK", int, None, "Global rank of this process.", ("HOROVOD_RANK",)),
+    Setting("size", "SPARK_HVD_SIZE", int, None, "Number of processes in the job.", ("HOROVOD_SIZE",)),
+    Setting("local_rank", "SPARK_HVD_LOCAL_RANK", int, None, "Rank among the processes on this host.",
+            ("HOROVOD_LOCAL_RANK",)),
+    Setting("local_size", "SPARK_HVD_LOCAL_SIZE", int, None, "Number of processes on this host.",
+            ("HOROVOD_LOCAL_SIZE",)),
+    Setting("cross_rank", "SPARK_HVD_CROSS_RANK", int, None, "Index of this host among the job's hosts.",
+            ("HOROVOD_CROSS_RANK",)),
+    Setting("cross_size", "SPARK_HVD_CROSS_SIZE", int, None, "Number of hosts in the job.",
+            ("HOROVOD_CROSS_SIZE",)),
+    Setting("rendezvous_addr", "SPARK_HVD_RENDEZVOUS_ADDR", str, None,
+            "host:port of the rendezvous server where ranks publish their addresses."),
+    Setting("secret", "SPARK_HVD_SECRET", str, None,
+            "Hex job secret; every connection proves knowledge of it before any payload is read."),
+    Setting("hostname", "SPARK_HVD_HOSTNAME", str, "127.0.0.1",
+            "Address this rank listens on and advertises to its peers.", ("HOROVOD_HOSTNAME",)),
+    Setting("host_key", "SPARK_HVD_HOST_KEY", str, None,
+            "Identifies the physical host; ranks with equal keys use shared memory (default: hostname)."),
+    # Tuning.
+    Setting("fusion_threshold", "SPARK_HVD_FUSION_THRESHOLD", int, 64 * MiB,
+            "Bytes up to which ready allreduce requests are packed into one fusion buffer (0 disables).",
+            ("HOROVOD_FUSION_THRESHOLD",)),
+    Setting("cycle_time_ms", "SPARK_HVD_CYCLE_TIME", float, 0.0,
+            "Milliseconds the coordinator may hold ready requests back to fuse more; 0 answers at once.",
+            ("HOROVOD_CYCLE_TIME",)),
+    Setting("cache_capacity", "SPARK_HVD_CACHE_CAPACITY", int, 1024,
+            "Request signatures remembered so steady-state negotiation sends ids, not metadata (0 disables).",
+            ("HOROVOD_CACHE_CAPACITY",)),
+    Setting("timeline", "SPARK_HVD_TIMELINE", str, None,
+            "Path of a Chrome-trace timeline written by rank 0 from start-up.", ("HOROVOD_TIMELINE",)),
+    Setting("timeline_mark_cycles", "SPARK_HVD_TIMELINE_MARK_CYCLES", _parse_bool, False,
+            "Also mark each negotiation cycle in the timeline.", ("HOROVOD_TIMELINE_MARK_CYCLES",)),
+    Setting("stall_check_seconds", "SPARK_HVD_STALL_CHECK_TIME_SECONDS", float, 60.0,
+            "Seconds a request may wait for other ranks before a warning names it (0 disables).",
+            ("HOROVOD_STALL_CHECK_TIME_SECONDS",)),
+    Setting("stall_shutdown_seconds", "SPARK_HVD_STALL_SHUTDOWN_TIME_SECONDS", float, 0.0,
+            "Seconds after which a stalled request fails every rank with CollectiveError (0 never).",
+            ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",)),
+    Setting("start_timeout", "SPARK_HVD_START_TIMEOUT", float, 60.0,
+            "Seconds init() waits for every rank to arrive at the rendezvous and connect.",
+            ("HOROVOD_START_TIMEOUT",)),
+    Setting("peer_timeout", "SPARK_HVD_PEER_TIMEOUT", float, 10.0,
+            "Seconds within which a silent or vanished peer is declared lost."),
+    Setting("shm", "SPARK_HVD_SHM", _parse_bool, True,
+            "Move data between ranks of one host through shared memory instead of sockets."),
+    Setting("chunk_bytes", "SPARK_HVD_CHUNK_BYTES", int, 512 * 1024,
+            "Pipelining unit for large buffers: bytes per shared-memory slot or socket chunk."),
+    Setting("log_level", "SPARK_HVD_LOG_LEVEL", str, "WARNING",
+            "Logging level of the spark_hvd loggers (DEBUG, INFO, WARNING, ERROR).", ("HOROVOD_LOG_LEVEL",)),
+)
+
+_BY_FIELD: Dict[str, Setting] = {s.field: s for s in SETTINGS}
+
+
+def environ_snapshot() -> Dict[str, str]:
+    """A copy of the process environment, for launchers that pass it on to children."""
+    return dict(os.environ)
+
+
+def read_setting(field: str, environ: Optional[Mapping[str, str]] = None) -> Any:
+    """The value of one setting from the environment (or its default), parsed."""
+    setting = _BY_FIELD[field]
+    env = os.environ if environ is None else environ
+    for name in (setting.env,) + setting.aliases:
+        raw = env.get(name)
+        if raw is None or raw == "":
+            continue
+        try:
+            return setting.type(raw)
+        except ValueError as exc:
+            raise ValueError(
+                f"environment variable {name}={raw!r} is not a valid {setting.type.__name__}: {exc}. "
+                f"{name}: {setting.doc}"
+            ) from None
+    return setting.default
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Resolved configuration of one worker process."""
+
+    rank: Optional[int] = None
+    size: Optional[int] = None
+    local_rank: Optional[int] = None
+    local_size: Optional[int] = None
+    cross_rank: Optional[int] = None
+    cross_size: Optional[int] = None
+    rendezvous_addr: Optional[str] = None
+    secret: Optional[str] = None
+    hostname: str = "127.0.0.1"
+    host_key: Optional[str] = None
+    fusion_threshold: int = 64 * MiB
+    cycle_time_ms: float = 0.0
+    cache_capacity: int = 1024
+    timeline: Optional[str] = None
+    timeline_mark_cycles: bool = False
+    stall_check_seconds: float = 60.0
+    stall_shutdown_seconds: float = 0.0
+    start_timeout: float = 60.0
+    peer_timeout: float = 10.0
+    shm: bool = True
+    chunk_bytes: int = 512 * 1024
+    log_level: str = "WARNING"
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("fusion_threshold", self.fusion_threshold >= 0, "a byte count >= 0"),
+            ("cycle_time_ms", self.cycle_time_ms >= 0, "milliseconds >= 0"),
+            ("cache_capacity", self.cache_capacity >= 0, "a count >= 0"),
+            ("stall_check_seconds", self.stall_check_seconds >= 0, "seconds >= 0"),
+            ("stall_shutdown_seconds", self.stall_shutdown_seconds >= 0, "seconds >= 0"),
+            ("start_timeout", self.start_timeout > 0, "seconds > 0"),
+            ("peer_timeout", self.peer_timeout > 0, "seconds > 0"),
+            ("chunk_bytes", self.chunk_bytes >= 4096 and self.chunk_bytes % 64 == 0,
+             "a multiple of 64 of at least 4096"),
+        )
+        for name, ok, expected in checks:
+            if not ok:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is invalid: expected {expected}. "
+                    f"Fix the argument or {_BY_FIELD[name].env}."
+                )
+        if self.size is not None and self.size < 1:
+            raise ValueError(f"size={self.size} is invalid: expected at least 1 process")
+        if self.rank is not None and self.size is not None and not 0 <= self.rank < self.size:
+            raise ValueError(f"rank={self.rank} is outside the job of size={self.size}: expected 0 <= rank < size")
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides: Any) -> "RuntimeConfig":
+        """Resolve every setting: ``overrides`` (not None) > environment > default."""
+        unknown = set(overrides) - set(_BY_FIELD)
+        if unknown:
+            raise TypeError(f"unknown runtime settings {sorted(unknown)}; known: {sorted(_BY_FIELD)}")
+        values = {}
+        for setting in SETTINGS:
+            given = overrides.get(setting.field)
+            values[setting.field] = given if given is not None else read_setting(setting.field, environ)
+        return cls(**values)
+
+    def require_worker(self) -> "RuntimeConfig":
+        """Check that the worker contract is complete; name each missing variable."""
+        missing = [
+            _BY_FIELD[f].env
+            for f in ("rank", "size", "rendezvous_addr", "secret")
+            if getattr(self, f) is None
+        ]
+        if missing:
+            raise ValueError(
+                "environment variable(s) " + ", ".join(missing) + " expected, but not set. "
+                "Start the script with `spark-hvd-run -np N python script.py`, through "
+                "spark_hvd.spark.run(), or call init() without a launcher for a single process."
+            )
+        filled = {}
+        if self.local_rank is None:
+            filled["local_rank"] = self.rank
+        if self.local_size is None:
+            filled["local_size"] = self.size
+        if self.cross_rank is None:
+            filled["cross_rank"] = 0
+        if self.cross_size is None:
+            filled["cross_size"] = 1
+        return dataclasses.replace(self, **filled) if filled else self
+
+
+def new_secret() -> str:
+    """A fresh random job secret, as hex."""
+    return secrets.token_hex(32)
+
+
+def worker_environment(
+    *,
+    rank: int,
+    size: int,
+    local_rank: int,
+    local_size: int,
+    cross_rank: int,
+    cross_size: int,
+    rendezvous_addr: str,
+    secret: str,
+    hostname: str = "127.0.0.1",
+    host_key: Optional[str] = None,
+    settings: Optional[Mapping[str, Any]] = None,
+) -> Dict[str, str]:
+    """The environment variables that make a process a worker: the only writer of the contract.
+
+    ``settings`` maps RuntimeConfig field names (fusion_threshold, timeline, ...) to values that
+    are passed on to the worker. Horovod's HOROVOD_RANK etc. are written too, so Horovod-era
+    scripts that read them keep working.
+    """
+    env = {
+        "SPARK_HVD_RANK": str(rank),
+        "SPARK_HVD_SIZE": str(size),
+        "SPARK_HVD_LOCAL_RANK": str(local_rank),
+        "SPARK_HVD_LOCAL_SIZE": str(local_size),
+        "SPARK_HVD_CROSS_RANK": str(cross_rank),
+        "SPARK_HVD_CROSS_SIZE": str(cross_size),
+        "SPARK_HVD_RENDEZVOUS_ADDR": rendezvous_addr,
+        "SPARK_HVD_SECRET": secret,
+        "SPARK_HVD_HOSTNAME": hostname,
+        "HOROVOD_RANK": str(rank),
+        "HOROVOD_SIZE": str(size),
+        "HOROVOD_LOCAL_RANK": str(local_rank),
+        "HOROVOD_LOCAL_SIZE": str(local_size),
+        "HOROVOD_CROSS_RANK": str(cross_rank),
+        "HOROVOD_CROSS_SIZE": str(cross_size),
+    }
+    if host_key is not None:
+        env["SPARK_HVD_HOST_KEY"] = host_key
+    for field, value in (settings or {}).items():
+        if field not in _BY_FIELD:
+            raise TypeError(f"unknown runtime setting {field!r}; known: {sorted(_BY_FIELD)}")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            value = int(value)
+        env[_BY_FIELD[field].env] = str(value)
+    return env

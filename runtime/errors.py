@@ -1,0 +1,59 @@
+"""The error taxonomy of spark-hvd, built on the standard exceptions."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = [
+    "SparkHvdError",
+    "CollectiveError",
+    "RankMismatchError",
+    "RendezvousTimeout",
+    "AuthenticationError",
+    "NotInitializedError",
+    "HorovodInternalError",
+]
+
+
+class SparkHvdError(Exception):
+    """Base class of every error raised by spark-hvd itself."""
+
+
+class CollectiveError(SparkHvdError, RuntimeError):
+    """A collective could not complete: a peer was lost, the job aborted, or it stalled too long.
+
+    ``lost_rank`` names the rank whose loss caused it, when one did.
+    """
+
+    def __init__(self, message: str, lost_rank: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.lost_rank = lost_rank
+
+
+# Horovod scripts catch this name around elastic training loops.
+HorovodInternalError = CollectiveError
+
+
+class RankMismatchError(SparkHvdError, ValueError):
+    """Ranks submitted the same named operation with different shapes, dtypes, ops or roots.
+
+    The operation fails on every rank; the runtime stays usable afterwards.
+    """
+
+
+class RendezvousTimeout(SparkHvdError, TimeoutError):
+    """Not every rank arrived at the rendezvous (or connected) within the start timeout."""
+
+
+class AuthenticationError(SparkHvdError, PermissionError):
+    """A connection did not prove knowledge of the job secret."""
+
+
+class NotInitializedError(SparkHvdError, ValueError):
+    """An operation was called before ``init()`` or after ``shutdown()``."""
+
+    def __init__(self, what: str = "this operation") -> None:
+        super().__init__(
+            f"spark-hvd has not been initialized; call init() before {what} "
+            "(and do not call it after shutdown())."
+        )
