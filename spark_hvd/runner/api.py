@@ -1,0 +1,141 @@
+"""``run(fn, ...)``: call a function on ``np`` fresh local processes and collect every rank's result."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+from .errors import RankFailedError
+from .local import LocalJob
+from .payload import FUNCTION_FILE, read_sealed, result_file, write_sealed
+from .processes import RankExit
+
+__all__ = ["run"]
+
+
+def _log_to_stderr(message: str) -> None:
+    print(f"spark_hvd.runner: {message}", file=sys.stderr, flush=True)
+
+
+def _check_arguments(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Optional[Mapping[str, Any]],
+    np: int,
+    env: Optional[Mapping[str, str]],
+    timeout: Optional[float],
+) -> None:
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple or list of positional arguments, got {type(args).__name__}")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"kwargs must be a mapping of keyword arguments, got {type(kwargs).__name__}")
+    if isinstance(np, bool) or not isinstance(np, int) or np < 1:
+        raise ValueError(f"np={np!r} is invalid: expected an int of at least 1 (the number of local processes)")
+    for key, value in (env or {}).items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise ValueError(f"env[{key!r}]={value!r} is invalid: expected environment names and values as str")
+    if timeout is not None and timeout <= 0:
+        raise ValueError(f"timeout={timeout!r} is invalid: expected seconds > 0, or None to wait without limit")
+
+
+def _write_function(workdir: Path, secret: str, fn: Callable[..., Any], args: Sequence[Any],
+                    kwargs: Mapping[str, Any]) -> None:
+    import cloudpickle
+
+    call = cloudpickle.dumps((fn, tuple(args), dict(kwargs)))
+    spec = {"sys_path": [p for p in sys.path if isinstance(p, str)], "call": call}
+    write_sealed(workdir / FUNCTION_FILE, secret, pickle.dumps(spec))
+
+
+def _read_outcome(workdir: Path, secret: str, rank: int) -> Optional[tuple]:
+    path = workdir / result_file(rank)
+    if not path.exists():
+        return None
+    return pickle.loads(read_sealed(path, secret))
+
+
+def _rank_error(rank: int, details: Dict[str, Any], tail: Sequence[str]) -> RankFailedError:
+    original = None
+    if details.get("exception") is not None:
+        try:
+            original = pickle.loads(details["exception"])
+        except Exception:
+            # The class may not be importable here; the name, message and traceback still are.
+            original = None
+    return RankFailedError(
+        rank,
+        f"rank {rank} raised {details['type']}: {details['message']}",
+        exc_type=details["type"],
+        remote_traceback=details["traceback"],
+        output_tail=tail,
+        original=original,
+    )
+
+
+def _failure_error(failure: RankExit, workdir: Path, secret: str) -> RankFailedError:
+    outcome = _read_outcome(workdir, secret, failure.rank)
+    if outcome is not None and outcome[0] == "error":
+        return _rank_error(failure.rank, outcome[1], failure.tail)
+    return RankFailedError(failure.rank, failure.describe() + " before returning a result",
+                           output_tail=failure.tail)
+
+
+def run(
+    fn: Callable[..., Any],
+    args: Sequence[Any] = (),
+    kwargs: Optional[Mapping[str, Any]] = None,
+    np: int = 2,
+    *,
+    env: Optional[Mapping[str, str]] = None,
+    start_timeout: Optional[float] = None,
+    settings: Optional[Mapping[str, Any]] = None,
+    verbose: bool = False,
+    timeout: Optional[float] = None,
+) -> List[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``np`` new local processes; return the results in rank order.
+
+    Each rank is a fresh interpreter with the worker environment (``spark_hvd.runtime.init()``
+    inside ``fn`` joins the job); ``fn`` and its arguments travel with cloudpickle, results come
+    back the same way. Output lines are printed prefixed with the rank: ``[1]<stdout>:...``.
+
+    ``env`` adds environment variables to every rank; ``settings`` passes runtime settings
+    (RuntimeConfig field names such as ``fusion_threshold``); ``start_timeout`` bounds how long
+    ``init()`` waits for all ranks; ``timeout`` bounds the whole call (TimeoutError after it).
+
+    When a rank raises or dies, the other ranks are stopped and :class:`RankFailedError` is raised
+    naming that rank, with its exception type, message and traceback. No rank outlives the call.
+    """
+    kwargs = {} if kwargs is None else kwargs
+    _check_arguments(fn, args, kwargs, np, env, timeout)
+    merged_settings = dict(settings or {})
+    if start_timeout is not None:
+        merged_settings["start_timeout"] = start_timeout
+    log = _log_to_stderr if verbose else None
+    with tempfile.TemporaryDirectory(prefix="spark-hvd-run-") as tmp:  # mode 0700: private to us
+        workdir = Path(tmp)
+        with LocalJob(np, settings=merged_settings, env=env, log=log) as job:
+            _write_function(workdir, job.secret, fn, args, kwargs)
+            processes = job.start([sys.executable, "-m", "spark_hvd.runner.worker", str(workdir)])
+            try:
+                failure = processes.wait(timeout)
+            except TimeoutError:
+                running = processes.running()
+                raise TimeoutError(
+                    f"run() did not finish within timeout={timeout} s; ranks {running} were still running "
+                    "and have been stopped. Raise timeout= or look for a rank that waits on the others."
+                ) from None
+            if failure is not None:
+                raise _failure_error(failure, workdir, job.secret)
+            results = []
+            for rank in range(np):
+                outcome = _read_outcome(workdir, job.secret, rank)
+                if outcome is None:
+                    raise RankFailedError(rank, f"rank {rank} exited with code 0 without returning a result",
+                                          output_tail=processes.tail(rank))
+                results.append(outcome[1])
+            return results

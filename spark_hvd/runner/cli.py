@@ -1,0 +1,282 @@
+"""The ``spark-hvd-run`` command: start ``-np`` ranks of a command on this machine, like horovodrun."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from spark_hvd.runtime import config
+
+from .local import LocalJob
+from .processes import TERMINATE_GRACE_SECONDS, RankExit, RankProcesses
+
+__all__ = ["main", "parse_options", "LaunchOptions", "check_hosts"]
+
+PROG = "spark-hvd-run"
+_MIB = 1024 * 1024
+
+
+class UsageError(ValueError):
+    """A command line that cannot be run; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """A validated command line."""
+
+    num_proc: int
+    """Number of ranks to start."""
+    command: List[str]
+    """The program and its arguments, run once per rank."""
+    settings: Dict[str, Any]
+    """Runtime settings passed to every rank (RuntimeConfig field names)."""
+    output_dir: Optional[Path]
+    """Where each rank's output is also written, as rank.<r>/stdout and rank.<r>/stderr."""
+    env: Dict[str, str]
+    """Environment variables set for every rank on top of ours and the worker contract."""
+    verbose: bool
+    """Log what is started and stopped."""
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        allow_abbrev=False,
+        description="Run COMMAND as -np ranks of one spark-hvd job on this machine. Remote hosts "
+        "are reached through Spark: spark_hvd.spark.run().",
+        epilog="Each output line of rank r is printed as [r]<stdout>:... or [r]<stderr>:... . When run "
+        "from a virtual environment, `python` in COMMAND is that environment's interpreter.",
+    )
+    parser.add_argument("-np", "-p", "--num-proc", dest="num_proc", type=int, metavar="N",
+                        help="number of ranks to start (required)")
+    parser.add_argument("-H", "--hosts", dest="hosts", metavar="HOST:SLOTS[,...]",
+                        help="only this machine (localhost, 127.0.0.1 or its hostname); slots must add up to -np")
+    parser.add_argument("--timeline-filename", metavar="FILE",
+                        help="write a Chrome-trace timeline of rank 0's collectives to FILE")
+    parser.add_argument("--fusion-threshold-mb", type=float, metavar="MB",
+                        help="tensor fusion buffer size in MiB (0 disables fusion)")
+    parser.add_argument("--cycle-time-ms", type=float, metavar="MS",
+                        help="milliseconds the coordinator may wait to fuse more requests")
+    parser.add_argument("--cache-capacity", type=int, metavar="K",
+                        help="request signatures to cache (0 disables the cache)")
+    parser.add_argument("--start-timeout", type=float, metavar="S",
+                        help="seconds init() waits for every rank to arrive")
+    parser.add_argument("--output-filename", metavar="DIR",
+                        help="also write each rank's output to DIR/rank.<r>/stdout and DIR/rank.<r>/stderr")
+    parser.add_argument("--verbose", action="store_true", help="log what is started and stopped")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the program to run, e.g. python train.py")
+    return parser
+
+
+def _local_names() -> set:
+    hostname = socket.gethostname().lower()
+    return {"localhost", "127.0.0.1", hostname, hostname.split(".")[0]}
+
+
+def check_hosts(hosts: str, num_proc: int) -> None:
+    """Accept ``-H`` only for this machine, with slot counts that add up to ``num_proc``."""
+    local = _local_names()
+    total = 0
+    entries = [entry.strip() for entry in hosts.split(",") if entry.strip()]
+    if not entries:
+        raise UsageError(f"-H {hosts!r} names no host; expected e.g. -H localhost:{num_proc}")
+    for entry in entries:
+        name, sep, slots = entry.rpartition(":")
+        if not sep:
+            name, slots = entry, "1"
+        if not slots.isdigit() or int(slots) < 1:
+            raise UsageError(f"-H entry {entry!r} has slot count {slots!r}; expected HOST:SLOTS with SLOTS >= 1")
+        if name.lower() not in local:
+            raise UsageError(
+                f"-H names host {name!r}, which is not this machine: {PROG} starts ranks only on this "
+                f"machine (localhost, 127.0.0.1, {socket.gethostname()}). Remote hosts are reached "
+                "through Spark: use spark_hvd.spark.run(fn, num_proc=...) on a Spark cluster."
+            )
+        total += int(slots)
+    if total != num_proc:
+        raise UsageError(
+            f"-H {hosts} gives {total} slot(s) but -np is {num_proc}; expected the slot counts to add up "
+            f"to -np: fix -np or the counts in -H"
+        )
+
+
+def _check_writable_file(flag: str, filename: str) -> str:
+    path = Path(filename).expanduser().resolve()
+    if path.is_dir():
+        raise UsageError(f"{flag} {filename!r} is a directory; expected a file path")
+    if not path.parent.is_dir():
+        raise UsageError(f"{flag} {filename!r}: directory {str(path.parent)!r} does not exist; create it first")
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"{flag} {filename!r} is not writable; choose a path you can write")
+    return str(path)
+
+
+def _prepare_output_dir(dirname: str) -> Path:
+    path = Path(dirname).expanduser().resolve()
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--output-filename {dirname!r} exists and is not a directory; expected a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--output-filename {dirname!r} cannot be created: {exc.strerror}") from None
+    if not os.access(path, os.W_OK):
+        raise UsageError(f"--output-filename {dirname!r} is not writable; choose a directory you can write")
+    return path
+
+
+def _child_path(environ: Dict[str, str]) -> Dict[str, str]:
+    # Like an activated virtual environment: `python` in COMMAND is the interpreter running us.
+    if sys.prefix == sys.base_prefix:
+        return {}
+    bin_dir = os.path.dirname(sys.executable)
+    return {"PATH": os.pathsep.join([bin_dir, environ.get("PATH", os.defpath)])}
+
+
+def _check_command(command: List[str], env: Dict[str, str], environ: Dict[str, str]) -> None:
+    if not command:
+        raise UsageError(f"no command given; expected e.g. {PROG} -np 2 python train.py")
+    path = env.get("PATH", environ.get("PATH", os.defpath))
+    if shutil.which(command[0], path=path) is None:
+        raise UsageError(
+            f"command {command[0]!r} was not found or is not executable; expected a program on PATH or a "
+            f"path to one, e.g. {PROG} -np 2 python train.py"
+        )
+
+
+def _check_number(flag: str, value: Optional[float], ok: bool, expected: str) -> None:
+    if value is not None and not ok:
+        raise UsageError(f"{flag} {value} is invalid: expected {expected}")
+
+
+def parse_options(argv: Sequence[str], environ: Optional[Dict[str, str]] = None) -> LaunchOptions:
+    """Parse and validate a command line; UsageError (a ValueError) says what to fix."""
+    environ = config.environ_snapshot() if environ is None else environ
+    parser = _build_parser()
+    args = parser.parse_args(list(argv))
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if args.num_proc is None:
+        raise UsageError(f"-np is required; expected e.g. {PROG} -np 2 python train.py")
+    if args.num_proc < 1:
+        raise UsageError(f"-np {args.num_proc} is invalid: expected at least 1 process")
+    if args.hosts is not None:
+        check_hosts(args.hosts, args.num_proc)
+    _check_number("--fusion-threshold-mb", args.fusion_threshold_mb,
+                  args.fusion_threshold_mb is not None and args.fusion_threshold_mb >= 0, "MiB >= 0")
+    _check_number("--cycle-time-ms", args.cycle_time_ms,
+                  args.cycle_time_ms is not None and args.cycle_time_ms >= 0, "milliseconds >= 0")
+    _check_number("--cache-capacity", args.cache_capacity,
+                  args.cache_capacity is not None and args.cache_capacity >= 0, "a count >= 0")
+    _check_number("--start-timeout", args.start_timeout,
+                  args.start_timeout is not None and args.start_timeout > 0, "seconds > 0")
+    settings: Dict[str, Any] = {
+        "fusion_threshold": None if args.fusion_threshold_mb is None
+        else int(args.fusion_threshold_mb * _MIB),
+        "cycle_time_ms": args.cycle_time_ms,
+        "cache_capacity": args.cache_capacity,
+        "start_timeout": args.start_timeout,
+        "timeline": None if args.timeline_filename is None
+        else _check_writable_file("--timeline-filename", args.timeline_filename),
+    }
+    env = _child_path(environ)
+    _check_command(command, env, environ)
+    output_dir = None if args.output_filename is None else _prepare_output_dir(args.output_filename)
+    return LaunchOptions(
+        num_proc=args.num_proc,
+        command=command,
+        settings={k: v for k, v in settings.items() if v is not None},
+        output_dir=output_dir,
+        env=env,
+        verbose=args.verbose,
+    )
+
+
+def _say(message: str) -> None:
+    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    raise _Interrupted(signum)
+
+
+def _report_failure(failure: RankExit, processes: RankProcesses) -> None:
+    _say(failure.describe())
+    if failure.tail:
+        _say(f"last {len(failure.tail)} lines of output of rank {failure.rank}:")
+        for line in failure.tail:
+            print(line, file=sys.stderr)
+    codes = processes.returncodes
+    stopped = set(processes.stopped)
+    others = [
+        RankExit(rank, code).describe()
+        for rank, code in sorted(codes.items())
+        if rank != failure.rank and code != 0 and rank not in stopped
+    ]
+    if others:
+        _say("then also: " + "; ".join(others))
+    if stopped:
+        _say(f"stopped ranks {sorted(stopped)} after rank {failure.rank} failed")
+    sys.stderr.flush()
+
+
+def _forward_only(job: LocalJob, signums: Sequence[int]) -> None:
+    # Once stopping has begun, a further signal is passed on but must not abandon the cleanup.
+    for signum in signums:
+        signal.signal(signum, lambda n, f: job.processes.send_signal(n))
+
+
+def launch(options: LaunchOptions) -> int:
+    """Run a validated job to its end; return the exit status for the command line."""
+    log = _say if options.verbose else None
+    job = LocalJob(options.num_proc, settings=options.settings, env=options.env,
+                   output_dir=options.output_dir, log=log)
+    forwarded = (signal.SIGINT, signal.SIGTERM)
+    previous = {signum: signal.signal(signum, _raise_interrupted) for signum in forwarded}
+    try:
+        processes = job.start(options.command)
+        failure = processes.wait()
+    except _Interrupted as interrupt:
+        _forward_only(job, forwarded)
+        name = signal.Signals(interrupt.signum).name
+        _say(f"received {name}; forwarding it to all ranks")
+        job.processes.terminate(signum=interrupt.signum, grace=TERMINATE_GRACE_SECONDS)
+        return 128 + interrupt.signum
+    finally:
+        _forward_only(job, forwarded)
+        try:
+            job.close()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+    if failure is not None:
+        _report_failure(failure, processes)
+        return failure.exit_status
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``spark-hvd-run``; returns the process exit status."""
+    try:
+        options = parse_options(sys.argv[1:] if argv is None else argv)
+    except UsageError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    return launch(options)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

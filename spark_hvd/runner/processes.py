@@ -1,0 +1,391 @@
+"""Rank processes: start them, stream their output with a rank prefix, stop them all when one fails.
+
+Both launchers (the ``spark-hvd-run`` command and :func:`spark_hvd.runner.run`) manage their
+ranks through :class:`RankProcesses`; the Spark integration can reuse it for the processes its
+tasks start. The public surface is small:
+
+- :func:`rank_environment` builds the environment of one rank process;
+- :meth:`RankProcesses.spawn` starts a rank (its own session, dies with the spawning thread);
+- :meth:`RankProcesses.wait` returns when every rank has exited, or as soon as one fails, after
+  stopping the others; the failure comes back as a :class:`RankExit` (the root cause);
+- :meth:`RankProcesses.terminate` stops what still runs (signal, grace period, SIGKILL);
+- :func:`print_prefixed` is the default output sink: ``[1]<stdout>:line``.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+
+from spark_hvd.runtime import config
+
+__all__ = [
+    "OutputSink",
+    "RankExit",
+    "RankProcesses",
+    "print_prefixed",
+    "rank_environment",
+    "TAIL_LINES",
+    "TERMINATE_GRACE_SECONDS",
+]
+
+OutputSink = Callable[[int, str, str], None]
+"""Receives each output line of a rank: ``(rank, "stdout" or "stderr", line without newline)``."""
+
+TAIL_LINES = 30
+"""Lines of output kept per rank, shown when that rank turns out to be the root cause of a failure."""
+
+TERMINATE_GRACE_SECONDS = 3.0
+"""Seconds a rank gets to exit after SIGTERM before it is killed."""
+
+# After the last process exits, its output pipes reach EOF at once unless a grandchild still
+# holds them; do not let such a straggler hold up the launcher.
+_PUMP_JOIN_SECONDS = 2.0
+
+_print_lock = threading.Lock()
+
+
+def print_prefixed(rank: int, stream: str, line: str) -> None:
+    """Write one line of a rank's output to our stdout or stderr as ``[rank]<stream>:line``."""
+    target = sys.stdout if stream == "stdout" else sys.stderr
+    with _print_lock:
+        target.write(f"[{rank}]<{stream}>:{line}\n")
+        target.flush()
+
+
+def rank_environment(
+    *,
+    rank: int,
+    size: int,
+    rendezvous_addr: str,
+    secret: str,
+    local_rank: Optional[int] = None,
+    local_size: Optional[int] = None,
+    cross_rank: int = 0,
+    cross_size: int = 1,
+    hostname: str = "127.0.0.1",
+    host_key: Optional[str] = None,
+    settings: Optional[Mapping[str, Any]] = None,
+    base: Optional[Mapping[str, str]] = None,
+    extra: Optional[Mapping[str, str]] = None,
+) -> Dict[str, str]:
+    """The complete environment of one rank process.
+
+    Layers, later ones winning: ``base`` (default: this process's environment), the worker
+    contract from :func:`spark_hvd.runtime.config.worker_environment` (local rank and size default
+    to a single-host job), ``PYTHONUNBUFFERED=1`` so output streams line by line, then ``extra``.
+    """
+    env = dict(config.environ_snapshot() if base is None else base)
+    env.update(
+        config.worker_environment(
+            rank=rank,
+            size=size,
+            local_rank=rank if local_rank is None else local_rank,
+            local_size=size if local_size is None else local_size,
+            cross_rank=cross_rank,
+            cross_size=cross_size,
+            rendezvous_addr=rendezvous_addr,
+            secret=secret,
+            hostname=hostname,
+            host_key=host_key,
+            settings=settings,
+        )
+    )
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """How one rank ended: its exit code (negative: killed by that signal) and its last lines."""
+
+    rank: int
+    returncode: int
+    tail: Tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """``rank 1 exited with code 17`` or ``rank 1 was killed by signal SIGKILL``."""
+        if self.returncode < 0:
+            try:
+                name = signal.Signals(-self.returncode).name
+            except ValueError:
+                name = str(-self.returncode)
+            return f"rank {self.rank} was killed by signal {name}"
+        return f"rank {self.rank} exited with code {self.returncode}"
+
+    @property
+    def exit_status(self) -> int:
+        """The status a launcher exits with for this failure: the rank's code, or 1 for a signal."""
+        return self.returncode if self.returncode > 0 else 1
+
+
+def _load_prctl() -> Optional[Callable[..., int]]:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()
+_PR_SET_PDEATHSIG = 1
+_SIGKILL = int(signal.SIGKILL)
+
+
+def _die_with_parent(parent_pid: int) -> Optional[Callable[[], None]]:
+    """A pre-exec hook that makes the child receive SIGKILL when its parent thread dies (Linux)."""
+    prctl = _PRCTL
+    if prctl is None:
+        return None
+
+    def hook() -> None:
+        # Runs in the forked child before exec; the death signal survives exec.
+        prctl(_PR_SET_PDEATHSIG, _SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:
+            # The parent died between fork and prctl; nobody would kill us later.
+            os._exit(1)
+
+    return hook
+
+
+class RankProcesses:
+    """The processes of one job's ranks, their output pumps and their exit watchers.
+
+    Output lines go to ``sink`` (default :func:`print_prefixed`) and, when ``output_dir`` is
+    given, unprefixed to ``output_dir/rank.<r>/stdout`` and ``.../stderr``. ``log`` receives
+    one line per lifecycle event (start, stop) for verbose launchers.
+    """
+
+    def __init__(
+        self,
+        *,
+        sink: Optional[OutputSink] = print_prefixed,
+        output_dir: Optional[os.PathLike] = None,
+        tail_lines: int = TAIL_LINES,
+        log: Optional[Callable[[str], None]] = None,
+    ) -> None:
+        self._sink = sink
+        self._output_dir = Path(output_dir) if output_dir is not None else None
+        self._tail_lines = tail_lines
+        self._log = log
+        self._lock = threading.Lock()
+        self._procs: Dict[int, "subprocess.Popen[bytes]"] = {}
+        self._exited: Dict[int, threading.Event] = {}
+        self._returncodes: Dict[int, int] = {}
+        self._stopped: Set[int] = set()
+        self._tails: Dict[int, Deque[str]] = {}
+        self._exits: "queue.Queue[Tuple[int, int]]" = queue.Queue()
+        self._consumed: Set[int] = set()  # ranks whose exit wait() has already seen
+        self._pumps: List[threading.Thread] = []
+
+    # -- starting -------------------------------------------------------------------------------
+
+    def spawn(self, rank: int, argv: Sequence[str], env: Mapping[str, str], cwd: Optional[str] = None) -> int:
+        """Start ``argv`` as ``rank`` with exactly ``env``; return its pid.
+
+        The child runs in its own session (so signals reach its whole process group) and, on
+        Linux, is killed when the thread that called ``spawn`` exits: call it from a thread that
+        outlives the job, such as the main thread.
+        """
+        if rank in self._procs:
+            raise ValueError(f"rank {rank} was already started; expected each rank to be spawned once")
+        proc = subprocess.Popen(
+            list(argv),
+            env=dict(env),
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=_die_with_parent(os.getpid()),
+        )
+        with self._lock:
+            self._procs[rank] = proc
+            self._exited[rank] = threading.Event()
+            self._tails[rank] = collections.deque(maxlen=self._tail_lines)
+        files = self._open_output_files(rank)
+        assert proc.stdout is not None and proc.stderr is not None
+        for stream, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
+            pump = threading.Thread(
+                target=self._pump, args=(rank, stream, pipe, files[stream]), name=f"rank{rank}-{stream}", daemon=True
+            )
+            pump.start()
+            self._pumps.append(pump)
+        threading.Thread(target=self._watch, args=(rank, proc), name=f"rank{rank}-exit", daemon=True).start()
+        if self._log:
+            self._log(f"started rank {rank} (pid {proc.pid}): {' '.join(argv)}")
+        return proc.pid
+
+    def _open_output_files(self, rank: int) -> Dict[str, Optional[IO[bytes]]]:
+        if self._output_dir is None:
+            return {"stdout": None, "stderr": None}
+        rank_dir = self._output_dir / f"rank.{rank}"
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        # Unbuffered, so the files are complete up to the last line even if we are killed.
+        return {name: open(rank_dir / name, "wb", buffering=0) for name in ("stdout", "stderr")}
+
+    def _pump(self, rank: int, stream: str, pipe: IO[bytes], file: Optional[IO[bytes]]) -> None:
+        sink = self._sink
+        try:
+            for raw in iter(pipe.readline, b""):
+                if file is not None:
+                    file.write(raw if raw.endswith(b"\n") else raw + b"\n")
+                line = raw.decode("utf-8", "replace").rstrip("\r\n")
+                self._tails[rank].append(f"[{rank}]<{stream}>:{line}")
+                if sink is not None:
+                    try:
+                        sink(rank, stream, line)
+                    except Exception:
+                        # A broken sink must not stop the draining, or the rank blocks on a full pipe.
+                        sink = None
+        finally:
+            pipe.close()
+            if file is not None:
+                file.close()
+
+    def _watch(self, rank: int, proc: "subprocess.Popen[bytes]") -> None:
+        code = proc.wait()
+        with self._lock:
+            self._returncodes[rank] = code
+        self._exited[rank].set()
+        self._exits.put((rank, code))
+
+    # -- observing ------------------------------------------------------------------------------
+
+    @property
+    def ranks(self) -> List[int]:
+        """Every rank started so far, in rank order."""
+        return sorted(self._procs)
+
+    @property
+    def returncodes(self) -> Dict[int, int]:
+        """Exit codes of the ranks that have exited so far (negative: killed by that signal)."""
+        with self._lock:
+            return dict(self._returncodes)
+
+    @property
+    def stopped(self) -> List[int]:
+        """Ranks this object signalled to stop while they were still running."""
+        with self._lock:
+            return sorted(self._stopped)
+
+    def running(self) -> List[int]:
+        """Ranks that have not exited yet."""
+        with self._lock:
+            return sorted(r for r in self._procs if r not in self._returncodes)
+
+    def pid(self, rank: int) -> int:
+        return self._procs[rank].pid
+
+    def tail(self, rank: int) -> List[str]:
+        """The last lines of a rank's output, prefixed as they were printed."""
+        return list(self._tails[rank])
+
+    # -- waiting and stopping -------------------------------------------------------------------
+
+    def wait(self, timeout: Optional[float] = None, grace: float = TERMINATE_GRACE_SECONDS) -> Optional[RankExit]:
+        """Wait for every rank; on the first failure, stop the others and return that failure.
+
+        Returns None when every rank exited on its own with code 0 (ranks this object stopped
+        are never the root cause). Raises TimeoutError, leaving the ranks running, when
+        ``timeout`` seconds pass first.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pending = set(self._procs) - self._consumed
+        while pending:
+            if deadline is None:
+                wait_s = 0.5
+            else:
+                wait_s = min(0.5, deadline - time.monotonic())
+                if wait_s <= 0:
+                    raise TimeoutError(
+                        f"ranks {sorted(pending)} were still running after {timeout} s"
+                    )
+            try:
+                # Short slices keep the caller responsive to signals.
+                rank, code = self._exits.get(timeout=wait_s)
+            except queue.Empty:
+                continue
+            pending.discard(rank)
+            self._consumed.add(rank)
+            with self._lock:
+                stopped_by_us = rank in self._stopped
+            if code != 0 and not stopped_by_us:
+                if self._log:
+                    self._log(f"rank {rank} failed (code {code}); stopping the other ranks")
+                self.terminate(grace=grace)
+                self._join_pumps()
+                return RankExit(rank, code, tuple(self.tail(rank)))
+        self._join_pumps()
+        return None
+
+    def send_signal(self, signum: int) -> List[int]:
+        """Send ``signum`` to the process group of every running rank; mark them as stopped by us."""
+        with self._lock:
+            running = [r for r in self._procs if r not in self._returncodes]
+            self._stopped.update(running)
+        for rank in running:
+            self._signal(rank, signum)
+        return running
+
+    def terminate(self, signum: int = signal.SIGTERM, grace: float = TERMINATE_GRACE_SECONDS) -> List[int]:
+        """Stop every running rank: ``signum``, up to ``grace`` seconds, then SIGKILL.
+
+        Returns the ranks that were still running. Safe to call more than once.
+        """
+        running = self.send_signal(signum)
+        if running and self._log:
+            self._log(f"sent {signal.Signals(signum).name} to ranks {running}")
+        deadline = time.monotonic() + grace
+        for rank in running:
+            self._exited[rank].wait(max(0.0, deadline - time.monotonic()))
+        stubborn = [rank for rank in running if not self._exited[rank].is_set()]
+        for rank in stubborn:
+            self._signal(rank, signal.SIGKILL)
+        if stubborn and self._log:
+            self._log(f"killed ranks {stubborn} after a grace period of {grace} s")
+        for rank in stubborn:
+            # SIGKILL cannot be caught; this only waits for the kernel to reap.
+            self._exited[rank].wait(5.0)
+        return running
+
+    def _signal(self, rank: int, signum: int) -> None:
+        proc = self._procs[rank]
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            # The rank left its process group for one we may not signal; reach at least the rank.
+            try:
+                proc.send_signal(signum)
+            except ProcessLookupError:
+                pass
+
+    def _join_pumps(self) -> None:
+        deadline = time.monotonic() + _PUMP_JOIN_SECONDS
+        for pump in self._pumps:
+            pump.join(max(0.0, deadline - time.monotonic()))
+
+    def close(self, grace: float = TERMINATE_GRACE_SECONDS) -> None:
+        """Stop what still runs and finish streaming output; nothing outlives this call."""
+        self.terminate(grace=grace)
+        self._join_pumps()
+
+    def __enter__(self) -> "RankProcesses":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
