@@ -153,3 +153,15 @@ def test_ranks_die_when_the_launcher_is_killed(script, tmp_path):
         for p in pid_files:
             if p.exists() and p.read_text() and is_alive(int(p.read_text())):
                 os.kill(int(p.read_text()), signal.SIGKILL)
+
+
+def test_verbose_logs_what_is_started(script):
+    """--verbose names the rendezvous address and each rank's pid and command."""
+    path = script("print('ok')\n")
+    done = launch(["--verbose", "-np", "2", sys.executable, path])
+    assert done.returncode == 0, done.stderr
+    messages = launcher_messages(done.stderr)
+    assert any(m.startswith("spark-hvd-run: rendezvous server listening on 127.0.0.1:") for m in messages)
+    for rank in (0, 1):
+        assert any(m.startswith(f"spark-hvd-run: started rank {rank} (pid ") and m.endswith(path)
+                   for m in messages)
