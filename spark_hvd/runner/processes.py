@@ -52,6 +52,8 @@ TERMINATE_GRACE_SECONDS = 3.0
 # holds them; do not let such a straggler hold up the launcher.
 _PUMP_JOIN_SECONDS = 2.0
 
+_MAX_LINE_BYTES = 1 << 16
+
 _print_lock = threading.Lock()
 
 
@@ -201,21 +203,27 @@ class RankProcesses:
         """
         if rank in self._procs:
             raise ValueError(f"rank {rank} was already started; expected each rank to be spawned once")
-        proc = subprocess.Popen(
-            list(argv),
-            env=dict(env),
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            preexec_fn=_die_with_parent(os.getpid()),
-        )
+        files = self._open_output_files(rank)
+        try:
+            proc = subprocess.Popen(
+                list(argv),
+                env=dict(env),
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                preexec_fn=_die_with_parent(os.getpid()),
+            )
+        except BaseException:
+            for file in files.values():
+                if file is not None:
+                    file.close()
+            raise
         with self._lock:
             self._procs[rank] = proc
             self._exited[rank] = threading.Event()
             self._tails[rank] = collections.deque(maxlen=self._tail_lines)
-        files = self._open_output_files(rank)
         assert proc.stdout is not None and proc.stderr is not None
         for stream, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
             pump = threading.Thread(
@@ -239,7 +247,8 @@ class RankProcesses:
     def _pump(self, rank: int, stream: str, pipe: IO[bytes], file: Optional[IO[bytes]]) -> None:
         sink = self._sink
         try:
-            for raw in iter(pipe.readline, b""):
+            # Bounded reads: a rank that never ends a line must not grow our memory without limit.
+            for raw in iter(lambda: pipe.readline(_MAX_LINE_BYTES), b""):
                 if file is not None:
                     file.write(raw if raw.endswith(b"\n") else raw + b"\n")
                 line = raw.decode("utf-8", "replace").rstrip("\r\n")
