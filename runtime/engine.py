@@ -1,0 +1,604 @@
+"""The background engine: one thread per process that negotiates requests and runs collectives.
+
+Callers enqueue named requests and get handles. The engine thread announces them to the
+coordinator (rank 0), receives the agreed, ordered list of responses, and executes each one over
+the transport: fused allreduces through one reusable buffer, the other collectives directly on
+the callers' arrays. A lone request is announced the moment it arrives; nothing waits for a timer
+unless a cycle time is configured.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import pickle
+import select
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import algorithms as alg
+from .errors import CollectiveError, RankMismatchError
+from .negotiation import Coordinator, Meta, WorkerSignatures
+from .ops import ReduceOp, average_inplace, reduce_into, scale_inplace, storage_dtype
+from .timeline import MEMCPY_IN, MEMCPY_OUT, NEGOTIATE, REDUCE, COMMUNICATE, QUEUE, Timeline
+from .transport import Transport
+from .wire import FrameReader
+
+__all__ = ["Handle", "Entry", "Engine"]
+
+log = logging.getLogger("spark_hvd.engine")
+
+# Control frame types (first byte).
+REQUESTS = b"R"
+RESPONSES = b"S"
+ABORT = b"A"
+BYE = b"X"
+
+
+class Handle:
+    """An asynchronous operation's handle: ``done()`` polls, ``wait()`` blocks for the result."""
+
+    __slots__ = ("name", "_event", "_results", "_remaining", "_error", "_single", "_lock")
+
+    def __init__(self, name: str, parts: int = 1, single: bool = True) -> None:
+        self.name = name
+        self._event = threading.Event()
+        self._results: List[Any] = [None] * parts
+        self._remaining = parts
+        self._error: Optional[BaseException] = None
+        self._single = single
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def _set(self, index: int, value: Any) -> None:
+        with self._lock:
+            self._results[index] = value
+            self._remaining -= 1
+            finished = self._remaining <= 0
+        if finished:
+            self._event.set()
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        self._event.set()
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        if not self._event.wait(timeout):
+            raise TimeoutError(
+                f"operation {self.name!r} did not complete within {timeout} s; other ranks may not have "
+                "submitted it yet (the stall warning names them)"
+            )
+        if self._error is not None:
+            error = copy.copy(self._error)
+            raise error.with_traceback(None)
+        return self._results[0] if self._single else list(self._results)
+
+
+class Entry:
+    """One local request: its name, metadata, arrays and where its result goes."""
+
+    __slots__ = ("name", "meta", "array", "out", "handle", "index", "submitted", "responded")
+
+    def __init__(self, name: str, meta: Meta, array: Optional[np.ndarray], out: Optional[np.ndarray],
+                 handle: Handle, index: int = 0) -> None:
+        self.name = name
+        self.meta = meta
+        self.array = array
+        self.out = out
+        self.handle = handle
+        self.index = index
+        self.submitted = 0.0
+        self.responded = 0.0
+
+
+class Engine:
+    """Negotiates and executes this rank's requests on a background thread."""
+
+    def __init__(self, world: Any, config: Any) -> None:
+        self.world = world
+        self.rank = world.rank
+        self.size = world.size
+        self.config = config
+        self._queue: Deque[Entry] = deque()
+        self._local: Dict[Tuple[int, str], Entry] = {}
+        self._failure: Optional[CollectiveError] = None
+        self._stopping = False
+        self._left: Dict[int, str] = {}
+        self._fusion: Optional[np.ndarray] = None
+        self._timeline: Optional[Timeline] = None
+        self._timeline_lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._wake_pending = False
+        self.transports: Dict[int, Transport] = {0: world.transport}
+        self.process_sets: Dict[int, Tuple[int, ...]] = {0: tuple(range(self.size))}
+        world.transport.check = self._check_while_waiting
+        self._last_liveness = 0.0
+        self.coordinator: Optional[Coordinator] = None
+        self._signatures = WorkerSignatures()
+        if self.rank == 0:
+            self.coordinator = Coordinator(self.size, config.cache_capacity, config.fusion_threshold,
+                                           config.stall_check_seconds, config.stall_shutdown_seconds)
+        self._readers: Dict[int, FrameReader] = {peer: FrameReader(sock) for peer, sock in world.control.items()}
+        if config.timeline and self.rank == 0:
+            self.start_timeline(config.timeline, config.timeline_mark_cycles)
+        self._thread = threading.Thread(target=self._run, name="spark-hvd-engine", daemon=True)
+        self._thread.start()
+
+    # -- caller side ------------------------------------------------------------------------------
+    def submit(self, entries: Sequence[Entry]) -> None:
+        if self._failure is not None:
+            raise copy.copy(self._failure)
+        if self._stopping:
+            raise CollectiveError("spark-hvd has been shut down on this rank; call init() again to restart")
+        now = time.perf_counter()
+        for entry in entries:
+            entry.submitted = now
+        self._queue.extend(entries)
+        if not self._wake_pending:
+            self._wake_pending = True
+            try:
+                os.write(self._wake_w, b"w")
+            except OSError:
+                pass
+
+    def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
+        if self.rank != 0:
+            return
+        with self._timeline_lock:
+            if self._timeline is not None:
+                self._timeline.close()
+            self._timeline = Timeline(path, mark_cycles)
+
+    def stop_timeline(self) -> None:
+        with self._timeline_lock:
+            if self._timeline is not None:
+                self._timeline.close()
+                self._timeline = None
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        self.stop_timeline()
+        self._fail_all(CollectiveError("spark-hvd has been shut down on this rank"))
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    @property
+    def failure(self) -> Optional[CollectiveError]:
+        return self._failure
+
+    # -- engine thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._wait_for_work()
+                if self._stopping:
+                    break
+                if self.coordinator is not None:
+                    self._coordinator_cycle()
+                else:
+                    self._worker_cycle()
+        except CollectiveError as exc:
+            self._abort(exc)
+        except BaseException as exc:  # a bug must not leave callers waiting forever
+            log.exception("spark-hvd engine failed")
+            self._abort(CollectiveError(f"the spark-hvd engine on rank {self.rank} failed: {exc!r}"))
+        finally:
+            if self._stopping and self._failure is None:
+                self._say_bye()
+
+    def _wait_for_work(self) -> None:
+        if self._queue or any(r.frames for r in self._readers.values()):
+            timeout = 0.0
+        elif self.coordinator is not None and self.coordinator.ready:
+            timeout = 0.0
+        else:
+            timeout = self._idle_timeout()
+        fds = [self._wake_r] + [r.sock for r in self._readers.values() if not r.closed]
+        try:
+            select.select(fds, [], [], timeout)
+        except (InterruptedError, ValueError, OSError):
+            pass
+        self._wake_pending = False
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _idle_timeout(self) -> Optional[float]:
+        if self.coordinator is None:
+            return None
+        checks = [x for x in (self.config.stall_check_seconds, self.config.stall_shutdown_seconds) if x > 0]
+        return min(1.0, min(checks) / 4.0) if checks and self.coordinator.pending else None
+
+    def _take_new(self) -> List[Entry]:
+        new = []
+        while self._queue:
+            entry = self._queue.popleft()
+            self._local[(entry.meta.ps, entry.name)] = entry
+            new.append(entry)
+        return new
+
+    def _pump(self) -> None:
+        for peer, reader in self._readers.items():
+            if not reader.pump() and peer not in self._left:
+                self._left[peer] = "closed its connection"
+                raise CollectiveError(
+                    f"rank {peer} was lost: its connection closed (the process exited or was killed)",
+                    lost_rank=peer,
+                )
+
+    def _worker_cycle(self) -> None:
+        new = self._take_new()
+        if new:
+            items = [self._signatures.encode(e.name, e.meta) for e in new]
+            self._send(0, REQUESTS + pickle.dumps((self._signatures.seq, items), protocol=5))
+        self._pump()
+        reader = self._readers[0]
+        while reader.frames:
+            frame = reader.frames.popleft()
+            kind = frame[:1]
+            if kind == RESPONSES:
+                responses, defs, evicted, seq, persist = pickle.loads(frame[1:])
+                self._signatures.learn(defs, evicted, seq, persist)
+                arrived = time.perf_counter()
+                for response in responses:
+                    self._execute(response, self._signatures.meta, arrived)
+            elif kind == ABORT:
+                message, lost = pickle.loads(frame[1:])
+                raise CollectiveError(message, lost_rank=lost)
+            elif kind == BYE:
+                self._left[0] = "shut down"
+                raise CollectiveError("rank 0 has shut down; no further collectives are possible", lost_rank=0)
+
+    def _coordinator_cycle(self) -> None:
+        coord = self.coordinator
+        assert coord is not None
+        for entry in self._take_new():
+            coord.submit(0, entry.name, entry.meta)
+        self._pump()
+        for peer, reader in self._readers.items():
+            while reader.frames:
+                frame = reader.frames.popleft()
+                kind = frame[:1]
+                if kind == REQUESTS:
+                    seq, items = pickle.loads(frame[1:])
+                    coord.sigs.ack(peer, seq)
+                    for name, item in items:
+                        if isinstance(item, int):
+                            coord.submit_id(peer, name, item)
+                        else:
+                            coord.submit(peer, name, Meta(*item))
+                elif kind == ABORT:
+                    message, lost = pickle.loads(frame[1:])
+                    raise CollectiveError(message, lost_rank=lost)
+                elif kind == BYE:
+                    self._left[peer] = "shut down"
+                    if coord.pending or self._local:
+                        raise CollectiveError(
+                            f"rank {peer} shut down while operations were pending", lost_rank=peer)
+        if coord.ready and self._cycle_allows():
+            responses, defs, evicted, seq = coord.decide()
+            if responses or defs or evicted:
+                frame = RESPONSES + pickle.dumps((responses, defs, evicted, seq, coord.sigs.persist), protocol=5)
+                for peer in self._readers:
+                    if peer not in self._left:
+                        self._send(peer, frame)
+                arrived = time.perf_counter()
+                if self._timeline is not None:
+                    self._timeline.cycle(arrived * 1e6)
+                for response in responses:
+                    self._execute(response, coord.sigs.lookup, arrived)
+        lines, shutdown = coord.stalled(time.monotonic())
+        if lines:
+            log.warning(
+                "spark-hvd stall: %d operation(s) are waiting for other ranks (check that every rank "
+                "calls the same collectives with the same names):\n  %s", len(lines), "\n  ".join(lines))
+        if shutdown:
+            raise CollectiveError(
+                "stalled operations exceeded SPARK_HVD_STALL_SHUTDOWN_TIME_SECONDS="
+                f"{self.config.stall_shutdown_seconds}: " + "; ".join(lines))
+
+    def _cycle_allows(self) -> bool:
+        """With a cycle time, hold ready requests back until the oldest has waited that long."""
+        if self.config.cycle_time_ms <= 0:
+            return True
+        coord = self.coordinator
+        oldest = min(coord.pending[key].first_seen for key in coord.ready if key in coord.pending) \
+            if any(key in coord.pending for key in coord.ready) else 0.0
+        if time.monotonic() - oldest >= self.config.cycle_time_ms / 1000.0:
+            return True
+        time.sleep(min(self.config.cycle_time_ms / 1000.0, 0.001))
+        return False
+
+    def _send(self, peer: int, frame: bytes) -> None:
+        sock = self.world.control[peer]
+        header = len(frame).to_bytes(8, "big")
+        try:
+            sock.setblocking(True)
+            sock.sendall(header + frame)
+        except OSError as exc:
+            raise CollectiveError(f"rank {peer} was lost: sending to it failed ({exc})", lost_rank=peer) from None
+
+    # -- failure ----------------------------------------------------------------------------------
+    def _check_while_waiting(self) -> None:
+        """Called by the transport while a collective waits: notice aborts and lost peers."""
+        if self._stopping:
+            raise CollectiveError("spark-hvd is shutting down on this rank")
+        self._pump()
+        for peer, reader in self._readers.items():
+            for frame in reader.frames:
+                if frame[:1] == ABORT:
+                    message, lost = pickle.loads(frame[1:])
+                    raise CollectiveError(message, lost_rank=lost)
+                if frame[:1] == BYE:
+                    raise CollectiveError(f"rank {peer} shut down in the middle of a collective", lost_rank=peer)
+        now = time.monotonic()
+        if now - self._last_liveness > 0.2:
+            self._last_liveness = now
+            for peer, channel in self.world.transport.channels.items():
+                alive = getattr(channel, "peer_alive", None)
+                if alive is not None and not alive():
+                    raise CollectiveError(f"rank {peer} was lost: its process is gone", lost_rank=peer)
+
+    def _abort(self, error: CollectiveError) -> None:
+        if self._failure is None:
+            self._failure = error
+        frame = ABORT + pickle.dumps((str(error), error.lost_rank), protocol=5)
+        for peer in list(self._readers):
+            if peer in self._left or peer == error.lost_rank:
+                continue
+            try:
+                self.world.control[peer].settimeout(1.0)
+                self.world.control[peer].sendall(len(frame).to_bytes(8, "big") + frame)
+            except OSError:
+                pass
+        self._fail_all(error)
+
+    def _say_bye(self) -> None:
+        frame = BYE
+        for peer in list(self._readers):
+            if peer in self._left:
+                continue
+            try:
+                self.world.control[peer].settimeout(1.0)
+                self.world.control[peer].sendall(len(frame).to_bytes(8, "big") + frame)
+            except OSError:
+                pass
+
+    def _fail_all(self, error: BaseException) -> None:
+        while self._queue:
+            self._queue.popleft().handle._fail(error)
+        for entry in list(self._local.values()):
+            entry.handle._fail(error)
+        self._local.clear()
+
+    # -- execution --------------------------------------------------------------------------------
+    def _execute(self, response: tuple, resolve: Callable[[int], Meta], arrived: float) -> None:
+        kind, names, ps = response[0], response[1], response[2]
+        if kind == "join":
+            for key in [k for k, e in self._local.items() if e.meta.kind == "join"]:
+                entry = self._local.pop(key)
+                entry.handle._set(entry.index, response[3])
+            return
+        members = self.process_sets.get(ps)
+        if members is None or self.rank not in members:
+            return
+        entries = [self._local.pop((ps, name), None) for name in names]
+        if kind == "error":
+            for entry in entries:
+                if entry is not None:
+                    entry.handle._fail(RankMismatchError(response[3]))
+            return
+        timeline = self._timeline
+        if timeline is not None:
+            for entry in entries:
+                if entry is not None:
+                    timeline.span(entry.name, NEGOTIATE, entry.submitted * 1e6, arrived * 1e6)
+                    timeline.span(entry.name, QUEUE, arrived * 1e6, time.perf_counter() * 1e6)
+        transport = self.transports[ps]
+        try:
+            if kind == "allreduce":
+                self._allreduce(transport, names, entries, [resolve(s) for s in response[3]])
+            elif kind == "reducescatter":
+                for name, entry, sid in zip(names, entries, response[3]):
+                    self._reducescatter(transport, name, entry, resolve(sid))
+            elif kind == "allgather":
+                for name, entry, sids in zip(names, entries, response[3]):
+                    self._allgather(transport, name, entry, [resolve(s) for s in sids])
+            elif kind == "alltoall":
+                for name, entry, sids in zip(names, entries, response[3]):
+                    self._alltoall(transport, name, entry, [resolve(s) for s in sids])
+            elif kind == "broadcast":
+                for name, entry, sid in zip(names, entries, response[3]):
+                    self._broadcast(transport, name, entry, resolve(sid), members)
+            elif kind == "barrier":
+                for entry in entries:
+                    if entry is not None:
+                        entry.handle._set(entry.index, None)
+            elif kind == "add_process_set":
+                new_id = response[4]
+                ranks = tuple(resolve(response[3][0]).extra or ())
+                self._register_process_set(new_id, ranks)
+                for entry in entries:
+                    if entry is not None:
+                        entry.handle._set(entry.index, new_id)
+            else:
+                raise CollectiveError(f"unknown response kind {kind!r}")
+        except CollectiveError:
+            for entry in entries:
+                if entry is not None:
+                    self._local[(ps, entry.name)] = entry  # failed with everything else below
+            raise
+
+    def _register_process_set(self, ps_id: int, ranks: Tuple[int, ...]) -> None:
+        self.process_sets[ps_id] = ranks
+        if self.coordinator is not None:
+            self.coordinator.process_sets[ps_id] = ranks
+        if self.rank in ranks:
+            world = self.world.transport
+            channels = {i: world.channels[r] for i, r in enumerate(ranks) if r != self.rank}
+            self.transports[ps_id] = Transport(ranks.index(self.rank), len(ranks), channels,
+                                               self._check_while_waiting)
+
+    def _span(self, name: str, phase: str, start: float) -> float:
+        now = time.perf_counter()
+        if self._timeline is not None:
+            self._timeline.span(name, phase, start * 1e6, now * 1e6)
+        return now
+
+    def _reducer(self, op: ReduceOp, wire: str) -> Callable[[np.ndarray, np.ndarray], None]:
+        return lambda acc, incoming: reduce_into(acc, incoming, op, wire)
+
+    def _finish_scale(self, buf: np.ndarray, meta: Meta, count: int) -> None:
+        if meta.op == ReduceOp.Average:
+            average_inplace(buf, count, meta.dtype)
+        scale_inplace(buf, meta.postscale, meta.dtype)
+
+    def _allreduce(self, t: Transport, names: Sequence[str], entries: List[Optional[Entry]],
+                   metas: List[Meta]) -> None:
+        meta0 = metas[0]
+        dtype = storage_dtype(meta0.dtype)
+        op = ReduceOp(meta0.op)
+        reducer = self._reducer(op, meta0.dtype)
+        start = time.perf_counter()
+        if len(entries) == 1 and entries[0] is not None and entries[0].out is not None:
+            entry = entries[0]
+            buf = entry.out.reshape(-1)
+            if entry.out is not entry.array:
+                np.copyto(buf, entry.array.reshape(-1))
+            scale_inplace(buf, meta0.prescale, meta0.dtype)
+            t0 = self._span(entry.name, MEMCPY_IN, start)
+            alg.ring_allreduce(t, buf, reducer)
+            t1 = self._span(entry.name, REDUCE, t0)
+            self._finish_scale(buf, meta0, t.size)
+            self._span(entry.name, MEMCPY_OUT, t1)
+            entry.handle._set(entry.index, entry.out)
+            return
+        counts = [int(np.prod(m.shape, dtype=np.int64)) for m in metas]
+        total = sum(counts)
+        fused = self._fusion_view(dtype, total)
+        offsets = alg.offsets(counts)
+        for entry, meta, lo, hi in zip(entries, metas, offsets, offsets[1:]):
+            target = fused[lo:hi]
+            if entry is None:
+                target.fill(0)
+            else:
+                np.copyto(target, entry.array.reshape(-1))
+        scale_inplace(fused, meta0.prescale, meta0.dtype)
+        t0 = time.perf_counter()
+        alg.ring_allreduce(t, fused, reducer)
+        t1 = time.perf_counter()
+        self._finish_scale(fused, meta0, t.size)
+        for entry, meta, lo, hi in zip(entries, metas, offsets, offsets[1:]):
+            if entry is None:
+                continue
+            out = entry.out if entry.out is not None else np.empty(meta.shape, dtype=dtype)
+            np.copyto(out.reshape(-1), fused[lo:hi])
+            entry.handle._set(entry.index, out)
+        t2 = time.perf_counter()
+        if self._timeline is not None:
+            for name in names:
+                self._timeline.span(name, MEMCPY_IN, start * 1e6, t0 * 1e6, {"fused": len(names)})
+                self._timeline.span(name, REDUCE, t0 * 1e6, t1 * 1e6)
+                self._timeline.span(name, MEMCPY_OUT, t1 * 1e6, t2 * 1e6)
+
+    def _fusion_view(self, dtype: np.dtype, count: int) -> np.ndarray:
+        nbytes = count * dtype.itemsize
+        if self._fusion is None or self._fusion.nbytes < nbytes:
+            self._fusion = np.empty(max(nbytes, min(self.config.fusion_threshold, 1 << 20)), dtype=np.uint8)
+        return self._fusion[:nbytes].view(dtype)
+
+    def _reducescatter(self, t: Transport, name: str, entry: Optional[Entry], meta: Meta) -> None:
+        dtype = storage_dtype(meta.dtype)
+        rows = meta.shape[0] if meta.shape else 1
+        row = int(np.prod(meta.shape[1:], dtype=np.int64)) if meta.shape else 1
+        row_counts = alg.split_counts(rows, t.size)
+        counts = [c * row for c in row_counts]
+        start = time.perf_counter()
+        work = np.empty(sum(counts), dtype=dtype)
+        if entry is None:
+            work.fill(0)
+        else:
+            np.copyto(work, entry.array.reshape(-1))
+        scale_inplace(work, meta.prescale, meta.dtype)
+        t0 = self._span(name, MEMCPY_IN, start)
+        alg.ring_reducescatter(t, work, counts, self._reducer(ReduceOp(meta.op), meta.dtype))
+        t1 = self._span(name, REDUCE, t0)
+        lo = sum(counts[:t.rank])
+        mine = work[lo:lo + counts[t.rank]]
+        self._finish_scale(mine, meta, t.size)
+        if entry is not None:
+            result = mine.reshape((row_counts[t.rank],) + tuple(meta.shape[1:]))
+            self._span(name, MEMCPY_OUT, t1)
+            entry.handle._set(entry.index, result)
+
+    def _allgather(self, t: Transport, name: str, entry: Optional[Entry], metas: List[Meta]) -> None:
+        dtype = storage_dtype(metas[0].dtype)
+        trailing = tuple(metas[0].shape[1:])
+        row = int(np.prod(trailing, dtype=np.int64)) if trailing else 1
+        first = [m.shape[0] if m.shape else 1 for m in metas]
+        counts = [d * row for d in first]
+        out = np.empty((sum(first),) + trailing, dtype=dtype)
+        flat = out.reshape(-1)
+        lo = sum(counts[:t.rank])
+        start = time.perf_counter()
+        if entry is not None and counts[t.rank]:
+            np.copyto(flat[lo:lo + counts[t.rank]], entry.array.reshape(-1))
+        t0 = self._span(name, MEMCPY_IN, start)
+        alg.ring_allgather(t, flat, counts)
+        self._span(name, COMMUNICATE, t0)
+        if entry is not None:
+            if not metas[t.rank].shape:
+                out = out.reshape(-1)
+            entry.handle._set(entry.index, out)
+
+    def _broadcast(self, t: Transport, name: str, entry: Optional[Entry], meta: Meta,
+                   members: Tuple[int, ...]) -> None:
+        dtype = storage_dtype(meta.dtype)
+        root = members.index(meta.root)
+        if entry is None:
+            buf = np.empty(meta.shape, dtype=dtype)
+        else:
+            buf = entry.out if entry.out is not None else np.empty(meta.shape, dtype=dtype)
+            if t.rank == root and buf is not entry.array:
+                np.copyto(buf, entry.array)
+        start = time.perf_counter()
+        alg.chain_broadcast(t, buf.reshape(-1), root, self.config.chunk_bytes)
+        self._span(name, COMMUNICATE, start)
+        if entry is not None:
+            entry.handle._set(entry.index, buf)
+
+    def _alltoall(self, t: Transport, name: str, entry: Optional[Entry], metas: List[Meta]) -> None:
+        dtype = storage_dtype(metas[0].dtype)
+        trailing = tuple(metas[0].shape[1:])
+        row = int(np.prod(trailing, dtype=np.int64)) if trailing else 1
+        me = t.rank
+        send_splits = list(metas[me].extra or ())
+        recv_splits = [int((m.extra or ())[me]) for m in metas]
+        out = np.empty((sum(recv_splits),) + trailing, dtype=dtype)
+        send = entry.array if entry is not None else np.empty((0,) + trailing, dtype=dtype)
+        start = time.perf_counter()
+        alg.pairwise_alltoall(t, np.ascontiguousarray(send).reshape(-1), [s * row for s in send_splits],
+                              out.reshape(-1), [s * row for s in recv_splits])
+        self._span(name, COMMUNICATE, start)
+        if entry is not None:
+            entry.handle._set(entry.index, (out, np.asarray(recv_splits, dtype=np.int64)))
