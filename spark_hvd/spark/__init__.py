@@ -1,1 +1,2 @@
 """placeholder"""
+from .runner import RankFailedError, run

@@ -1,0 +1,235 @@
+"""The body of one barrier task of ``spark_hvd.spark.run``: place the rank, start its process, report.
+
+Every task learns the hosts of all tasks through one ``BarrierTaskContext.allGather``; partition
+0 also publishes the address of the rendezvous server it starts. Ranks are numbered host by host
+(partition 0 is always rank 0), so ranks that share a host are neighbours in the ring. The rank's
+``fn`` then runs in a fresh interpreter (``python -m spark_hvd.runner.worker``, managed by
+:class:`spark_hvd.runner.RankProcesses`) whose output is streamed to the driver line by line; a
+failed rank fails the task, which makes Spark abort the whole stage and kill the other tasks
+(and, with them, their rank processes).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+from spark_hvd.runner.payload import FUNCTION_FILE, read_sealed, result_file, write_sealed
+from spark_hvd.runner.processes import RankProcesses, print_prefixed, rank_environment
+
+from ._log_stream import LogSender
+
+__all__ = ["TaskSpec", "Placement", "assign_ranks", "failure_summary", "run_task"]
+
+FAILURE_MARKER = "spark-hvd rank"
+"""Start of the message of the exception a failed task raises; the driver looks for it."""
+
+_OUTPUT_TAIL_LINES = 100
+_SENDER_CONNECT_TIMEOUT_S = 10.0
+_EXIT_GRACE_S = 30.0
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """Everything a task needs, as plain values: it travels to the executors in the closure."""
+
+    num_proc: int
+    """Number of ranks (barrier tasks) of the job."""
+    payload: bytes
+    """cloudpickle of ``(fn, args, kwargs)``; only the rank process unpickles it."""
+    driver_sys_path: Tuple[str, ...]
+    """The driver's sys.path, appended to the task's for the rank process."""
+    secret: str
+    """The job secret (hex), made on the driver."""
+    collector_address: str
+    """host:port of the driver's log collector."""
+    settings: Mapping[str, Any]
+    """Runtime settings passed to every rank through ``worker_environment``."""
+    env: Mapping[str, str]
+    """The caller's extra environment variables for every rank."""
+    use_gpu: Optional[bool]
+    """True: set CUDA_VISIBLE_DEVICES (Spark's GPU, else local_rank); None: only from Spark's GPU."""
+    verbose: int
+    """0 drops rank output (failures still reach the driver); 1 and up streams it to the driver."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one partition's rank sits in the job."""
+
+    rank: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+
+
+def assign_ranks(hosts: Sequence[str]) -> List[Placement]:
+    """Placements of partitions ``0..n-1`` running on ``hosts[i]``, ranks grouped host by host.
+
+    Hosts are ordered by their first partition, so partition 0 is rank 0. ``cross_rank`` and
+    ``cross_size`` follow Horovod: the index among, and the number of, ranks with the same
+    ``local_rank``.
+    """
+    order: Dict[str, List[int]] = {}
+    for partition, host in enumerate(hosts):
+        order.setdefault(host, []).append(partition)
+    rank_of: Dict[int, int] = {}
+    local: Dict[int, Tuple[int, int]] = {}
+    for partitions in order.values():
+        for local_rank, partition in enumerate(partitions):
+            rank_of[partition] = len(rank_of)
+            local[partition] = (local_rank, len(partitions))
+    placements = []
+    for partition in range(len(hosts)):
+        local_rank, local_size = local[partition]
+        same_local = sorted(rank_of[p] for p in range(len(hosts)) if local[p][0] == local_rank)
+        placements.append(Placement(
+            rank=rank_of[partition], local_rank=local_rank, local_size=local_size,
+            cross_rank=same_local.index(rank_of[partition]), cross_size=len(same_local),
+        ))
+    return placements
+
+
+def _host_of(address: str) -> str:
+    host = address.rpartition(":")[0] if ":" in address else address
+    return host.strip("[]") or "127.0.0.1"
+
+
+def failure_summary(rank: int, details: Mapping[str, Any]) -> str:
+    """The message of the exception a failed task raises (and the driver parses as a fallback)."""
+    text = f"{FAILURE_MARKER} {rank} failed: {details.get('type') or 'Died'}: {details.get('message', '')}"
+    trace = details.get("traceback") or ""
+    if trace:
+        text += "\n" + trace.rstrip()
+    return text
+
+
+def _write_call(workdir: str, spec: TaskSpec) -> None:
+    """Leave the pickled call where ``spark_hvd.runner.worker`` reads it, sealed with the secret."""
+    # The task's sys.path holds what Spark shipped here (--py-files, ...); the driver's adds the
+    # modules that functions pickled by reference come from, which on a local master are here too.
+    paths = [p for p in sys.path if isinstance(p, str)]
+    paths += [p for p in spec.driver_sys_path if p not in paths]
+    call = {"sys_path": paths, "call": spec.payload}
+    write_sealed(os.path.join(workdir, FUNCTION_FILE), spec.secret, pickle.dumps(call))
+
+
+def _gpu_devices(context: Any, use_gpu: Optional[bool], local_rank: int) -> Optional[str]:
+    if use_gpu is False:
+        return None
+    try:
+        resource = context.resources().get("gpu")
+    except Exception:  # resources() is missing on very old Spark versions
+        resource = None
+    if resource is not None and resource.addresses:
+        return ",".join(resource.addresses)
+    return str(local_rank) if use_gpu else None
+
+
+def _run_rank(spec: TaskSpec, placement: Placement, env: Dict[str, str],
+              sender: LogSender) -> Tuple[bool, bytes, Dict[str, Any]]:
+    """Run the rank's process to the end: (ok, sealed result bytes, failure details)."""
+    rank = placement.rank
+
+    def sink(rank: int, stream: str, line: str) -> None:
+        if spec.verbose > 0 and not sender.line(stream, line):
+            # Undeliverable to the driver: keep it in this executor's log instead.
+            print_prefixed(rank, stream, line)
+
+    workdir = tempfile.mkdtemp(prefix=f"spark-hvd-rank{rank}-")  # mode 0700: private to us
+    processes = RankProcesses(sink=sink, tail_lines=_OUTPUT_TAIL_LINES)
+    try:
+        _write_call(workdir, spec)
+        processes.spawn(rank, [sys.executable, "-m", "spark_hvd.runner.worker", workdir], env)
+        result_path = os.path.join(workdir, result_file(rank))
+        returned_at: Optional[float] = None
+        while True:
+            # fn runs as long as it needs; what ends a hung rank is Spark killing this task when
+            # the stage aborts, and the rank process dies with this one.
+            try:
+                failure = processes.wait(timeout=1.0)
+                break
+            except TimeoutError:
+                pass
+            if returned_at is None and os.path.exists(result_path):
+                returned_at = time.monotonic()
+            if returned_at is not None and time.monotonic() - returned_at > _EXIT_GRACE_S:
+                failure = None  # fn returned but the interpreter does not exit: keep the result
+                break
+        processes.close()
+        tail = "\n".join(processes.tail(rank))
+        if os.path.exists(result_path):
+            sealed = read_sealed(result_path, spec.secret)
+            if failure is None:
+                return True, sealed, {}
+            status, details = pickle.loads(sealed)
+            if status == "error":
+                exc = details.get("exception")
+                return False, b"", {
+                    "type": details.get("type", "Exception"), "message": details.get("message", ""),
+                    "traceback": details.get("traceback", ""), "output_tail": tail,
+                    "exception": base64.b64encode(exc).decode() if exc else None,
+                }
+        how = failure.describe() if failure is not None else f"rank {rank} exited with code 0"
+        return False, b"", {
+            "type": None, "message": f"{how} before returning a result", "traceback": "", "output_tail": tail,
+        }
+    finally:
+        processes.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run_task(spec: TaskSpec, _partition: Iterable[Any]) -> Iterator[Tuple[int, bytes, bool]]:
+    """mapPartitions function of the barrier stage: yields ``(rank, pickled result, streamed)``."""
+    from pyspark import BarrierTaskContext
+    from spark_hvd.runtime.rendezvous import RendezvousServer
+
+    context = BarrierTaskContext.get()
+    partition = context.partitionId()
+    host = _host_of(context.getTaskInfos()[partition].address)
+    server: Optional[RendezvousServer] = None
+    sender: Optional[LogSender] = None
+    try:
+        if partition == 0:
+            server = RendezvousServer(host, spec.secret)
+        mine = {"host": host, "rendezvous": server.address if server else None}
+        everyone = [json.loads(m) for m in context.allGather(json.dumps(mine))]
+        placement = assign_ranks([m["host"] for m in everyone])[partition]
+        rendezvous_addr = everyone[0]["rendezvous"]
+        rank = placement.rank
+
+        sender = LogSender(spec.collector_address, spec.secret, rank, _SENDER_CONNECT_TIMEOUT_S)
+        if not sender.connected:
+            sys.stderr.write(f"spark-hvd: rank {rank} output stays in this executor's log: {sender.problem}\n")
+        extra = dict(spec.env)
+        gpus = _gpu_devices(context, spec.use_gpu, placement.local_rank)
+        if gpus is not None:
+            extra.setdefault("CUDA_VISIBLE_DEVICES", gpus)
+        env = rank_environment(
+            rank=rank, size=spec.num_proc, local_rank=placement.local_rank, local_size=placement.local_size,
+            cross_rank=placement.cross_rank, cross_size=placement.cross_size, rendezvous_addr=rendezvous_addr,
+            secret=spec.secret, hostname=host, settings=spec.settings, extra=extra,
+        )
+        ok, outcome, details = _run_rank(spec, placement, env, sender)
+        if not ok:
+            sender.failure(details)
+            raise RuntimeError(failure_summary(rank, details))
+        streamed = sender.connected
+        sender.close()
+        # Partition 0 serves the rendezvous until every rank is done with it.
+        context.barrier()
+        yield rank, outcome, streamed
+    finally:
+        if sender is not None:
+            sender.close()
+        if server is not None:
+            server.close()

@@ -1,0 +1,219 @@
+"""spark_hvd.spark.run(): one barrier stage of ranks on a shared local[2] session."""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import time
+from typing import Any, Dict, Iterator
+
+import pytest
+
+from spark_hvd.runner.errors import RankFailedError
+from spark_hvd.spark import _task, runner
+from spark_hvd.spark.runner import run
+
+CONTRACT = (
+    "SPARK_HVD_RANK", "SPARK_HVD_SIZE", "SPARK_HVD_LOCAL_RANK", "SPARK_HVD_LOCAL_SIZE",
+    "SPARK_HVD_CROSS_RANK", "SPARK_HVD_CROSS_SIZE", "SPARK_HVD_RENDEZVOUS_ADDR", "SPARK_HVD_SECRET",
+    "SPARK_HVD_HOSTNAME", "SPARK_HVD_START_TIMEOUT", "HOROVOD_RANK", "EXTRA_FOR_TEST",
+)
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[Any]:
+    """One local[2] session for the module, bound to loopback, with a fail-fast barrier slot check."""
+    from pyspark.sql import SparkSession
+
+    saved = {k: os.environ.get(k) for k in ("SPARK_LOCAL_IP", "PYSPARK_PYTHON")}
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("spark-hvd-test-run")
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures", "1")
+        .config("spark.scheduler.barrier.maxConcurrentTasksCheck.interval", "1s")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def _is_alive(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie waiting to be reaped counts as gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+# -- Pure checks: placement, slot and Python checks, error translation -------------------------
+
+
+@pytest.mark.parametrize("hosts, expected", [
+    (["a"], [(0, 0, 1, 0, 1)]),
+    (["a", "a"], [(0, 0, 2, 0, 1), (1, 1, 2, 0, 1)]),
+    # Ranks are grouped by host in order of first appearance; partition 0 stays rank 0.
+    (["a", "b", "a", "b"], [(0, 0, 2, 0, 2), (2, 0, 2, 1, 2), (1, 1, 2, 0, 2), (3, 1, 2, 1, 2)]),
+    # Uneven hosts: cross_* count the ranks with the same local_rank (Horovod's definition).
+    (["a", "a", "b"], [(0, 0, 2, 0, 2), (1, 1, 2, 0, 1), (2, 0, 1, 1, 2)]),
+])
+def test_assign_ranks_groups_ranks_by_host(hosts, expected):
+    """Each partition gets (rank, local_rank, local_size, cross_rank, cross_size) as Horovod defines them."""
+    placements = _task.assign_ranks(hosts)
+    assert [(p.rank, p.local_rank, p.local_size, p.cross_rank, p.cross_size) for p in placements] == expected
+
+
+def test_check_slots_names_both_numbers_and_the_setting():
+    """Too few slots raise ValueError naming num_proc, the slot count and what to change."""
+    runner.check_slots(2, 2, "local[2]")
+    with pytest.raises(ValueError, match=r"num_proc=3 but the cluster has 2 task slots.*local\[3\]"):
+        runner.check_slots(3, 2, "local[2]")
+    with pytest.raises(ValueError, match=r"num_proc=5 but the cluster has 4 task slots.*spark\.executor\.cores"):
+        runner.check_slots(5, 4, "spark://127.0.0.1:7077")
+
+
+def test_check_executor_python_names_pyspark_python(tmp_path):
+    """A task Python that cannot import spark_hvd is refused in local mode with advice naming PYSPARK_PYTHON."""
+    fake = tmp_path / "python-without-spark-hvd"
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    fake.chmod(0o755)
+    with pytest.raises(ValueError, match="PYSPARK_PYTHON"):
+        runner.check_executor_python(str(fake), "local[2]", {"PATH": os.defpath})
+    runner.check_executor_python(sys.executable, "local[2]", {"PATH": os.defpath})
+    # Executors of a cluster live elsewhere; the driver cannot probe them.
+    runner.check_executor_python(str(fake), "spark://127.0.0.1:7077", {"PATH": os.defpath})
+
+
+def test_spark_error_text_is_translated_when_no_rank_reported():
+    """Without a reported failure, the rank is read from Spark's message, and a missing package gets advice."""
+    error = runner._rank_error(None, RuntimeError(
+        "Job aborted ... RuntimeError: " + _task.failure_summary(1, {"type": "KeyError", "message": "'x'"})))
+    assert isinstance(error, RankFailedError) and error.rank == 1 and error.exc_type == "KeyError"
+    missing = runner._rank_error(None, RuntimeError("ModuleNotFoundError: No module named 'spark_hvd'"))
+    assert isinstance(missing, ValueError) and "PYSPARK_PYTHON" in str(missing)
+
+
+def test_run_without_a_session_says_how_to_create_one(monkeypatch):
+    """With no active SparkSession, run() raises ValueError naming SparkSession.builder."""
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    monkeypatch.setattr(SparkSession, "getActiveSession", classmethod(lambda cls: None))
+    monkeypatch.setattr(SparkContext, "_active_spark_context", None)
+    with pytest.raises(ValueError, match=r"needs an active SparkSession.*SparkSession\.builder"):
+        run(lambda: 0, num_proc=1)
+
+
+# -- Jobs on the shared session ----------------------------------------------------------------
+
+
+def _report_contract(tag: str) -> Dict[str, Any]:
+    from spark_hvd.runtime import config
+
+    env = config.environ_snapshot()
+    return {"tag": tag, "pid": os.getpid(), **{key: env.get(key) for key in CONTRACT}}
+
+
+def test_results_come_back_in_rank_order_with_the_worker_contract(spark):
+    """Every rank returns what it saw; results are in rank order and the env contract is complete."""
+    results = run(_report_contract, args=("hi",), num_proc=2, start_timeout=42, env={"EXTRA_FOR_TEST": "yes"},
+                  use_gpu=False, verbose=0)
+    assert [r["SPARK_HVD_RANK"] for r in results] == ["0", "1"]
+    assert [r["HOROVOD_RANK"] for r in results] == ["0", "1"]
+    for rank, seen in enumerate(results):
+        assert seen["tag"] == "hi"
+        assert seen["SPARK_HVD_SIZE"] == "2"
+        assert (seen["SPARK_HVD_LOCAL_RANK"], seen["SPARK_HVD_LOCAL_SIZE"]) == (str(rank), "2")
+        assert (seen["SPARK_HVD_CROSS_RANK"], seen["SPARK_HVD_CROSS_SIZE"]) == ("0", "1")
+        assert seen["SPARK_HVD_HOSTNAME"] == "127.0.0.1"
+        assert seen["SPARK_HVD_START_TIMEOUT"] == "42"
+        assert seen["EXTRA_FOR_TEST"] == "yes"
+        assert len(seen["SPARK_HVD_SECRET"]) == 64
+    # One rendezvous server and one secret for the whole job; a fresh process per rank.
+    assert results[0]["SPARK_HVD_RENDEZVOUS_ADDR"] == results[1]["SPARK_HVD_RENDEZVOUS_ADDR"]
+    assert results[0]["SPARK_HVD_RENDEZVOUS_ADDR"].startswith("127.0.0.1:")
+    assert results[0]["SPARK_HVD_SECRET"] == results[1]["SPARK_HVD_SECRET"]
+    assert results[0]["pid"] != results[1]["pid"] and os.getpid() not in (results[0]["pid"], results[1]["pid"])
+
+
+def _talk() -> int:
+    from spark_hvd.runtime import config
+
+    rank = config.read_setting("rank")
+    print(f"hello from rank {rank}")
+    print(f"warning from rank {rank}", file=sys.stderr)
+    return rank
+
+
+def test_output_lines_reach_the_driver_with_rank_prefixes(spark, capfd):
+    """Ranks' stdout and stderr lines arrive on the given files as [rank]<stream>:line; verbose=0 prints none."""
+    out, err = io.StringIO(), io.StringIO()
+    assert run(_talk, use_gpu=False, stdout=out, stderr=err) == [0, 1]  # num_proc defaults to 2 slots
+    assert sorted(out.getvalue().splitlines()) == ["[0]<stdout>:hello from rank 0", "[1]<stdout>:hello from rank 1"]
+    assert sorted(err.getvalue().splitlines()) == [
+        "[0]<stderr>:warning from rank 0", "[1]<stderr>:warning from rank 1"]
+
+    capfd.readouterr()
+    assert run(_talk, num_proc=2, use_gpu=False, verbose=0) == [0, 1]
+    captured = capfd.readouterr()
+    assert "hello from rank" not in captured.out + captured.err
+
+
+def _fail_on_rank_1(pid_file: str) -> None:
+    from spark_hvd.runtime import config
+
+    if config.read_setting("rank") == 0:
+        with open(pid_file + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(pid_file + ".tmp", pid_file)
+        time.sleep(300)  # only Spark aborting the stage ends this rank
+        return
+    deadline = time.monotonic() + 120
+    while not os.path.exists(pid_file) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    raise ValueError("boom on rank 1")
+
+
+def test_exception_on_rank_1_is_raised_on_the_driver_and_stops_rank_0(spark, tmp_path):
+    """Rank 1's exception surfaces as RankFailedError naming rank 1 and its message; rank 0's process dies."""
+    pid_file = str(tmp_path / "rank0.pid")
+    started = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        run(_fail_on_rank_1, args=(pid_file,), num_proc=2, use_gpu=False, verbose=0)
+    print(f"rank failure reached the driver after {time.monotonic() - started:.1f} s")
+    error = info.value
+    assert error.rank == 1
+    assert error.exc_type == "ValueError"
+    assert "rank 1" in str(error) and "boom on rank 1" in str(error)
+    assert "_fail_on_rank_1" in error.remote_traceback
+    assert isinstance(error.original, ValueError) and str(error.original) == "boom on rank 1"
+
+    rank0_pid = int(open(pid_file).read())
+    deadline = time.monotonic() + 60
+    while _is_alive(rank0_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    print(f"rank 0's process was gone {time.monotonic() - started:.1f} s after the call began")
+    assert not _is_alive(rank0_pid), "rank 0's process outlived the failed job"
+
+
+def test_more_ranks_than_slots_fail_fast_naming_both_numbers(spark):
+    """num_proc=3 on local[2] raises ValueError with both numbers before any stage is submitted."""
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"num_proc=3 but the cluster has 2 task slots") as info:
+        run(_talk, num_proc=3, use_gpu=False)
+    print(f"too-few-slots error after {time.monotonic() - started:.3f} s: {info.value}")
+    assert "local[3]" in str(info.value)
