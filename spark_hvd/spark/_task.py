@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from spark_hvd.runner.payload import FUNCTION_FILE, read_sealed, result_file, write_sealed
-from spark_hvd.runner.processes import RankProcesses, print_prefixed, rank_environment
+from spark_hvd.runner.processes import RankExit, RankProcesses, print_prefixed, rank_environment
 
 from ._log_stream import LogSender
 
@@ -135,6 +135,32 @@ def _gpu_devices(context: Any, use_gpu: Optional[bool], local_rank: int) -> Opti
     return str(local_rank) if use_gpu else None
 
 
+def _outcome(rank: int, sealed: Optional[bytes], failure: Optional[RankExit],
+             tail: str) -> Tuple[bool, bytes, Dict[str, Any]]:
+    """(ok, sealed result, failure details) from the rank's result file and how its process ended."""
+    if sealed is not None and failure is None:
+        return True, sealed, {}  # the value stays pickled until it reaches the driver
+    status, details = "missing", {}
+    if sealed is not None:
+        try:
+            status, details = pickle.loads(sealed)
+        except Exception:  # e.g. an "ok" value whose class does not import in this task
+            status = "unreadable"
+    if status == "ok":
+        return True, sealed or b"", {}  # fn returned; only the interpreter's exit went wrong
+    if status == "error":
+        exc = details.get("exception")
+        return False, b"", {
+            "type": details.get("type", "Exception"), "message": details.get("message", ""),
+            "traceback": details.get("traceback", ""), "output_tail": tail,
+            "exception": base64.b64encode(exc).decode() if exc else None,
+        }
+    how = failure.describe() if failure is not None else f"rank {rank} exited with code 0"
+    return False, b"", {
+        "type": None, "message": f"{how} before returning a result", "traceback": "", "output_tail": tail,
+    }
+
+
 def _run_rank(spec: TaskSpec, placement: Placement, env: Dict[str, str],
               sender: LogSender) -> Tuple[bool, bytes, Dict[str, Any]]:
     """Run the rank's process to the end: (ok, sealed result bytes, failure details)."""
@@ -166,23 +192,8 @@ def _run_rank(spec: TaskSpec, placement: Placement, env: Dict[str, str],
                 failure = None  # fn returned but the interpreter does not exit: keep the result
                 break
         processes.close()
-        tail = "\n".join(processes.tail(rank))
-        if os.path.exists(result_path):
-            sealed = read_sealed(result_path, spec.secret)
-            if failure is None:
-                return True, sealed, {}
-            status, details = pickle.loads(sealed)
-            if status == "error":
-                exc = details.get("exception")
-                return False, b"", {
-                    "type": details.get("type", "Exception"), "message": details.get("message", ""),
-                    "traceback": details.get("traceback", ""), "output_tail": tail,
-                    "exception": base64.b64encode(exc).decode() if exc else None,
-                }
-        how = failure.describe() if failure is not None else f"rank {rank} exited with code 0"
-        return False, b"", {
-            "type": None, "message": f"{how} before returning a result", "traceback": "", "output_tail": tail,
-        }
+        sealed = read_sealed(result_path, spec.secret) if os.path.exists(result_path) else None
+        return _outcome(rank, sealed, failure, "\n".join(processes.tail(rank)))
     finally:
         processes.close()
         shutil.rmtree(workdir, ignore_errors=True)

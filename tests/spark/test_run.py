@@ -77,6 +77,31 @@ def test_assign_ranks_groups_ranks_by_host(hosts, expected):
     assert [(p.rank, p.local_rank, p.local_size, p.cross_rank, p.cross_size) for p in placements] == expected
 
 
+class _FakeResource:
+    def __init__(self, addresses):
+        self.addresses = addresses
+
+
+class _FakeContext:
+    def __init__(self, resources):
+        self._resources = resources
+
+    def resources(self):
+        return self._resources
+
+
+@pytest.mark.parametrize("resources, use_gpu, local_rank, expected", [
+    ({"gpu": _FakeResource(["3"])}, None, 1, "3"),      # Spark's assignment wins
+    ({"gpu": _FakeResource(["2", "5"])}, True, 0, "2,5"),
+    ({}, True, 1, "1"),                                 # no assignment: the local rank's GPU
+    ({}, None, 1, None),                                # nothing assigned, nothing asked: untouched
+    ({"gpu": _FakeResource(["3"])}, False, 0, None),    # use_gpu=False leaves CUDA_VISIBLE_DEVICES alone
+])
+def test_gpu_devices_follow_spark_then_local_rank(resources, use_gpu, local_rank, expected):
+    """CUDA_VISIBLE_DEVICES comes from the task's Spark GPU, else local_rank when use_gpu=True."""
+    assert _task._gpu_devices(_FakeContext(resources), use_gpu, local_rank) == expected
+
+
 def test_check_slots_names_both_numbers_and_the_setting():
     """Too few slots raise ValueError naming num_proc, the slot count and what to change."""
     runner.check_slots(2, 2, "local[2]")
@@ -210,6 +235,28 @@ def test_exception_on_rank_1_is_raised_on_the_driver_and_stops_rank_0(spark, tmp
     assert not _is_alive(rank0_pid), "rank 0's process outlived the failed job"
 
 
+def _crash_on_rank_1() -> int:
+    import signal
+
+    from spark_hvd.runtime import config
+
+    rank = config.read_setting("rank")
+    if rank == 1:
+        print("rank 1 about to crash", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return rank
+
+
+def test_a_crashed_rank_process_is_reported_with_its_signal_and_output(spark):
+    """A rank process that dies without raising yields RankFailedError naming the signal and its last output."""
+    with pytest.raises(RankFailedError) as info:
+        run(_crash_on_rank_1, num_proc=2, use_gpu=False, verbose=0)
+    error = info.value
+    assert error.rank == 1 and error.exc_type is None
+    assert "killed by signal SIGKILL" in str(error)
+    assert any("rank 1 about to crash" in line for line in error.output_tail)
+
+
 def test_more_ranks_than_slots_fail_fast_naming_both_numbers(spark):
     """num_proc=3 on local[2] raises ValueError with both numbers before any stage is submitted."""
     started = time.monotonic()
@@ -217,3 +264,19 @@ def test_more_ranks_than_slots_fail_fast_naming_both_numbers(spark):
         run(_talk, num_proc=3, use_gpu=False)
     print(f"too-few-slots error after {time.monotonic() - started:.3f} s: {info.value}")
     assert "local[3]" in str(info.value)
+
+
+def _allreduce_rank_plus_one() -> Any:
+    import numpy as np
+
+    import spark_hvd.runtime as rt
+
+    rt.init()
+    # No shutdown(): returning from fn with the runtime still up must end the rank cleanly too.
+    return rt.allreduce(np.array([rt.rank() + 1.0]), op=rt.Sum)
+
+
+def test_ranks_started_by_run_can_allreduce(spark):
+    """Ranks placed by run() meet at the rendezvous and sum 1 + 2 = 3 on both ranks."""
+    results = run(_allreduce_rank_plus_one, num_proc=2, start_timeout=60, use_gpu=False, verbose=0)
+    assert [r.tolist() for r in results] == [[3.0], [3.0]]
