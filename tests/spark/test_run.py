@@ -24,22 +24,11 @@ CONTRACT = (
 @pytest.fixture(scope="module")
 def spark() -> Iterator[Any]:
     """One local[2] session for the module, bound to loopback, with a fail-fast barrier slot check."""
-    from pyspark.sql import SparkSession
+    from spark_hvd.spark._session import LOCAL_ENVIRONMENT, build_local_session
 
-    saved = {k: os.environ.get(k) for k in ("SPARK_LOCAL_IP", "PYSPARK_PYTHON")}
-    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("spark-hvd-test-run")
-        .config("spark.ui.enabled", "false")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures", "1")
-        .config("spark.scheduler.barrier.maxConcurrentTasksCheck.interval", "1s")
-        .getOrCreate()
-    )
+    saved = {key: os.environ.get(key) for key in LOCAL_ENVIRONMENT}
+    os.environ.update(LOCAL_ENVIRONMENT)
+    session = build_local_session("spark-hvd-test-run", num_cores=2)
     session.sparkContext.setLogLevel("ERROR")
     yield session
     session.stop()
