@@ -15,6 +15,7 @@ import os
 import pickle
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -199,8 +200,14 @@ class _JobGroup:
 # The public verb.
 
 
-def _validate(num_proc: Optional[int], default: int, start_timeout: Optional[float],
-              env: Optional[Mapping[str, str]], verbose: int) -> int:
+def _validate(fn: Any, args: Any, kwargs: Any, num_proc: Optional[int], default: int,
+              start_timeout: Optional[float], env: Optional[Mapping[str, str]], verbose: int) -> int:
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple or list of positional arguments, got {type(args).__name__}")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"kwargs must be a mapping of keyword arguments, got {type(kwargs).__name__}")
     if num_proc is None:
         num_proc = default
     if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
@@ -247,11 +254,12 @@ def run(
     Raises:
         RankFailedError: a rank's ``fn`` raised or its process died; names the rank, the error
             type, its message and the traceback's tail. The other ranks are stopped.
-        ValueError: invalid arguments, no active SparkSession, too few task slots, or executors
+        ValueError: invalid values, no active SparkSession, too few task slots, or executors
             whose Python cannot import spark_hvd.
+        TypeError: ``fn`` is not callable, or ``args``/``kwargs`` are not a sequence/mapping.
     """
     sc = _spark_context()
-    num_proc = _validate(num_proc, int(sc.defaultParallelism), start_timeout, env, verbose)
+    num_proc = _validate(fn, args, kwargs, num_proc, int(sc.defaultParallelism), start_timeout, env, verbose)
     _wait_for_slots(sc, num_proc)
     check_executor_python(str(getattr(sc, "pythonExec", sys.executable)), str(sc.master),
                           config.environ_snapshot())
@@ -263,7 +271,7 @@ def run(
 
     conf = sc.getConf()
     local = str(sc.master).startswith("local")
-    advertised = conf.get("spark.driver.host", None) or ("127.0.0.1" if local else _hostname())
+    advertised = conf.get("spark.driver.host", None) or ("127.0.0.1" if local else socket.gethostname())
     bind = conf.get("spark.driver.bindAddress", None) or advertised
     secret = config.new_secret()
     out = stdout if stdout is not None else sys.stdout
@@ -299,10 +307,3 @@ def run(
     by_rank = {int(rank): blob for rank, blob, _ in rows}
     # Each blob is the rank process's own ("ok", value) outcome, unpickled only here.
     return [cloudpickle.loads(by_rank[rank])[1] for rank in range(num_proc)]
-
-
-def _hostname() -> str:
-    import socket
-
-    return socket.gethostname()
-

@@ -246,6 +246,19 @@ def test_a_crashed_rank_process_is_reported_with_its_signal_and_output(spark):
     assert any("rank 1 about to crash" in line for line in error.output_tail)
 
 
+@pytest.mark.parametrize("call, error, pattern", [
+    (dict(fn=42), TypeError, "fn must be callable"),
+    (dict(fn=_talk, args=5), TypeError, "args must be a tuple or list"),
+    (dict(fn=_talk, num_proc=0), ValueError, "num_proc=0 is invalid"),
+    (dict(fn=_talk, start_timeout=0), ValueError, "start_timeout=0 is invalid"),
+    (dict(fn=_talk, env={"X": 1}), ValueError, r"env\['X'\]=1 is invalid"),
+])
+def test_invalid_arguments_are_refused_before_submitting(spark, call, error, pattern):
+    """Bad arguments raise TypeError/ValueError naming the value, without starting a stage."""
+    with pytest.raises(error, match=pattern):
+        run(**call)
+
+
 def test_more_ranks_than_slots_fail_fast_naming_both_numbers(spark):
     """num_proc=3 on local[2] raises ValueError with both numbers before any stage is submitted."""
     started = time.monotonic()
