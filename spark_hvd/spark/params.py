@@ -1,0 +1,415 @@
+"""Spark ML Params declared once from tables, with generated getters, setters and constructors."""
+
+from __future__ import annotations
+
+import difflib
+import numbers
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type
+
+import numpy as np
+from pyspark.ml.param import Param, Params
+
+__all__ = [
+    "ParamSpec",
+    "params_mixin",
+    "ESTIMATOR_PARAMS",
+    "MODEL_PARAMS",
+    "EstimatorParams",
+    "ModelParams",
+    "Converter",
+    "AnyValue",
+    "ToInt",
+    "ToFloat",
+    "ToBool",
+    "ToString",
+    "ToStringList",
+    "ToFloatList",
+    "ToList",
+    "ToChoice",
+    "ToCallable",
+    "ToValidation",
+    "ToShapes",
+    "ToStore",
+]
+
+
+# ---- type converters ------------------------------------------------------------------------
+# Classes rather than closures: Param objects keep their converter, and Params must pickle with
+# the standard pickle (CrossValidator and ML persistence copy and ship estimators).
+
+
+class Converter:
+    """Checks and normalizes a Param value; raises ValueError naming the Param, value and fix."""
+
+    expected = "a value"
+    example = ""
+
+    def __init__(self) -> None:
+        self.name = "param"
+
+    def bind(self, name: str) -> "Converter":
+        """Attach the Param name used in error messages."""
+        self.name = name
+        return self
+
+    def fail(self, value: Any) -> ValueError:
+        """The error for an invalid ``value``."""
+        fix = f"; pass e.g. {self.name}={self.example}" if self.example else ""
+        return ValueError(f"{self.name}={value!r} is not valid: expected {self.expected}{fix}")
+
+    def __call__(self, value: Any) -> Any:
+        return value
+
+
+class AnyValue(Converter):
+    """Accepts any object (models, optimizers, callables, ...) unchanged."""
+
+    expected = "any object"
+
+
+class ToInt(Converter):
+    """An integer, optionally bounded below; integral floats are accepted, bools are not."""
+
+    def __init__(self, minimum: Optional[int] = None) -> None:
+        super().__init__()
+        self.minimum = minimum
+        self.expected = "an integer" + (f" >= {minimum}" if minimum is not None else "")
+        self.example = str(max(minimum or 0, 1) if minimum is not None else 42)
+
+    def __call__(self, value: Any) -> int:
+        if isinstance(value, bool):
+            raise self.fail(value)
+        if isinstance(value, numbers.Integral):
+            result = int(value)
+        elif isinstance(value, numbers.Real) and float(value).is_integer():
+            result = int(value)
+        else:
+            raise self.fail(value)
+        if self.minimum is not None and result < self.minimum:
+            raise self.fail(value)
+        return result
+
+
+class ToFloat(Converter):
+    """A real number."""
+
+    expected = "a number"
+    example = "0.5"
+
+    def __call__(self, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise self.fail(value)
+        return float(value)
+
+
+class ToBool(Converter):
+    """True or False (numpy booleans included); strings and numbers are refused."""
+
+    expected = "True or False"
+    example = "True"
+
+    def __call__(self, value: Any) -> bool:
+        if isinstance(value, (bool, np.bool_)):
+            return bool(value)
+        raise self.fail(value)
+
+
+class ToString(Converter):
+    """A non-empty string."""
+
+    expected = "a non-empty string"
+    example = "'name'"
+
+    def __call__(self, value: Any) -> str:
+        if not isinstance(value, str) or not value:
+            raise self.fail(value)
+        return value
+
+
+class ToStringList(Converter):
+    """A list of non-empty strings; one string becomes a one-element list."""
+
+    expected = "a list of column names"
+    example = "['features']"
+
+    def __call__(self, value: Any) -> List[str]:
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not items:
+            raise self.fail(value)
+        if not all(isinstance(v, str) and v for v in items):
+            raise self.fail(value)
+        return list(items)
+
+
+class ToFloatList(Converter):
+    """A list of numbers."""
+
+    expected = "a list of numbers"
+    example = "[1.0, 0.5]"
+
+    def __call__(self, value: Any) -> List[float]:
+        if not isinstance(value, (list, tuple)) or not value:
+            raise self.fail(value)
+        if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in value):
+            raise self.fail(value)
+        return [float(v) for v in value]
+
+
+class ToList(Converter):
+    """A list of arbitrary objects (callbacks, metrics); one object becomes a one-element list."""
+
+    expected = "a list"
+    example = "[]"
+
+    def __call__(self, value: Any) -> List[Any]:
+        if isinstance(value, (list, tuple)):
+            return list(value)
+        if isinstance(value, (str, bytes, dict)):
+            raise self.fail(value)
+        return [value]
+
+
+class ToChoice(Converter):
+    """One of a fixed set of strings."""
+
+    def __init__(self, choices: Sequence[str]) -> None:
+        super().__init__()
+        self.choices = tuple(choices)
+        self.expected = "one of " + ", ".join(repr(c) for c in self.choices)
+        self.example = repr(self.choices[0])
+
+    def __call__(self, value: Any) -> str:
+        if value not in self.choices:
+            raise self.fail(value)
+        return str(value)
+
+
+class ToCallable(Converter):
+    """A callable."""
+
+    expected = "a callable (function or object with __call__)"
+
+    def __call__(self, value: Any) -> Any:
+        if not callable(value):
+            raise self.fail(value)
+        return value
+
+
+class ToValidation(Converter):
+    """A fraction in (0, 1) of rows held out, or the name of a 0/1 (or boolean) column."""
+
+    expected = "a fraction strictly between 0 and 1, or the name of a 0/1 column"
+    example = "0.2"
+
+    def __call__(self, value: Any) -> Any:
+        if isinstance(value, str):
+            if not value:
+                raise self.fail(value)
+            return value
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < float(value) < 1.0:
+            raise self.fail(value)
+        return float(value)
+
+
+class ToShapes(Converter):
+    """One shape (list of positive ints, -1 allowed once) per feature column."""
+
+    expected = "a list with one shape (a list of ints) per feature column"
+    example = "[[1, 28, 28]]"
+
+    def __call__(self, value: Any) -> List[List[int]]:
+        if not isinstance(value, (list, tuple)) or not value:
+            raise self.fail(value)
+        shapes: List[List[int]] = []
+        for shape in value:
+            if not isinstance(shape, (list, tuple)) or any(
+                    isinstance(d, bool) or not isinstance(d, numbers.Integral) or (d < 1 and d != -1)
+                    for d in shape) or list(shape).count(-1) > 1:
+                raise self.fail(value)
+            shapes.append([int(d) for d in shape])
+        return shapes
+
+
+class ToStore(Converter):
+    """A Store, or a path/URL turned into one with Store.create."""
+
+    expected = "a spark_hvd.spark.Store or a path/URL"
+    example = "Store.create('/tmp/spark-hvd')"
+
+    def __call__(self, value: Any) -> Any:
+        from spark_hvd.spark.store import Store
+
+        if isinstance(value, Store):
+            return value
+        if isinstance(value, str) and value:
+            return Store.create(value)
+        raise self.fail(value)
+
+
+# ---- declaration table -> mixin ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One Param: its name (also the constructor keyword), doc, default and converter."""
+
+    name: str
+    """Snake-case name; accessors are get/set plus the CamelCase name (batch_size -> getBatchSize)."""
+    doc: str
+    """One line shown by explainParams()."""
+    default: Any
+    """Default value; None means unset."""
+    converter: Converter
+    """Checks and normalizes values given to setters and constructors."""
+    json: bool = True
+    """Whether the value is plain JSON data; the rest (models, callables) must be pickled to persist."""
+
+    @property
+    def camel(self) -> str:
+        """``batch_size`` -> ``BatchSize``."""
+        return "".join(part[:1].upper() + part[1:] for part in self.name.split("_"))
+
+
+def _getter(spec: ParamSpec) -> Callable[[Any], Any]:
+    def get(self: Params) -> Any:
+        return self.getOrDefault(getattr(self, spec.name))
+
+    get.__name__ = get.__qualname__ = "get" + spec.camel
+    get.__doc__ = f"Value of ``{spec.name}``: {spec.doc}"
+    return get
+
+
+def _setter(spec: ParamSpec) -> Callable[[Any, Any], Any]:
+    def set_(self: Params, value: Any) -> Any:
+        return self._set(**{spec.name: value})
+
+    set_.__name__ = set_.__qualname__ = "set" + spec.camel
+    set_.__doc__ = f"Set ``{spec.name}`` ({spec.doc}); returns self for chaining."
+    return set_
+
+
+class _DeclaredParams(Params):
+    """Base of generated mixins: defaults from the table and keyword-only construction."""
+
+    _param_specs: Tuple[ParamSpec, ...] = ()
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        # None defaults are recorded too, so every getter answers (None) instead of raising KeyError.
+        self._setDefault(**{s.name: s.default for s in self.param_specs()})
+        self.setParams(**kwargs)
+
+    @classmethod
+    def param_specs(cls) -> Tuple[ParamSpec, ...]:
+        """Every ParamSpec of this class, from all generated mixins it inherits."""
+        seen: Dict[str, ParamSpec] = {}
+        for klass in reversed(cls.__mro__):
+            for spec in vars(klass).get("_param_specs", ()):
+                seen[spec.name] = spec
+        return tuple(seen.values())
+
+    def setParams(self, **kwargs: Any) -> Any:
+        """Set several Params by keyword; unknown names are refused with the valid ones listed."""
+        known = {s.name for s in self.param_specs()}
+        for key in kwargs:
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ValueError(f"{type(self).__name__} got unknown parameter {key!r}{hint} "
+                                 f"Known parameters: {', '.join(sorted(known))}")
+        return self._set(**kwargs)
+
+    def non_json_params(self) -> Dict[str, Any]:
+        """Values of Params that are not plain JSON (models, optimizers, callables...), set or default."""
+        return {s.name: self.getOrDefault(getattr(self, s.name)) for s in self.param_specs()
+                if not s.json and self.isDefined(getattr(self, s.name))}
+
+
+def params_mixin(name: str, specs: Iterable[ParamSpec], module: str = __name__,
+                 bases: Tuple[Type[Params], ...] = (_DeclaredParams,)) -> Type[_DeclaredParams]:
+    """A Params mixin class with one Param, getter and setter per spec.
+
+    Assign the result to a module-level name equal to ``name`` in ``module``, so instances pickle.
+    """
+    specs = tuple(specs)
+    namespace: Dict[str, Any] = {"_param_specs": specs, "__module__": module,
+                                 "__doc__": f"Params of {name}: " + ", ".join(s.name for s in specs) + "."}
+    for spec in specs:
+        if not spec.name.isidentifier():
+            raise ValueError(f"Param name {spec.name!r} is not an identifier")
+        for attr in (spec.name, "get" + spec.camel, "set" + spec.camel):
+            if attr in namespace:
+                raise ValueError(f"Param {spec.name!r} is declared twice in {name}")
+        spec.converter.bind(spec.name)
+        namespace[spec.name] = Param(Params._dummy(), spec.name, spec.doc, typeConverter=spec.converter)
+        namespace["get" + spec.camel] = _getter(spec)
+        namespace["set" + spec.camel] = _setter(spec)
+    cls = type(name, bases, namespace)
+    cls.__qualname__ = name
+    return cls
+
+
+# ---- the tables -----------------------------------------------------------------------------
+
+ESTIMATOR_PARAMS: Tuple[ParamSpec, ...] = (
+    ParamSpec("num_proc", "Number of training processes, one Spark barrier task each.", None, ToInt(1)),
+    ParamSpec("model", "The model to train (e.g. a torch.nn.Module).", None, AnyValue(), json=False),
+    ParamSpec("optimizer", "Optimizer for the model's parameters.", None, AnyValue(), json=False),
+    ParamSpec("loss", "Loss function, or a list with one per label column.", None, AnyValue(), json=False),
+    ParamSpec("loss_weights", "Weight of each loss when there are several.", None, ToFloatList()),
+    ParamSpec("metrics", "Metric functions evaluated every epoch.", None, ToList(), json=False),
+    ParamSpec("feature_cols", "Input columns of the model.", None, ToStringList()),
+    ParamSpec("label_cols", "Target columns of the model.", None, ToStringList()),
+    ParamSpec("sample_weight_col", "Column of per-row loss weights.", None, ToString()),
+    ParamSpec("validation", "Fraction in (0, 1) of rows held out for validation, or the name of a "
+                            "0/1 column marking validation rows.", None, ToValidation()),
+    ParamSpec("batch_size", "Rows per training step on each process.", 32, ToInt(1)),
+    ParamSpec("val_batch_size", "Rows per validation step on each process (default: batch_size).",
+              None, ToInt(1)),
+    ParamSpec("epochs", "Passes over the training data.", 1, ToInt(1)),
+    ParamSpec("train_steps_per_epoch", "Training steps per epoch (default: rows / (num_proc * "
+                                       "batch_size), rounded up).", None, ToInt(1)),
+    ParamSpec("validation_steps_per_epoch", "Validation steps per epoch (default: validation rows "
+                                            "/ (num_proc * val_batch_size), rounded up).", None, ToInt(1)),
+    ParamSpec("shuffle", "Shuffle row groups and rows every epoch.", True, ToBool()),
+    ParamSpec("random_seed", "Seed for shuffling, the validation split and model initialization.",
+              None, ToInt()),
+    ParamSpec("store", "Where prepared data, checkpoints and logs are kept (a Store or path/URL).",
+              None, ToStore(), json=False),
+    ParamSpec("run_id", "Name of the run in the store; fitting again with the same id resumes it.",
+              None, ToString()),
+    ParamSpec("callbacks", "Callbacks called during training.", None, ToList(), json=False),
+    ParamSpec("gradient_compression", "Compression of gradients for allreduce (e.g. "
+                                      "spark_hvd.torch.Compression.fp16).", None, AnyValue(), json=False),
+    ParamSpec("backward_passes_per_step", "Backward passes accumulated locally per allreduce.", 1, ToInt(1)),
+    ParamSpec("input_shapes", "Shape of each feature column's per-row value (e.g. [[1, 28, 28]]).",
+              None, ToShapes()),
+    ParamSpec("transformation_fn", "Function applied to every batch (dict of arrays) before training.",
+              None, ToCallable(), json=False),
+    ParamSpec("train_minibatch_fn", "Replaces the training step: called with the model, optimizer, "
+                                    "batch and loss function.", None, ToCallable(), json=False),
+    ParamSpec("use_gpu", "Train on a GPU when one is available.", True, ToBool()),
+    ParamSpec("verbose", "Progress reporting: 0 silent, 1 per epoch, 2 per step.", 1, ToInt(0)),
+    ParamSpec("reader", "Parquet reader on the workers: 'builtin' or 'petastorm'.", "builtin",
+              ToChoice(("builtin", "petastorm"))),
+    ParamSpec("scale_lr", "Multiply the optimizer's learning rate by num_proc, as Horovod recommends.",
+              True, ToBool()),
+)
+"""Params of the estimators (TorchEstimator, KerasEstimator)."""
+
+MODEL_PARAMS: Tuple[ParamSpec, ...] = (
+    ParamSpec("model", "The trained model.", None, AnyValue(), json=False),
+    ParamSpec("feature_cols", "Input columns of the model.", None, ToStringList()),
+    ParamSpec("label_cols", "Target columns the model was trained on.", None, ToStringList()),
+    ParamSpec("output_cols", "Prediction columns added by transform(), one per label column "
+                             "(default: '<label>__output').", None, ToStringList()),
+    ParamSpec("input_shapes", "Shape of each feature column's per-row value.", None, ToShapes()),
+    ParamSpec("batch_size", "Rows per inference batch in transform().", 1024, ToInt(1)),
+    ParamSpec("run_id", "Name of the training run in the store.", None, ToString()),
+    ParamSpec("history", "Per-epoch metrics of training: a list of dicts.", None, ToList()),
+)
+"""Params of the fitted models (TorchModel, KerasModel)."""
+
+EstimatorParams = params_mixin("EstimatorParams", ESTIMATOR_PARAMS)
+ModelParams = params_mixin("ModelParams", MODEL_PARAMS)

@@ -1,0 +1,487 @@
+"""Readers that stream a rank's shard of prepared Parquet as shuffled numpy batches."""
+
+from __future__ import annotations
+
+import math
+import posixpath
+import queue
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import (Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union)
+
+import numpy as np
+
+__all__ = [
+    "READER_KINDS",
+    "RowGroup",
+    "ParquetLayout",
+    "scan_parquet",
+    "steps_for",
+    "BatchReader",
+    "make_reader",
+]
+
+READER_KINDS = ("builtin", "petastorm")
+"""Values accepted for ``kind`` by :func:`make_reader`."""
+
+Batch = Dict[str, np.ndarray]
+Chunk = Dict[str, np.ndarray]
+
+_PETASTORM_INSTALL = (
+    'pip install "spark-hvd[petastorm]"  (petastorm 0.12.1 needs pyarrow<15, numpy<2 and, for '
+    "Spark's Arrow features, pyspark 4.0.x: see constraints/petastorm.txt)"
+)
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """One Parquet row group: the unit of sharding between ranks."""
+
+    file: str
+    """Path of the Parquet file, in its filesystem's syntax."""
+    index: int
+    """Index of the row group within the file."""
+    num_rows: int
+    """Rows in the row group."""
+
+
+@dataclass(frozen=True)
+class ParquetLayout:
+    """The Parquet files and row groups of one prepared dataset, in a fixed order."""
+
+    files: Tuple[str, ...]
+    """Data files, sorted by name."""
+    row_groups: Tuple[RowGroup, ...]
+    """Every row group, ordered by file then index: the same order on every rank."""
+    column_names: Tuple[str, ...] = ()
+    """Columns of the first file's schema."""
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in the whole dataset."""
+        return sum(rg.num_rows for rg in self.row_groups)
+
+
+def _filesystem(url: str, storage_options: Optional[Mapping[str, Any]]) -> Tuple[Any, str]:
+    import fsspec.core
+
+    return fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+
+
+def _is_data_file(name: str) -> bool:
+    # Spark leaves _SUCCESS and .crc side files next to the data; neither is Parquet.
+    return not name.startswith(("_", ".")) and not name.endswith(".crc")
+
+
+def scan_parquet(urls: Union[str, Sequence[str]],
+                 storage_options: Optional[Mapping[str, Any]] = None) -> ParquetLayout:
+    """Read the footers of every Parquet file under ``urls`` (directories or files).
+
+    Only metadata is read: no column data.
+    """
+    import pyarrow.parquet as pq
+
+    if isinstance(urls, str):
+        urls = [urls]
+    files: List[str] = []
+    fs = None
+    for url in urls:
+        fs, path = _filesystem(url, storage_options)
+        if fs.isdir(path):
+            found = [p for p in fs.find(path) if _is_data_file(posixpath.basename(p))]
+            files.extend(sorted(found))
+        elif fs.exists(path):
+            files.append(path)
+        else:
+            raise ValueError(f"no Parquet data at {url!r}: the path does not exist; prepare the data "
+                             "first (spark_hvd.spark.prepare_data) or check the store prefix")
+    row_groups: List[RowGroup] = []
+    names: Tuple[str, ...] = ()
+    for file in files:
+        with fs.open(file, "rb") as f:
+            meta = pq.ParquetFile(f).metadata
+            if not names:
+                names = tuple(meta.schema.to_arrow_schema().names)
+            for i in range(meta.num_row_groups):
+                row_groups.append(RowGroup(file, i, meta.row_group(i).num_rows))
+    return ParquetLayout(tuple(files), tuple(row_groups), names)
+
+
+def steps_for(total_rows: int, size: int, batch_size: int) -> int:
+    """Steps per epoch that every rank runs: enough batches that, across ``size`` ranks, the
+    epoch covers ``total_rows`` (ranks whose shard is smaller wrap around it)."""
+    return max(1, math.ceil(total_rows / (size * batch_size)))
+
+
+def _to_numpy(column: Any, shape: Optional[Tuple[int, ...]], name: str) -> np.ndarray:
+    """An Arrow column as an ndarray of ``(rows, *shape)``; list columns become matrices."""
+    import pyarrow as pa
+
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    n = len(column)
+    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type) \
+            or pa.types.is_fixed_size_list(column.type):
+        offsets = np.asarray(column.offsets) if not pa.types.is_fixed_size_list(column.type) else None
+        values = np.asarray(column.flatten().to_numpy(zero_copy_only=False))
+        if offsets is not None and n:
+            lengths = np.diff(offsets)
+            if lengths.min() != lengths.max():
+                raise ValueError(
+                    f"column {name!r} has rows of different lengths ({lengths.min()} to {lengths.max()}): "
+                    "expected one length per column; prepare the data with prepare_data, which checks this")
+        array = values.reshape(n, -1)
+    else:
+        array = np.asarray(column.to_numpy(zero_copy_only=False))
+    if shape is not None:
+        array = array.reshape((n,) + tuple(shape))
+    return array
+
+
+def _from_petastorm(value: np.ndarray, shape: Optional[Tuple[int, ...]]) -> np.ndarray:
+    if value.dtype == object:  # list columns arrive as an array of per-row arrays
+        value = np.stack(list(value)) if len(value) else np.empty((0,), dtype=np.float64)
+    if shape is not None:
+        value = value.reshape((len(value),) + tuple(shape))
+    return value
+
+
+class _ShuffleBuffer:
+    """Bounded shuffle across chunks: rows leave in random order once more than ``capacity``
+    rows have arrived, so memory stays at ``capacity`` rows plus one chunk."""
+
+    def __init__(self, capacity: int, rng: Optional[np.random.Generator]) -> None:
+        self.capacity = capacity
+        self.rng = rng
+        self.rows: Optional[Chunk] = None
+
+    def add(self, chunk: Chunk) -> Optional[Chunk]:
+        if self.rng is None:
+            return chunk
+        rows = chunk if self.rows is None else {k: np.concatenate([self.rows[k], v]) for k, v in chunk.items()}
+        count = len(next(iter(rows.values())))
+        surplus = count - self.capacity
+        if surplus <= 0:
+            self.rows = rows
+            return None
+        order = self.rng.permutation(count)
+        out, keep = order[:surplus], order[surplus:]
+        self.rows = {k: v[keep] for k, v in rows.items()}
+        return {k: v[out] for k, v in rows.items()}
+
+    def drain(self) -> Optional[Chunk]:
+        rows, self.rows = self.rows, None
+        if rows is None or self.rng is None:
+            return rows
+        order = self.rng.permutation(len(next(iter(rows.values()))))
+        return {k: v[order] for k, v in rows.items()}
+
+
+class _Batcher:
+    """Cuts a stream of chunks into batches of exactly ``batch_size`` rows."""
+
+    def __init__(self, batch_size: int) -> None:
+        self.batch_size = batch_size
+        self.pending: List[Chunk] = []
+        self.count = 0
+
+    def push(self, chunk: Optional[Chunk]) -> Iterator[Batch]:
+        if chunk is None:
+            return
+        n = len(next(iter(chunk.values())))
+        if n == 0:
+            return
+        self.pending.append(chunk)
+        self.count += n
+        while self.count >= self.batch_size:
+            joined = {k: np.concatenate([c[k] for c in self.pending]) for k in chunk}
+            yield {k: v[: self.batch_size] for k, v in joined.items()}
+            rest = {k: v[self.batch_size:] for k, v in joined.items()}
+            self.count -= self.batch_size
+            self.pending = [rest] if self.count else []
+
+
+_DONE = object()
+
+
+class _Failure:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class BatchReader:
+    """Batches of one rank's shard, epoch by epoch.
+
+    Every rank of a job gets the same :attr:`steps_per_epoch`, so collective calls made once per
+    step match across ranks. Iterate one epoch with :meth:`iter_epoch`; batches are dicts from
+    column name to an ndarray of shape ``(batch_size, *column_shape)``.
+    """
+
+    def __init__(self, *, source: Callable[[int, int], Iterator[Chunk]], kind: str, rank: int, size: int,
+                 batch_size: int, columns: Sequence[str], total_rows: int, shard_rows: int,
+                 steps_per_epoch: int, shuffle: bool, seed: int, shuffle_buffer_rows: int,
+                 prefetch_batches: int, timeout_s: float) -> None:
+        self._source = source
+        self.kind = kind
+        """Which reader produces the rows: 'builtin' or 'petastorm'."""
+        self.rank = rank
+        self.size = size
+        self.batch_size = batch_size
+        self.columns = tuple(columns)
+        """Columns in every batch."""
+        self.total_rows = total_rows
+        """Rows in the whole dataset, across all ranks' shards."""
+        self.shard_rows = shard_rows
+        """Rows in this rank's shard."""
+        self.steps_per_epoch = steps_per_epoch
+        """Batches :meth:`iter_epoch` yields; equal on every rank."""
+        self.shuffle = shuffle
+        self.seed = seed
+        self.shuffle_buffer_rows = shuffle_buffer_rows
+        self.prefetch_batches = prefetch_batches
+        self.timeout_s = timeout_s
+        self._threads: List[Tuple[threading.Thread, threading.Event]] = []
+
+    def iter_epoch(self, epoch: int) -> Iterator[Batch]:
+        """Exactly :attr:`steps_per_epoch` batches of epoch ``epoch``; a background thread reads
+        ahead up to ``prefetch_batches`` batches. Shuffling is seeded by ``seed`` and ``epoch``."""
+        batches: "queue.Queue[Any]" = queue.Queue(maxsize=self.prefetch_batches)
+        stop = threading.Event()
+        thread = threading.Thread(target=self._produce, args=(epoch, batches, stop),
+                                  name=f"spark-hvd-reader-rank{self.rank}-epoch{epoch}", daemon=True)
+        self._threads.append((thread, stop))
+        thread.start()
+        try:
+            for _ in range(self.steps_per_epoch):
+                item = self._next(batches, thread)
+                if isinstance(item, _Failure):
+                    raise item.error
+                yield item
+        finally:
+            self._stop(thread, stop, batches)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self.iter_epoch(0)
+
+    def _next(self, batches: "queue.Queue[Any]", thread: threading.Thread) -> Any:
+        waited = 0.0
+        while True:
+            try:
+                return batches.get(timeout=0.2)
+            except queue.Empty:
+                waited += 0.2
+                if not thread.is_alive() and batches.empty():
+                    raise RuntimeError(f"the {self.kind} reader thread of rank {self.rank} ended early "
+                                       "without an error; this is a bug")
+                if waited >= self.timeout_s:
+                    raise TimeoutError(
+                        f"rank {self.rank} waited {self.timeout_s:.0f} s for a batch from the {self.kind} "
+                        "reader; the storage may be slow or unreachable; raise timeout_s of make_reader "
+                        "if reads are just slow") from None
+
+    def _produce(self, epoch: int, batches: "queue.Queue[Any]", stop: threading.Event) -> None:
+        def put(item: Any) -> bool:
+            while not stop.is_set():
+                try:
+                    batches.put(item, timeout=0.2)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        try:
+            needed = self.steps_per_epoch
+            rng = np.random.default_rng([self.seed, epoch, self.rank]) if self.shuffle else None
+            buffer = _ShuffleBuffer(self.shuffle_buffer_rows, rng)
+            batcher = _Batcher(self.batch_size)
+            pass_index = 0
+            # A rank whose shard is shorter than steps * batch_size wraps around it: every rank
+            # must run the same number of steps, or a collective would wait for it forever.
+            while needed > 0 and not stop.is_set():
+                rows_seen = 0
+                chunks = self._source(epoch, pass_index)
+                try:
+                    for chunk in chunks:
+                        rows_seen += len(next(iter(chunk.values())))
+                        for batch in batcher.push(buffer.add(chunk)):
+                            if not put(batch):
+                                return
+                            needed -= 1
+                            if needed == 0:
+                                return
+                finally:
+                    close = getattr(chunks, "close", None)
+                    if close is not None:
+                        close()
+                for batch in batcher.push(buffer.drain()):
+                    if not put(batch):
+                        return
+                    needed -= 1
+                    if needed == 0:
+                        return
+                if rows_seen == 0:
+                    raise ValueError(f"rank {self.rank} of {self.size} has no rows to read: the dataset has "
+                                     f"{self.total_rows} rows; prepare it with num_proc={self.size}")
+                pass_index += 1
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            put(_Failure(exc))
+
+    def _stop(self, thread: threading.Thread, stop: threading.Event, batches: "queue.Queue[Any]") -> None:
+        stop.set()
+        while True:  # free a producer blocked on a full queue
+            try:
+                batches.get_nowait()
+            except queue.Empty:
+                break
+        thread.join(timeout=30.0)
+        if (thread, stop) in self._threads:
+            self._threads.remove((thread, stop))
+
+    def close(self) -> None:
+        """Stop any reading thread still running."""
+        for thread, stop in list(self._threads):
+            stop.set()
+            thread.join(timeout=30.0)
+        self._threads.clear()
+
+    def __enter__(self) -> "BatchReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _builtin_source(layout: ParquetLayout, rank: int, size: int, columns: Sequence[str],
+                    shapes: Mapping[str, Tuple[int, ...]], shuffle: bool, seed: int,
+                    storage_options: Optional[Mapping[str, Any]], url: str
+                    ) -> Tuple[Callable[[int, int], Iterator[Chunk]], int]:
+    groups = layout.row_groups
+    shard = [rg for i, rg in enumerate(groups) if i % size == rank]
+    if not shard and groups:
+        # Fewer row groups than ranks: borrow one so this rank still has rows to step through.
+        shard = [groups[rank % len(groups)]]
+    shard_rows = sum(rg.num_rows for rg in shard)
+
+    def read_pass(epoch: int, pass_index: int) -> Iterator[Chunk]:
+        import pyarrow.parquet as pq
+
+        order = list(range(len(shard)))
+        if shuffle:
+            order = list(np.random.default_rng([seed, epoch, rank, pass_index, 1]).permutation(len(shard)))
+        fs, _ = _filesystem(url, storage_options)
+        opened: Dict[str, Tuple[Any, Any]] = {}  # file -> (handle, ParquetFile); footers parsed once
+        try:
+            for j in order:
+                rg = shard[j]
+                if rg.file not in opened:
+                    handle = fs.open(rg.file, "rb")
+                    opened[rg.file] = (handle, pq.ParquetFile(handle))
+                table = opened[rg.file][1].read_row_group(rg.index, columns=list(columns))
+                yield {c: _to_numpy(table.column(c), shapes.get(c), c) for c in columns}
+        finally:
+            for handle, _ in opened.values():
+                handle.close()
+
+    return read_pass, shard_rows
+
+
+def _import_petastorm() -> Any:
+    try:
+        import petastorm  # noqa: F401
+        from petastorm import make_batch_reader
+    except ImportError as exc:
+        raise ImportError(f"the petastorm reader needs petastorm: {_PETASTORM_INSTALL} ({exc})") from exc
+    # petastorm calls pyarrow APIs that pyarrow deprecates; those FutureWarnings, raised from
+    # petastorm's own modules, are noise for users. Errors and other warnings still show.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"petastorm(\..*)?$")
+    return make_batch_reader
+
+
+def _petastorm_source(urls: Sequence[str], layout: ParquetLayout, rank: int, size: int,
+                      columns: Sequence[str], shapes: Mapping[str, Tuple[int, ...]], shuffle: bool,
+                      seed: int, storage_options: Optional[Mapping[str, Any]]
+                      ) -> Tuple[Callable[[int, int], Iterator[Chunk]], int]:
+    make_batch_reader = _import_petastorm()
+    if len(layout.row_groups) < size:
+        raise ValueError(f"the petastorm reader needs at least one row group per rank: the dataset has "
+                         f"{len(layout.row_groups)} row groups for {size} ranks; prepare it with "
+                         f"num_proc={size} or use reader='builtin'")
+    dataset_urls = [u if "://" in u else "file://" + posixpath.abspath(u) for u in urls]
+    shard_rows = sum(rg.num_rows for i, rg in enumerate(layout.row_groups) if i % size == rank)
+
+    def read_pass(epoch: int, pass_index: int) -> Iterator[Chunk]:
+        # petastorm also shuffles the sharding with its seed, so the seed is equal on all ranks.
+        # Its "dummy" pool reads in this (already background) thread, in the seeded order; a
+        # thread pool would hand row groups back in whatever order they finish.
+        reader = make_batch_reader(
+            dataset_urls if len(dataset_urls) > 1 else dataset_urls[0],
+            schema_fields=[f"^{c}$" for c in columns], reader_pool_type="dummy",
+            seed=seed * 1_000_003 + epoch * 1_009 + pass_index if shuffle else None,
+            shuffle_row_groups=shuffle,
+            num_epochs=1, cur_shard=rank, shard_count=size, storage_options=storage_options)
+        try:
+            for batch in reader:
+                row = batch._asdict()
+                yield {c: _from_petastorm(np.asarray(row[c]), shapes.get(c)) for c in columns}
+        finally:
+            reader.stop()
+            reader.join()
+
+    return read_pass, shard_rows
+
+
+def make_reader(kind: str, urls: Union[str, Sequence[str]], *, rank: int, size: int, batch_size: int,
+                feature_cols: Sequence[str], label_cols: Sequence[str] = (),
+                sample_weight_col: Optional[str] = None, shuffle: bool = True, seed: int = 0,
+                shuffle_buffer_rows: int = 10_000, steps_per_epoch: Optional[int] = None,
+                shapes: Optional[Mapping[str, Sequence[int]]] = None,
+                storage_options: Optional[Mapping[str, Any]] = None, prefetch_batches: int = 4,
+                timeout_s: float = 600.0) -> BatchReader:
+    """A reader of rank ``rank``'s shard (of ``size``) of the Parquet at ``urls``.
+
+    ``kind`` is "builtin" (current pyarrow; row group ``i`` goes to rank ``i % size``) or
+    "petastorm" (petastorm's ``make_batch_reader``, same interface). Batches hold
+    ``feature_cols``, ``label_cols`` and ``sample_weight_col``, each reshaped to ``shapes[col]``
+    per row when given (e.g. the shapes recorded by ``prepare_data``). ``steps_per_epoch``
+    defaults to ``ceil(total_rows / (size * batch_size))`` on every rank.
+    """
+    if kind not in READER_KINDS:
+        raise ValueError(f"reader kind={kind!r} is not known: expected one of {READER_KINDS}")
+    if not 0 <= rank < size:
+        raise ValueError(f"rank={rank} is not valid for size={size}: expected 0 <= rank < size")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} is not valid: expected an integer >= 1")
+    if shuffle_buffer_rows < 0:
+        raise ValueError(f"shuffle_buffer_rows={shuffle_buffer_rows} is not valid: expected >= 0")
+    if prefetch_batches < 1:
+        raise ValueError(f"prefetch_batches={prefetch_batches} is not valid: expected >= 1")
+    columns: List[str] = []
+    for c in list(feature_cols) + list(label_cols) + ([sample_weight_col] if sample_weight_col else []):
+        if c not in columns:
+            columns.append(c)
+    if not columns:
+        raise ValueError("make_reader got no columns: pass feature_cols (and label_cols)")
+    url_list = [urls] if isinstance(urls, str) else list(urls)
+    if not url_list:
+        raise ValueError("make_reader got no urls: pass the prepared dataset's train or val path")
+    layout = scan_parquet(url_list, storage_options)
+    missing = [c for c in columns if layout.files and c not in layout.column_names]
+    if missing:
+        raise ValueError(f"columns {missing} are not in the Parquet at {url_list}; available columns: "
+                         f"{', '.join(layout.column_names)}")
+    shape_map = {c: tuple(int(d) for d in s) for c, s in (shapes or {}).items()}
+    if kind == "builtin":
+        source, shard_rows = _builtin_source(layout, rank, size, columns, shape_map, shuffle, seed,
+                                             storage_options, url_list[0])
+    else:
+        source, shard_rows = _petastorm_source(url_list, layout, rank, size, columns, shape_map, shuffle,
+                                               seed, storage_options)
+    steps = steps_per_epoch if steps_per_epoch is not None else steps_for(layout.num_rows, size, batch_size)
+    if steps < 1:
+        raise ValueError(f"steps_per_epoch={steps} is not valid: expected an integer >= 1")
+    return BatchReader(source=source, kind=kind, rank=rank, size=size, batch_size=batch_size,
+                       columns=columns, total_rows=layout.num_rows, shard_rows=shard_rows,
+                       steps_per_epoch=steps, shuffle=shuffle, seed=seed,
+                       shuffle_buffer_rows=shuffle_buffer_rows if shuffle else 0,
+                       prefetch_batches=prefetch_batches, timeout_s=timeout_s)

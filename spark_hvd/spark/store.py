@@ -1,0 +1,345 @@
+"""Stores: where prepared training data, checkpoints and logs live (local, DBFS, any fsspec URL)."""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import shutil
+import tempfile
+import uuid
+from abc import ABC, abstractmethod
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Union
+
+__all__ = ["Store", "LocalStore", "DBFSLocalStore", "FsspecStore", "Data"]
+
+Data = Union[bytes, bytearray, memoryview, Iterable[bytes]]
+"""What :meth:`Store.write` accepts: a bytes-like object, or an iterable of byte chunks."""
+
+_TEMP_MARKER = ".tmp-spark-hvd-"
+
+# Filesystems whose rename is atomic within a directory; everything else is an object store,
+# where an object becomes visible only when its upload completes.
+_RENAME_IS_ATOMIC = frozenset({"file", "local", "hdfs", "arrow_hdfs", "viewfs", "webhdfs", "sftp"})
+
+# fsspec protocol -> the scheme Spark's Hadoop filesystems use for the same storage.
+_SPARK_SCHEMES = {
+    "file": "file",
+    "local": "file",
+    "hdfs": "hdfs",
+    "arrow_hdfs": "hdfs",
+    "viewfs": "viewfs",
+    "webhdfs": "webhdfs",
+    "s3": "s3a",
+    "s3a": "s3a",
+    "gs": "gs",
+    "gcs": "gs",
+    "abfs": "abfss",
+    "abfss": "abfss",
+    "az": "abfss",
+    "wasb": "wasb",
+    "wasbs": "wasbs",
+    "oss": "oss",
+    "dbfs": "dbfs",
+}
+
+
+def _chunks(data: Data) -> Iterable[bytes]:
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return (bytes(data),)
+    return data
+
+
+def _temp_name(path: str) -> str:
+    """A hidden sibling of ``path``: Spark and Parquet readers skip names starting with '.'."""
+    head, tail = posixpath.split(path)
+    return posixpath.join(head, f".{tail}{_TEMP_MARKER}{uuid.uuid4().hex}")
+
+
+class Store(ABC):
+    """Where prepared data, checkpoints and logs of training runs are kept.
+
+    Layout under :attr:`prefix`::
+
+        intermediate_train_data.<key>/         Parquet written by Spark
+        intermediate_val_data.<key>/
+        intermediate_data_metadata.<key>.json  row counts, shapes, dtypes (written last)
+        runs/<run_id>/checkpoint               latest checkpoint
+        runs/<run_id>/logs/                    logs of the run
+
+    :meth:`write` is atomic: a reader sees the old content or the complete new content, never a
+    partial file, even when the writer dies mid-write.
+    """
+
+    prefix: str
+    """Root of the store: a local path or a URL."""
+
+    @staticmethod
+    def create(prefix: str, storage_options: Optional[Mapping[str, Any]] = None) -> "Store":
+        """The store for ``prefix``: local path or ``file://`` -> :class:`LocalStore`;
+        ``dbfs:/...`` or ``/dbfs/...`` -> :class:`DBFSLocalStore`; any other URL ->
+        :class:`FsspecStore` (``hdfs://``, ``s3://``, ``gs://``, ``abfs://``, ``memory://``...)."""
+        if not isinstance(prefix, str) or not prefix:
+            raise ValueError(f"store prefix={prefix!r} is not valid: expected a non-empty path or URL, "
+                             "e.g. '/tmp/spark-hvd' or 's3://bucket/spark-hvd'")
+        if DBFSLocalStore.matches(prefix):
+            return DBFSLocalStore(prefix)
+        if prefix.startswith("file://") or "://" not in prefix:
+            return LocalStore(prefix)
+        return FsspecStore(prefix, storage_options)
+
+    # ---- layout -------------------------------------------------------------------------
+    def join(self, *parts: str) -> str:
+        """``prefix/part/...`` in this store's path syntax."""
+        return posixpath.join(self.prefix, *parts)
+
+    def get_train_data_path(self, idx: Optional[str] = None) -> str:
+        """Directory of the prepared training Parquet for dataset key ``idx``."""
+        return self.join("intermediate_train_data" + ("" if idx is None else f".{idx}"))
+
+    def get_val_data_path(self, idx: Optional[str] = None) -> str:
+        """Directory of the prepared validation Parquet for dataset key ``idx``."""
+        return self.join("intermediate_val_data" + ("" if idx is None else f".{idx}"))
+
+    def get_data_metadata_path(self, idx: Optional[str] = None) -> str:
+        """JSON file describing the prepared dataset ``idx``; it exists only once the data is complete."""
+        return self.join("intermediate_data_metadata" + ("" if idx is None else f".{idx}") + ".json")
+
+    def get_runs_path(self) -> str:
+        """Directory holding one sub-directory per run."""
+        return self.join("runs")
+
+    def get_run_path(self, run_id: str) -> str:
+        """Directory of run ``run_id``."""
+        if not run_id or "/" in run_id:
+            raise ValueError(f"run_id={run_id!r} is not valid: expected a non-empty name without '/', "
+                             "e.g. 'run-20240101'")
+        return self.join("runs", run_id)
+
+    def get_checkpoint_path(self, run_id: str) -> str:
+        """File holding the latest checkpoint of run ``run_id``."""
+        return posixpath.join(self.get_run_path(run_id), "checkpoint")
+
+    def get_logs_path(self, run_id: str) -> str:
+        """Directory for the logs of run ``run_id``."""
+        return posixpath.join(self.get_run_path(run_id), "logs")
+
+    # ---- I/O ----------------------------------------------------------------------------
+    @property
+    def storage_options(self) -> Dict[str, Any]:
+        """Options for fsspec (credentials, endpoints) needed to open this store's URLs."""
+        return {}
+
+    @abstractmethod
+    def exists(self, path: str) -> bool:
+        """Whether a file or directory exists at ``path``."""
+
+    @abstractmethod
+    def read(self, path: str) -> bytes:
+        """The whole content of the file at ``path``."""
+
+    @abstractmethod
+    def write(self, path: str, data: Data) -> None:
+        """Atomically replace the file at ``path`` with ``data``, creating parent directories."""
+
+    @abstractmethod
+    def listdir(self, path: str) -> List[str]:
+        """Sorted names (not paths) in directory ``path``, without in-progress temporary files."""
+
+    @abstractmethod
+    def delete(self, path: str) -> None:
+        """Remove the file or directory tree at ``path``; nothing happens if it does not exist."""
+
+    @abstractmethod
+    def spark_url(self, path: str) -> str:
+        """The URL Spark uses to read or write Parquet at ``path``."""
+
+    def url(self, path: str) -> str:
+        """A location fsspec and the readers open, together with :attr:`storage_options`."""
+        return path
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.prefix!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.prefix == self.prefix  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self.prefix))
+
+
+class LocalStore(Store):
+    """A store on a local (or network-mounted, shared) filesystem path."""
+
+    def __init__(self, prefix: str) -> None:
+        if prefix.startswith("file://"):
+            prefix = prefix[len("file://"):]
+        if not prefix:
+            raise ValueError("LocalStore prefix is empty: expected a directory path such as '/tmp/spark-hvd'")
+        self.prefix = os.path.abspath(os.path.expanduser(prefix))
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def read(self, path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    def write(self, path: str, data: Data) -> None:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = _temp_name(path)
+        try:
+            with open(tmp, "wb") as f:
+                for chunk in _chunks(data):
+                    f.write(chunk)
+                f.flush()
+                # Durable before visible: after a crash the final name holds complete bytes.
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+
+    def listdir(self, path: str) -> List[str]:
+        return sorted(n for n in os.listdir(path) if _TEMP_MARKER not in n)
+
+    def delete(self, path: str) -> None:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=False)
+        elif os.path.lexists(path):
+            os.remove(path)
+
+    def spark_url(self, path: str) -> str:
+        return "file://" + os.path.abspath(path)
+
+
+class DBFSLocalStore(LocalStore):
+    """A store on Databricks' DBFS through its FUSE mount: ``dbfs:/x`` is read and written at
+    ``/dbfs/x`` by Python, while Spark is given ``dbfs:/x``."""
+
+    @staticmethod
+    def matches(prefix: str) -> bool:
+        """Whether ``prefix`` names a DBFS location."""
+        return prefix.startswith("dbfs:") or prefix == "/dbfs" or prefix.startswith("/dbfs/")
+
+    @staticmethod
+    def to_fuse_path(path: str) -> str:
+        """``dbfs:/x`` (or ``dbfs:///x``) -> ``/dbfs/x``; FUSE paths are returned unchanged."""
+        if path.startswith("dbfs:"):
+            return "/dbfs/" + path[len("dbfs:"):].lstrip("/")
+        return path
+
+    def __init__(self, prefix: str) -> None:
+        if not self.matches(prefix):
+            raise ValueError(f"DBFSLocalStore prefix={prefix!r} is not a DBFS location: expected "
+                             "'dbfs:/path' or '/dbfs/path'")
+        super().__init__(self.to_fuse_path(prefix))
+
+    def spark_url(self, path: str) -> str:
+        fuse = os.path.abspath(path)
+        if fuse != "/dbfs" and not fuse.startswith("/dbfs/"):
+            raise ValueError(f"path {path!r} is outside the DBFS mount /dbfs")
+        return "dbfs:/" + fuse[len("/dbfs"):].lstrip("/")
+
+
+class FsspecStore(Store):
+    """A store on any fsspec filesystem URL (``hdfs://``, ``s3://``, ``gs://``, ``abfs://``, ...).
+
+    Paths are full URLs. ``storage_options`` go to fsspec (credentials, endpoints); the matching
+    Hadoop settings for Spark are the cluster's business.
+    """
+
+    def __init__(self, prefix: str, storage_options: Optional[Mapping[str, Any]] = None) -> None:
+        if "://" not in prefix:
+            raise ValueError(f"FsspecStore prefix={prefix!r} is not a URL: expected e.g. 's3://bucket/dir'; "
+                             "use LocalStore for local paths")
+        self.prefix = prefix.rstrip("/")
+        self._storage_options = dict(storage_options or {})
+        self.protocol = prefix.split("://", 1)[0].lower()
+        self._fs: Any = None
+
+    @property
+    def storage_options(self) -> Dict[str, Any]:
+        return dict(self._storage_options)
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec filesystem, created on first use (and again after unpickling)."""
+        if self._fs is None:
+            import fsspec
+
+            self._fs = fsspec.filesystem(self.protocol, **self._storage_options)
+        return self._fs
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_fs"] = None  # filesystem clients hold sockets and threads; rebuild where unpickled
+        return state
+
+    def _fs_path(self, path: str) -> str:
+        return self.fs._strip_protocol(path)
+
+    def exists(self, path: str) -> bool:
+        return bool(self.fs.exists(self._fs_path(path)))
+
+    def read(self, path: str) -> bytes:
+        return bytes(self.fs.cat_file(self._fs_path(path)))
+
+    def write(self, path: str, data: Data) -> None:
+        target = self._fs_path(path)
+        fs = self.fs
+        parent = posixpath.dirname(target)
+        if parent:
+            fs.makedirs(parent, exist_ok=True)
+        if self.protocol in _RENAME_IS_ATOMIC:
+            tmp = _temp_name(target)
+            try:
+                with fs.open(tmp, "wb") as f:
+                    for chunk in _chunks(data):
+                        f.write(chunk)
+                # HDFS renames do not replace an existing file; the old one goes first, so a
+                # reader may briefly see no file, but never a partial one.
+                if fs.exists(target) and self.protocol != "file" and self.protocol != "local":
+                    fs.rm(target)
+                fs.mv(tmp, target)
+            except BaseException:
+                if fs.exists(tmp):
+                    fs.rm(tmp)
+                raise
+            return
+        # Object stores publish an object when its upload completes, and their "rename" is a
+        # copy: so the bytes are completed in a local file first and then put in one call.
+        with tempfile.NamedTemporaryFile(prefix="spark-hvd-upload-", delete=True) as local:
+            for chunk in _chunks(data):
+                local.write(chunk)
+            local.flush()
+            fs.put_file(local.name, target)
+
+    def listdir(self, path: str) -> List[str]:
+        entries = self.fs.ls(self._fs_path(path), detail=False)
+        names = (posixpath.basename(e.rstrip("/")) for e in entries)
+        return sorted(n for n in names if _TEMP_MARKER not in n)
+
+    def delete(self, path: str) -> None:
+        target = self._fs_path(path)
+        if self.fs.exists(target):
+            self.fs.rm(target, recursive=True)
+
+    def spark_url(self, path: str) -> str:
+        scheme = _SPARK_SCHEMES.get(self.protocol)
+        if scheme is None:
+            raise ValueError(
+                f"Spark cannot write Parquet to {self.protocol}:// (store {self.prefix!r}): expected a "
+                f"filesystem Spark can reach ({', '.join(sorted(set(_SPARK_SCHEMES.values())))}); "
+                "fix: use a store on shared storage, e.g. Store.create('hdfs://...') or a local path "
+                "in local mode")
+        rest = path.split("://", 1)[1]
+        if scheme == "abfss" and "@" not in rest.split("/", 1)[0]:
+            account = self._storage_options.get("account_name")
+            if not account:
+                raise ValueError(
+                    f"cannot name {path!r} for Spark: Azure URLs need the storage account; fix: pass "
+                    "storage_options={'account_name': ...} or use 'abfs://container@account.dfs.core.windows.net/path'")
+            container, _, key = rest.partition("/")
+            rest = f"{container}@{account}.dfs.core.windows.net/{key}"
+        return f"{scheme}://{rest}"

@@ -1,0 +1,198 @@
+"""Params declared from tables: generated accessors, defaults, conversion errors, copy, pickling."""
+
+from __future__ import annotations
+
+import pickle
+
+import cloudpickle
+import pytest
+import torch
+from pyspark.ml import Estimator, Model
+
+from spark_hvd.spark.params import (ESTIMATOR_PARAMS, MODEL_PARAMS, EstimatorParams, ModelParams, ParamSpec,
+                                    ToInt, params_mixin)
+from spark_hvd.spark.store import LocalStore, Store
+
+
+class ProbeEstimator(Estimator, EstimatorParams):
+    """An Estimator built only from the generated mixin."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+
+    def _fit(self, dataset):
+        raise NotImplementedError
+
+
+class ProbeModel(Model, ModelParams):
+    """A Model built only from the generated mixin."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+
+    def _transform(self, dataset):
+        return dataset
+
+
+ISSUE_PARAMS = [
+    "num_proc", "model", "optimizer", "loss", "loss_weights", "metrics", "feature_cols", "label_cols",
+    "sample_weight_col", "validation", "batch_size", "val_batch_size", "epochs", "train_steps_per_epoch",
+    "validation_steps_per_epoch", "shuffle", "random_seed", "store", "run_id", "callbacks",
+    "gradient_compression", "backward_passes_per_step", "input_shapes", "transformation_fn",
+    "train_minibatch_fn", "use_gpu", "verbose", "reader", "scale_lr",
+]
+
+
+def test_estimator_table_declares_the_issue_params():
+    """The estimator table has exactly the Params the issue names, each with get/set methods."""
+    assert [s.name for s in ESTIMATOR_PARAMS] == ISSUE_PARAMS
+    est = ProbeEstimator()
+    for spec in ESTIMATOR_PARAMS:
+        assert callable(getattr(est, "get" + spec.camel)) and callable(getattr(est, "set" + spec.camel))
+        assert est.hasParam(spec.name)
+        assert spec.doc in est.explainParam(spec.name)
+    assert {p.name for p in est.params} == set(ISSUE_PARAMS)
+
+
+@pytest.mark.parametrize("name, camel", [("batch_size", "BatchSize"), ("num_proc", "NumProc"),
+                                         ("validation_steps_per_epoch", "ValidationStepsPerEpoch"),
+                                         ("use_gpu", "UseGpu"), ("epochs", "Epochs")])
+def test_accessor_names_are_camel_case(name, camel):
+    """batch_size is read by getBatchSize and written by setBatchSize."""
+    assert hasattr(EstimatorParams, "get" + camel) and hasattr(EstimatorParams, "set" + camel)
+    assert next(s for s in ESTIMATOR_PARAMS if s.name == name).camel == camel
+
+
+@pytest.mark.parametrize("getter, expected", [
+    ("getBatchSize", 32), ("getEpochs", 1), ("getShuffle", True), ("getScaleLr", True),
+    ("getReader", "builtin"), ("getUseGpu", True), ("getVerbose", 1), ("getBackwardPassesPerStep", 1),
+    ("getModel", None), ("getNumProc", None), ("getValidation", None), ("getStore", None),
+])
+def test_defaults(getter, expected):
+    """Unset Params answer their table default, None included."""
+    assert getattr(ProbeEstimator(), getter)() == expected
+
+
+def test_constructor_and_setters_convert_values():
+    """Keyword construction and setters normalize values (floats to ints, one name to a list, paths to Stores)."""
+    est = ProbeEstimator(batch_size=64.0, feature_cols="features", store="/tmp/spark-hvd-params")
+    assert est.getBatchSize() == 64 and isinstance(est.getBatchSize(), int)
+    assert est.getFeatureCols() == ["features"]
+    assert est.getStore() == LocalStore("/tmp/spark-hvd-params")
+    assert est.setEpochs(3) is est and est.getEpochs() == 3
+    est.setValidation("is_val").setInputShapes([[1, 28, 28]])
+    assert est.getValidation() == "is_val" and est.getInputShapes() == [[1, 28, 28]]
+    est.setParams(epochs=5, verbose=0)
+    assert (est.getEpochs(), est.getVerbose()) == (5, 0)
+
+
+@pytest.mark.parametrize("name, value, fragment", [
+    ("batch_size", 0, "batch_size=0 is not valid: expected an integer >= 1"),
+    ("batch_size", "32", "expected an integer >= 1"),
+    ("batch_size", True, "expected an integer"),
+    ("epochs", 1.5, "epochs=1.5 is not valid"),
+    ("shuffle", "yes", "shuffle='yes' is not valid: expected True or False"),
+    ("validation", 1.0, "expected a fraction strictly between 0 and 1"),
+    ("validation", 0, "expected a fraction strictly between 0 and 1"),
+    ("feature_cols", [], "expected a list of column names"),
+    ("feature_cols", ["a", 3], "expected a list of column names"),
+    ("reader", "fast", "expected one of 'builtin', 'petastorm'"),
+    ("transformation_fn", 3, "expected a callable"),
+    ("input_shapes", [[0, 2]], "one shape"),
+    ("loss_weights", ["a"], "expected a list of numbers"),
+    ("store", 3, "expected a spark_hvd.spark.Store"),
+    ("verbose", -1, "expected an integer >= 0"),
+])
+def test_conversion_errors_name_the_param_and_the_fix(name, value, fragment):
+    """Invalid values raise ValueError naming the Param, the value and what is expected."""
+    with pytest.raises(ValueError, match=fragment.replace("[", r"\[").replace("(", r"\(")):
+        ProbeEstimator(**{name: value})
+    setter = "set" + next(s for s in ESTIMATOR_PARAMS if s.name == name).camel
+    with pytest.raises(ValueError, match=f"{name}="):
+        getattr(ProbeEstimator(), setter)(value)
+
+
+def test_unknown_keyword_is_refused_with_a_suggestion():
+    """A misspelled keyword names itself, the closest Param and the valid ones."""
+    with pytest.raises(ValueError, match="unknown parameter 'batchsize'; did you mean 'batch_size'"):
+        ProbeEstimator(batchsize=3)
+
+
+def test_constructor_is_keyword_only():
+    """Positional constructor arguments are refused."""
+    with pytest.raises(TypeError):
+        ProbeEstimator(32)  # type: ignore[misc]
+
+
+def _configured() -> ProbeEstimator:
+    model = torch.nn.Linear(3, 1)
+    return ProbeEstimator(num_proc=2, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                          loss=torch.nn.functional.mse_loss, store=Store.create("/tmp/spark-hvd-params"),
+                          feature_cols=["x"], label_cols=["y"], batch_size=16)
+
+
+def test_copy_keeps_non_json_values_and_applies_extra():
+    """copy() (used by CrossValidator) keeps model, optimizer, loss and store; extra values override
+    in the copy only."""
+    est = _configured()
+    twin = est.copy({est.batch_size: 8})
+    assert twin.getModel() is est.getModel() and twin.getOptimizer() is est.getOptimizer()
+    assert twin.getLoss() is est.getLoss() and twin.getStore() == est.getStore()
+    assert (twin.getBatchSize(), est.getBatchSize()) == (8, 16)
+    assert twin.uid == est.uid and twin.getEpochs() == 1
+
+
+def test_params_pickle_with_models_and_stores():
+    """Standard pickle round-trips an estimator holding a torch model, optimizer, loss and store."""
+    est = _configured()
+    back = pickle.loads(pickle.dumps(est))
+    assert back.uid == est.uid
+    assert torch.equal(back.getModel().weight, est.getModel().weight)
+    assert back.getLoss() is torch.nn.functional.mse_loss
+    assert back.getStore() == est.getStore()
+    assert back.getBatchSize() == 16 and back.getFeatureCols() == ["x"]
+    with pytest.raises(ValueError, match="batch_size=0"):
+        back.setBatchSize(0)  # converters survive too
+
+
+def test_cloudpickle_carries_lambdas():
+    """Lambdas (transformation_fn) need cloudpickle, which round-trips them."""
+    est = ProbeEstimator(transformation_fn=lambda batch: {k: v * 2 for k, v in batch.items()})
+    back = cloudpickle.loads(cloudpickle.dumps(est))
+    assert back.getTransformationFn()({"a": 2}) == {"a": 4}
+
+
+def test_non_json_params_lists_values_that_need_pickling():
+    """non_json_params() returns exactly the defined non-JSON Params."""
+    est = _configured()
+    assert set(est.non_json_params()) == {"model", "optimizer", "loss", "store", "metrics", "callbacks",
+                                          "gradient_compression", "transformation_fn", "train_minibatch_fn"}
+    assert est.non_json_params()["store"] == est.getStore()
+
+
+def test_model_params():
+    """The model mixin declares output_cols and the inference Params, with defaults."""
+    model = ProbeModel(feature_cols=["x"], label_cols=["y"], output_cols=["y_hat"])
+    assert [s.name for s in MODEL_PARAMS][:4] == ["model", "feature_cols", "label_cols", "output_cols"]
+    assert model.getOutputCols() == ["y_hat"] and model.getBatchSize() == 1024
+    assert model.copy().getOutputCols() == ["y_hat"]
+
+
+ExtendedParams = params_mixin("ExtendedParams", [ParamSpec("shuffle_buffer_rows", "Rows.", 100, ToInt(0))],
+                              module=__name__, bases=(EstimatorParams,))
+
+
+class ExtendedEstimator(Estimator, ExtendedParams):
+    """An Estimator whose mixin extends the standard table."""
+
+    def _fit(self, dataset):
+        raise NotImplementedError
+
+
+def test_mixins_extend_the_tables():
+    """A mixin built on EstimatorParams has both tables' Params and pickles."""
+    est = ExtendedEstimator(shuffle_buffer_rows=5, batch_size=4)
+    assert (est.getShuffleBufferRows(), est.getBatchSize()) == (5, 4)
+    assert pickle.loads(pickle.dumps(est)).getShuffleBufferRows() == 5
+    with pytest.raises(ValueError, match="declared twice"):
+        params_mixin("Twice", [ParamSpec("a", "A.", None, ToInt()), ParamSpec("a", "A.", None, ToInt())])

@@ -1,0 +1,179 @@
+"""Readers: sharding, equal steps per rank, shuffling, shapes, prefetch threads, both kinds."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections import Counter
+from typing import Dict, List
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from spark_hvd.spark.reader import make_reader, scan_parquet, steps_for
+
+KINDS = ["builtin", pytest.param("petastorm", marks=pytest.mark.petastorm)]
+
+
+def write_dataset(root, files: int, groups_per_file: int, rows_per_group: int, width: int = 3) -> int:
+    """Parquet files like Spark's: ids 0..n-1, x = [id, 2 id, 3 id, ...] (width), w = id / 10."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "_SUCCESS").write_bytes(b"")
+    next_id = 0
+    for f in range(files):
+        n = groups_per_file * rows_per_group
+        ids = np.arange(next_id, next_id + n, dtype=np.int64)
+        x = [list(i * np.arange(1, width + 1, dtype=np.float64)) for i in ids]
+        table = pa.table({"id": ids, "x": pa.array(x, type=pa.list_(pa.float64())), "w": ids / 10.0})
+        pq.write_table(table, str(root / f"part-{f:05d}.snappy.parquet"), row_group_size=rows_per_group)
+        next_id += n
+    return next_id
+
+
+def read_epoch(root, kind: str, size: int, epoch: int = 0, **kwargs) -> List[List[Dict[str, np.ndarray]]]:
+    """Every rank's batches of one epoch."""
+    out = []
+    for rank in range(size):
+        options = dict(batch_size=5, feature_cols=["x"], label_cols=["id"], seed=7)
+        options.update(kwargs)
+        with make_reader(kind, str(root), rank=rank, size=size, **options) as reader:
+            out.append(list(reader.iter_epoch(epoch)))
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_every_row_once_per_epoch_when_sizes_divide(tmp_path, kind, size):
+    """With 12 row groups of 5 rows and batch 5, ranks 1..3 together read each id exactly once."""
+    total = write_dataset(tmp_path / "d", files=4, groups_per_file=3, rows_per_group=5)
+    for epoch in (0, 1):
+        per_rank = read_epoch(tmp_path / "d", kind, size, epoch=epoch, shuffle=True)
+        assert {len(batches) for batches in per_rank} == {total // (size * 5)}
+        ids = np.concatenate([b["id"] for batches in per_rank for b in batches])
+        assert sorted(ids.tolist()) == list(range(total))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_equal_steps_when_shards_are_uneven(tmp_path, kind):
+    """7 row groups over 2 ranks: both run ceil(35 / (2*4)) = 5 full steps; the smaller shard wraps."""
+    total = write_dataset(tmp_path / "d", files=7, groups_per_file=1, rows_per_group=5)
+    per_rank = read_epoch(tmp_path / "d", kind, 2, batch_size=4)
+    assert [len(b) for b in per_rank] == [steps_for(total, 2, 4)] * 2 == [5, 5]
+    for batches in per_rank:
+        assert all(b["id"].shape == (4,) and b["x"].shape == (4, 3) for b in batches)
+        ids = np.concatenate([b["id"] for b in batches])
+        assert set(ids.tolist()) <= set(range(total))
+    wrapped = Counter(np.concatenate([b["id"] for b in per_rank[1]]).tolist())
+    assert max(wrapped.values()) == 2  # 15 rows stretched over 20 slots: some rows twice
+
+
+def test_fewer_row_groups_than_ranks_still_gives_every_rank_steps(tmp_path):
+    """One row group, three ranks: each rank borrows it and runs the common number of steps."""
+    write_dataset(tmp_path / "d", files=1, groups_per_file=1, rows_per_group=4)
+    per_rank = read_epoch(tmp_path / "d", "builtin", 3, batch_size=2)
+    assert [len(b) for b in per_rank] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_shuffle_differs_by_epoch_and_repeats_by_seed(tmp_path, kind):
+    """Shuffled order changes between epochs, is identical for the same seed and epoch, and
+    differs for another seed; without shuffle the order is the file order."""
+    write_dataset(tmp_path / "d", files=4, groups_per_file=3, rows_per_group=5)
+
+    def order(epoch: int, seed: int, shuffle: bool = True) -> List[int]:
+        (batches,) = read_epoch(tmp_path / "d", kind, 1, epoch=epoch, seed=seed, shuffle=shuffle,
+                                shuffle_buffer_rows=20)
+        return np.concatenate([b["id"] for b in batches]).tolist()
+
+    first = order(0, seed=1)
+    assert order(0, seed=1) == first
+    assert order(1, seed=1) != first
+    assert order(0, seed=2) != first
+    assert sorted(first) == list(range(60))
+    assert order(0, seed=1, shuffle=False) == list(range(60))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_shapes_values_and_sample_weights(tmp_path, kind):
+    """Columns come back with the requested per-row shape, matching values, and the weight column."""
+    write_dataset(tmp_path / "d", files=2, groups_per_file=2, rows_per_group=6, width=4)
+    (batches,) = read_epoch(tmp_path / "d", kind, 1, batch_size=8, shapes={"x": (2, 2)},
+                            sample_weight_col="w", shuffle=True)
+    assert len(batches) == 3
+    for b in batches:
+        assert set(b) == {"x", "id", "w"}
+        assert b["x"].shape == (8, 2, 2) and b["x"].dtype == np.float64
+        assert b["w"].shape == (8,)
+        expected = b["id"][:, None] * np.arange(1, 5, dtype=np.float64)
+        np.testing.assert_array_equal(b["x"].reshape(8, 4), expected)
+        np.testing.assert_allclose(b["w"], b["id"] / 10.0)
+
+
+def test_steps_per_epoch_override_and_layout(tmp_path):
+    """An explicit steps_per_epoch is honoured; scan_parquet skips _SUCCESS and counts row groups."""
+    write_dataset(tmp_path / "d", files=2, groups_per_file=3, rows_per_group=4)
+    layout = scan_parquet(str(tmp_path / "d"))
+    assert len(layout.files) == 2 and len(layout.row_groups) == 6 and layout.num_rows == 24
+    assert layout.column_names == ("id", "x", "w")
+    (batches,) = read_epoch(tmp_path / "d", "builtin", 1, batch_size=4, steps_per_epoch=9)
+    assert len(batches) == 9
+
+
+def _reader_threads() -> List[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("spark-hvd-reader")]
+
+
+def test_abandoned_epoch_stops_its_prefetch_thread(tmp_path):
+    """Leaving an epoch after one batch stops and joins the background reader thread."""
+    write_dataset(tmp_path / "d", files=2, groups_per_file=5, rows_per_group=10)
+    reader = make_reader("builtin", str(tmp_path / "d"), rank=0, size=1, batch_size=2, feature_cols=["x"],
+                         prefetch_batches=2)
+    epoch = reader.iter_epoch(0)
+    next(epoch)
+    assert len(_reader_threads()) == 1  # the producer is blocked on the full queue
+    epoch.close()
+    assert _reader_threads() == []
+    reader.close()
+
+
+def test_read_errors_reach_the_consumer(tmp_path):
+    """A file that breaks mid-read raises in the training loop instead of hanging it."""
+    write_dataset(tmp_path / "d", files=2, groups_per_file=1, rows_per_group=10)
+    reader = make_reader("builtin", str(tmp_path / "d"), rank=0, size=1, batch_size=5, feature_cols=["x"],
+                         shuffle=False)
+    (tmp_path / "d" / "part-00001.snappy.parquet").write_bytes(b"not parquet")
+    with pytest.raises(Exception, match="(?i)parquet"):
+        list(reader.iter_epoch(0))
+    assert _reader_threads() == []
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(kind="fast"), "reader kind='fast' is not known"),
+    (dict(rank=2, size=2), "rank=2 is not valid for size=2"),
+    (dict(batch_size=0), "batch_size=0 is not valid"),
+    (dict(feature_cols=["nope"]), r"columns \['nope'\] are not in the Parquet.*available columns: id, x, w"),
+])
+def test_invalid_arguments(tmp_path, kwargs, fragment):
+    """Bad arguments raise ValueError naming the value and what is expected."""
+    write_dataset(tmp_path / "d", files=1, groups_per_file=1, rows_per_group=4)
+    args = dict(kind="builtin", rank=0, size=1, batch_size=2, feature_cols=["x"])
+    args.update(kwargs)
+    kind = args.pop("kind")
+    with pytest.raises(ValueError, match=fragment):
+        make_reader(kind, str(tmp_path / "d"), **args)
+
+
+def test_missing_data_path_names_prepare_data(tmp_path):
+    """Reading a path that does not exist points at prepare_data."""
+    with pytest.raises(ValueError, match="prepare_data"):
+        make_reader("builtin", str(tmp_path / "absent"), rank=0, size=1, batch_size=2, feature_cols=["x"])
+
+
+def test_petastorm_missing_says_how_to_install(tmp_path, monkeypatch):
+    """Without petastorm, kind='petastorm' raises ImportError with the pip line and version limits."""
+    write_dataset(tmp_path / "d", files=1, groups_per_file=1, rows_per_group=4)
+    monkeypatch.setitem(sys.modules, "petastorm", None)
+    with pytest.raises(ImportError, match=r'pip install "spark-hvd\[petastorm\]".*pyarrow<15.*numpy<2'):
+        make_reader("petastorm", str(tmp_path / "d"), rank=0, size=1, batch_size=2, feature_cols=["x"])
