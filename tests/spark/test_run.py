@@ -1,4 +1,4 @@
-"""spark_hvd.spark.run(): one barrier stage of ranks on a shared local[2] session."""
+"""spark_hvd.spark.run(): one barrier stage of ranks, on the module's local[2] session (conftest)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import io
 import os
 import sys
 import time
-from typing import Any, Dict, Iterator
+from typing import Any, Dict
 
 import pytest
 
@@ -19,24 +19,6 @@ CONTRACT = (
     "SPARK_HVD_CROSS_RANK", "SPARK_HVD_CROSS_SIZE", "SPARK_HVD_RENDEZVOUS_ADDR", "SPARK_HVD_SECRET",
     "SPARK_HVD_HOSTNAME", "SPARK_HVD_START_TIMEOUT", "HOROVOD_RANK", "EXTRA_FOR_TEST",
 )
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    """One local[2] session for the module, bound to loopback, with a fail-fast barrier slot check."""
-    from spark_hvd.spark._session import LOCAL_ENVIRONMENT, build_local_session
-
-    saved = {key: os.environ.get(key) for key in LOCAL_ENVIRONMENT}
-    os.environ.update(LOCAL_ENVIRONMENT)
-    session = build_local_session("spark-hvd-test-run", num_cores=2)
-    session.sparkContext.setLogLevel("ERROR")
-    yield session
-    session.stop()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
 
 
 def _is_alive(pid: int) -> bool:
