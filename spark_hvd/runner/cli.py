@@ -213,7 +213,18 @@ def _raise_interrupted(signum: int, frame: Any) -> None:
     raise _Interrupted(signum)
 
 
+def _fate_of_other(rank: int, code: Optional[int], stopped: bool) -> str:
+    if code is None:
+        return f"rank {rank} is still running"
+    if code == 0:
+        return f"rank {rank} had finished"
+    if stopped and code in (-signal.SIGTERM, -signal.SIGKILL):
+        return f"rank {rank} was stopped"
+    return RankExit(rank, code).describe()
+
+
 def _report_failure(failure: RankExit, processes: RankProcesses) -> None:
+    """The root cause first, then its last output, then what became of the other ranks."""
     _say(failure.describe())
     if failure.tail:
         _say(f"last {len(failure.tail)} lines of output of rank {failure.rank}:")
@@ -222,14 +233,10 @@ def _report_failure(failure: RankExit, processes: RankProcesses) -> None:
     codes = processes.returncodes
     stopped = set(processes.stopped)
     others = [
-        RankExit(rank, code).describe()
-        for rank, code in sorted(codes.items())
-        if rank != failure.rank and code != 0 and rank not in stopped
+        _fate_of_other(rank, codes.get(rank), rank in stopped) for rank in processes.ranks if rank != failure.rank
     ]
     if others:
-        _say("then also: " + "; ".join(others))
-    if stopped:
-        _say(f"stopped ranks {sorted(stopped)} after rank {failure.rank} failed")
+        _say(f"after rank {failure.rank} failed: " + ", ".join(others))
     sys.stderr.flush()
 
 

@@ -48,7 +48,7 @@ def test_failing_rank_stops_the_others_and_is_reported_first(script):
     assert "[1]<stdout>:rank 1 gives up" in done.stderr.splitlines()
     # Rank 0 died because the launcher stopped it: it is mentioned as stopped, not as a cause.
     assert not any("rank 0 was killed" in m or "rank 0 exited" in m for m in messages)
-    assert "spark-hvd-run: stopped ranks [0] after rank 1 failed" in messages
+    assert messages[-1] == "spark-hvd-run: after rank 1 failed: rank 0 was stopped"
 
 
 def test_rank_killed_by_signal_is_named(script):
