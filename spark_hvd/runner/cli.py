@@ -8,6 +8,7 @@ import shutil
 import signal
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -17,7 +18,7 @@ from spark_hvd.runtime import config
 from .local import LocalJob
 from .processes import TERMINATE_GRACE_SECONDS, RankExit, RankProcesses
 
-__all__ = ["main", "parse_options", "LaunchOptions", "check_hosts"]
+__all__ = ["main", "launch", "parse_options", "LaunchOptions", "UsageError", "check_hosts"]
 
 PROG = "spark-hvd-run"
 _MIB = 1024 * 1024
@@ -251,7 +252,9 @@ def launch(options: LaunchOptions) -> int:
     log = _say if options.verbose else None
     job = LocalJob(options.num_proc, settings=options.settings, env=options.env,
                    output_dir=options.output_dir, log=log)
-    forwarded = (signal.SIGINT, signal.SIGTERM)
+    # Signal handlers can only be installed from the main thread; elsewhere the caller owns signals.
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    forwarded = (signal.SIGINT, signal.SIGTERM) if in_main_thread else ()
     previous = {signum: signal.signal(signum, _raise_interrupted) for signum in forwarded}
     try:
         processes = job.start(options.command)
