@@ -1,0 +1,389 @@
+"""Materialize a DataFrame as Parquet in a Store, validated, split and sharded for training."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+from spark_hvd.spark.reader import scan_parquet
+from spark_hvd.spark.store import Store
+
+__all__ = ["ColumnInfo", "PreparedData", "prepare_data", "dataset_key", "FORMAT_VERSION"]
+
+FORMAT_VERSION = 1
+"""Bumped when the written layout changes, so older cached datasets are not reused."""
+
+_MiB = 1024 * 1024
+# Above this, Spark's size estimate means "unknown" (its default is Long.MaxValue).
+_UNKNOWN_SIZE = 1 << 60
+_MAX_FILES_PER_PROC = 64
+
+_NUMPY_DTYPES = {
+    "ByteType": "int8",
+    "ShortType": "int16",
+    "IntegerType": "int32",
+    "LongType": "int64",
+    "FloatType": "float32",
+    "DoubleType": "float64",
+    "BooleanType": "bool",
+}
+
+
+@dataclass(frozen=True)
+class ColumnInfo:
+    """One column of a prepared dataset."""
+
+    name: str
+    """Column name in the Parquet files and in reader batches."""
+    kind: str
+    """'scalar', 'array' or 'vector' (a Spark ML Vector, stored as an array)."""
+    shape: Tuple[int, ...]
+    """Shape of one row's value: () for scalars, (n,) for arrays and vectors."""
+    dtype: str
+    """numpy dtype name of the stored values."""
+    spark_type: str
+    """The column's type in the source DataFrame."""
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """A dataset written by :func:`prepare_data`; also stored as JSON next to the data."""
+
+    key: str
+    """Cache key: hash of the DataFrame's plan and of the preparation settings."""
+    train_path: str
+    """Store path of the training Parquet directory."""
+    val_path: Optional[str]
+    """Store path of the validation Parquet directory, or None without validation."""
+    train_rows: int
+    val_rows: int
+    train_files: int
+    val_files: int
+    train_row_groups: int
+    val_row_groups: int
+    columns: Tuple[ColumnInfo, ...]
+    """Feature, label and sample weight columns, in that order."""
+    feature_cols: Tuple[str, ...]
+    label_cols: Tuple[str, ...]
+    sample_weight_col: Optional[str]
+    num_proc: int
+    """Number of training processes the dataset was sharded for."""
+    format_version: int = field(default=FORMAT_VERSION)
+
+    def column(self, name: str) -> ColumnInfo:
+        """The :class:`ColumnInfo` named ``name``."""
+        for c in self.columns:
+            if c.name == name:
+                return c
+        raise KeyError(f"column {name!r} is not in the prepared dataset; it has "
+                       f"{', '.join(c.name for c in self.columns)}")
+
+    @property
+    def shapes(self) -> Dict[str, Tuple[int, ...]]:
+        """Per-row shape of every column, for ``make_reader(shapes=...)``."""
+        return {c.name: c.shape for c in self.columns}
+
+    @property
+    def dtypes(self) -> Dict[str, str]:
+        """numpy dtype name of every column."""
+        return {c.name: c.dtype for c in self.columns}
+
+    def to_json(self) -> str:
+        """The JSON text stored in the Store."""
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: Union[str, bytes]) -> "PreparedData":
+        """Inverse of :meth:`to_json`."""
+        raw = json.loads(text)
+        raw["columns"] = tuple(ColumnInfo(**{**c, "shape": tuple(c["shape"])}) for c in raw["columns"])
+        raw["feature_cols"] = tuple(raw["feature_cols"])
+        raw["label_cols"] = tuple(raw["label_cols"])
+        return cls(**raw)
+
+
+@dataclass(frozen=True)
+class _Column:
+    name: str
+    kind: str
+    dtype: str
+    spark_type: str
+    cast: Optional[str] = None
+
+
+def _type_error(name: str, type_text: str, problem: str, fix: str) -> ValueError:
+    return ValueError(f"column {name!r} has type {type_text}, {problem}; fix: {fix}")
+
+
+def _inspect_column(name: str, dtype: Any, vector_dtype: str) -> _Column:
+    """How column ``name`` of Spark type ``dtype`` is stored, or a ValueError saying why it can't be."""
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.mllib.linalg import VectorUDT as OldVectorUDT
+    from pyspark.sql import types as T
+
+    text = dtype.simpleString()
+    kind = type(dtype).__name__
+    if kind in _NUMPY_DTYPES:
+        return _Column(name, "scalar", _NUMPY_DTYPES[kind], text)
+    if isinstance(dtype, T.DecimalType):
+        return _Column(name, "scalar", "float64", text, cast="double")
+    if isinstance(dtype, (VectorUDT, OldVectorUDT)):
+        return _Column(name, "vector", vector_dtype, text)
+    if isinstance(dtype, T.ArrayType):
+        element = type(dtype.elementType).__name__
+        if element in _NUMPY_DTYPES:
+            return _Column(name, "array", _NUMPY_DTYPES[element], text)
+        if isinstance(dtype.elementType, T.DecimalType):
+            return _Column(name, "array", "float64", text, cast="array<double>")
+        if isinstance(dtype.elementType, (T.ArrayType, VectorUDT, OldVectorUDT)):
+            raise _type_error(name, text, "a nested array, which is not supported",
+                              "flatten it with pyspark.sql.functions.flatten and give the shape with "
+                              "input_shapes")
+        raise _type_error(name, text, "an array of non-numeric values",
+                          "convert the elements to numbers before training")
+    if isinstance(dtype, T.StructType):
+        raise _type_error(name, text, "a nested struct, which is not supported",
+                          f"select its fields as separate columns (df.select('{name}.*')) or assemble "
+                          "them with pyspark.ml.feature.VectorAssembler")
+    if isinstance(dtype, T.MapType):
+        raise _type_error(name, text, "a map, which is not supported",
+                          "extract the needed keys into numeric columns")
+    if isinstance(dtype, (T.StringType, T.VarcharType, T.CharType)):
+        raise _type_error(name, text, "which is not numeric",
+                          "index it with pyspark.ml.feature.StringIndexer or drop it from the columns")
+    if isinstance(dtype, (T.DateType, T.TimestampType, T.TimestampNTZType)):
+        raise _type_error(name, text, "which is not numeric",
+                          "cast it to a number, e.g. pyspark.sql.functions.unix_timestamp")
+    raise _type_error(name, text, "which is not numeric",
+                      "convert it to numeric scalars, arrays of numbers or pyspark.ml Vectors")
+
+
+def _check_args(feature_cols: Sequence[str], label_cols: Sequence[str], sample_weight_col: Optional[str],
+                validation: Any, num_proc: int, vector_dtype: str) -> None:
+    if isinstance(feature_cols, str) or not feature_cols or not all(isinstance(c, str) for c in feature_cols):
+        raise ValueError(f"feature_cols={feature_cols!r} is not valid: expected a non-empty list of column "
+                         "names, e.g. ['features']")
+    if isinstance(label_cols, str) or not all(isinstance(c, str) for c in label_cols):
+        raise ValueError(f"label_cols={label_cols!r} is not valid: expected a list of column names, "
+                         "e.g. ['label']")
+    if sample_weight_col is not None and not isinstance(sample_weight_col, str):
+        raise ValueError(f"sample_weight_col={sample_weight_col!r} is not valid: expected a column name")
+    if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
+        raise ValueError(f"num_proc={num_proc!r} is not valid: expected an integer >= 1")
+    if validation is not None and not isinstance(validation, str):
+        if isinstance(validation, bool) or not isinstance(validation, (int, float)) \
+                or not 0.0 < float(validation) < 1.0:
+            raise ValueError(f"validation={validation!r} is not valid: expected a fraction strictly "
+                             "between 0 and 1 (e.g. 0.2), the name of a 0/1 column, or None")
+    if vector_dtype not in ("float32", "float64"):
+        raise ValueError(f"vector_dtype={vector_dtype!r} is not valid: expected 'float32' or 'float64'")
+
+
+def _plan_columns(df: Any, feature_cols: Sequence[str], label_cols: Sequence[str],
+                  sample_weight_col: Optional[str], validation: Any, vector_dtype: str) -> List[_Column]:
+    fields = {f.name: f.dataType for f in df.schema.fields}
+    wanted: List[str] = []
+    for c in list(feature_cols) + list(label_cols) + ([sample_weight_col] if sample_weight_col else []):
+        if c not in wanted:
+            wanted.append(c)
+    for c in wanted + ([validation] if isinstance(validation, str) else []):
+        if c not in fields:
+            role = "validation column" if c == validation and c not in wanted else "column"
+            raise ValueError(f"{role} {c!r} is not in the DataFrame; available columns: "
+                             f"{', '.join(fields) or '(none)'}")
+    planned = [_inspect_column(c, fields[c], vector_dtype) for c in wanted]
+    if sample_weight_col:
+        weight = next(p for p in planned if p.name == sample_weight_col)
+        if weight.kind != "scalar":
+            raise ValueError(f"sample_weight_col {sample_weight_col!r} has type {weight.spark_type}: expected "
+                             "a numeric scalar column (one weight per row)")
+    if isinstance(validation, str):
+        marker = _inspect_column(validation, fields[validation], vector_dtype)
+        if marker.kind != "scalar":
+            raise ValueError(f"validation column {validation!r} has type {marker.spark_type}: expected a "
+                             "boolean or 0/1 numeric column marking validation rows")
+    return planned
+
+
+def _quote(name: str) -> str:
+    return "`" + name.replace("`", "``") + "`"
+
+
+def dataset_key(df: Any, settings: Dict[str, Any]) -> str:
+    """Cache key of ``df`` prepared with ``settings``: equal for the same DataFrame (same
+    analyzed plan) and settings, different for any other DataFrame in the same session."""
+    parts: Dict[str, Any] = {"settings": settings, "format": FORMAT_VERSION, "schema": df.schema.json()}
+    try:
+        # The analyzed plan names each column with a session-unique id, so two DataFrames built
+        # separately differ; the semantic hash covers inline data (local relations) too.
+        parts["plan"] = df._jdf.queryExecution().analyzed().toString()
+    except AttributeError:  # Spark Connect has no JVM handle
+        pass
+    parts["semantic"] = df.semanticHash()
+    digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+    return digest[:20]
+
+
+def _estimated_bytes(df: Any) -> Optional[int]:
+    try:
+        size = int(str(df._jdf.queryExecution().optimizedPlan().stats().sizeInBytes()))
+    except Exception:  # estimates are optional: any failure just means "unknown"
+        return None
+    return None if size >= _UNKNOWN_SIZE else size
+
+
+def _num_files(estimate: Optional[int], fraction: float, num_proc: int, target_file_bytes: int,
+               files_per_proc: Optional[int]) -> int:
+    """A multiple of ``num_proc``: every rank gets at least one file, and more for large data."""
+    if files_per_proc is not None:
+        return num_proc * files_per_proc
+    if estimate is None:
+        return num_proc
+    per_proc = math.ceil(estimate * fraction / (num_proc * target_file_bytes))
+    return num_proc * min(max(per_proc, 1), _MAX_FILES_PER_PROC)
+
+
+def _write(frame: Any, num_files: int, url: str, row_group_bytes: int) -> None:
+    (frame.repartition(num_files).write.mode("overwrite")
+     .option("parquet.block.size", str(row_group_bytes))
+     .parquet(url))
+
+
+def _check_written(spark: Any, urls: List[str], planned: List[_Column]) -> Dict[str, int]:
+    """One Spark job over the written Parquet: nulls anywhere, and one length per array column.
+
+    Returns the array length of each array or vector column."""
+    from pyspark.sql import functions as F
+
+    frame = spark.read.parquet(*urls)
+    aggs = []
+    for i, c in enumerate(planned):
+        col = F.col(_quote(c.name))
+        aggs.append(F.sum(F.when(col.isNull(), 1).otherwise(0)).alias(f"n{i}"))
+        if c.kind != "scalar":
+            aggs.append(F.min(F.size(col)).alias(f"lo{i}"))
+            aggs.append(F.max(F.size(col)).alias(f"hi{i}"))
+            aggs.append(F.sum(F.when(F.exists(col, lambda x: x.isNull()), 1).otherwise(0)).alias(f"e{i}"))
+    row = frame.agg(*aggs).collect()[0].asDict()
+    lengths: Dict[str, int] = {}
+    for i, c in enumerate(planned):
+        nulls = row[f"n{i}"] or 0
+        if nulls:
+            raise ValueError(f"column {c.name!r} has {nulls} null values: expected none; fix: fill them "
+                             "(DataFrame.fillna) or drop those rows (DataFrame.dropna)")
+        if c.kind == "scalar":
+            continue
+        if row[f"e{i}"]:
+            raise ValueError(f"column {c.name!r} has {row[f'e{i}']} rows with null elements: expected "
+                             "none; fix: replace them, e.g. with pyspark.sql.functions.transform")
+        lo, hi = row[f"lo{i}"], row[f"hi{i}"]
+        if lo is not None and lo != hi:
+            raise ValueError(f"column {c.name!r} has rows of different lengths ({lo} to {hi}): expected "
+                             "the same length in every row; fix: pad or truncate the arrays")
+        lengths[c.name] = int(hi or 0)
+    return lengths
+
+
+def prepare_data(df: Any, store: Store, feature_cols: Sequence[str], label_cols: Sequence[str] = (),
+                 sample_weight_col: Optional[str] = None, validation: Union[None, float, str] = None,
+                 num_proc: int = 1, *, seed: int = 0, vector_dtype: str = "float64",
+                 target_file_bytes: int = 128 * _MiB, row_group_bytes: int = 32 * _MiB,
+                 files_per_proc: Optional[int] = None, reuse_cached: bool = True) -> PreparedData:
+    """Write the columns of ``df`` needed for training as Parquet in ``store``.
+
+    Checks columns and types before running any Spark job; turns Spark ML Vectors into arrays;
+    splits off validation rows (a fraction, drawn with ``seed``, or a 0/1 or boolean column whose
+    true rows are validation); writes a multiple of ``num_proc`` files, so every rank has at least
+    one row group; records row counts, shapes and dtypes as JSON in the store. A DataFrame already
+    prepared with the same settings (same cache key) is not written again unless
+    ``reuse_cached=False``. Note the key follows the DataFrame's plan, not its source files: after
+    rewriting the files a plan reads, pass ``reuse_cached=False``.
+    """
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.sql import functions as F
+
+    feature_cols = list(feature_cols) if not isinstance(feature_cols, str) else feature_cols
+    label_cols = list(label_cols) if not isinstance(label_cols, str) else label_cols
+    _check_args(feature_cols, label_cols, sample_weight_col, validation, num_proc, vector_dtype)
+    if files_per_proc is not None and (not isinstance(files_per_proc, int) or files_per_proc < 1):
+        raise ValueError(f"files_per_proc={files_per_proc!r} is not valid: expected an integer >= 1 or None")
+    planned = _plan_columns(df, feature_cols, label_cols, sample_weight_col, validation, vector_dtype)
+
+    settings = {"features": feature_cols, "labels": label_cols, "weight": sample_weight_col,
+                "validation": validation, "num_proc": num_proc, "seed": seed, "vector_dtype": vector_dtype,
+                "target_file_bytes": target_file_bytes, "row_group_bytes": row_group_bytes,
+                "files_per_proc": files_per_proc}
+    key = dataset_key(df, settings)
+    metadata_path = store.get_data_metadata_path(key)
+    if reuse_cached and store.exists(metadata_path):
+        cached = PreparedData.from_json(store.read(metadata_path))
+        if store.exists(cached.train_path):
+            return cached
+
+    if df.isEmpty():
+        raise ValueError("the DataFrame has no rows: expected at least one row to train on; check the "
+                         "filters that produced it")
+
+    exprs = []
+    for c in planned:
+        col = F.col(_quote(c.name))
+        if c.kind == "vector":
+            col = vector_to_array(col, dtype=vector_dtype)
+        elif c.cast:
+            col = col.cast(c.cast)
+        exprs.append(col.alias(c.name))
+    train_path = store.get_train_data_path(key)
+    val_path = store.get_val_data_path(key) if validation is not None else None
+    estimate = _estimated_bytes(df)
+    if isinstance(validation, str):
+        is_val = F.coalesce(F.col(_quote(validation)).cast("boolean"), F.lit(False))
+        marked = df.select(*exprs, is_val.alias("__spark_hvd_is_val"))
+        train_df = marked.filter(~F.col("__spark_hvd_is_val")).drop("__spark_hvd_is_val")
+        val_df = marked.filter(F.col("__spark_hvd_is_val")).drop("__spark_hvd_is_val")
+        fractions = (1.0, 1.0)  # unknown split: size both for the whole frame
+    elif validation is not None:
+        fraction = float(validation)
+        train_df, val_df = df.select(*exprs).randomSplit([1.0 - fraction, fraction], seed=seed)
+        fractions = (1.0 - fraction, fraction)
+    else:
+        train_df, val_df, fractions = df.select(*exprs), None, (1.0, 0.0)
+
+    spark = df.sparkSession
+    urls = [store.spark_url(train_path)]
+    _write(train_df, _num_files(estimate, fractions[0], num_proc, target_file_bytes, files_per_proc),
+           urls[0], row_group_bytes)
+    if val_df is not None and val_path is not None:
+        urls.append(store.spark_url(val_path))
+        _write(val_df, _num_files(estimate, fractions[1], num_proc, target_file_bytes, files_per_proc),
+               urls[1], row_group_bytes)
+    written = [p for p in (train_path, val_path) if p is not None]
+    try:
+        lengths = _check_written(spark, urls, planned)
+        train = scan_parquet(store.url(train_path), store.storage_options)
+        val = scan_parquet(store.url(val_path), store.storage_options) if val_path else None
+        if train.num_rows == 0:
+            raise ValueError(f"the training split is empty: validation={validation!r} marked every row; "
+                             "expected some rows with 0/false")
+        if val is not None and val.num_rows == 0:
+            raise ValueError(f"the validation split is empty with validation={validation!r}; fix: use a "
+                             "larger fraction, mark some rows, or pass validation=None")
+    except BaseException:
+        for path in written:
+            store.delete(path)
+        raise
+
+    columns = tuple(ColumnInfo(c.name, c.kind, (lengths[c.name],) if c.kind != "scalar" else (), c.dtype,
+                               c.spark_type) for c in planned)
+    info = PreparedData(
+        key=key, train_path=train_path, val_path=val_path,
+        train_rows=train.num_rows, val_rows=val.num_rows if val else 0,
+        train_files=len(train.files), val_files=len(val.files) if val else 0,
+        train_row_groups=len(train.row_groups), val_row_groups=len(val.row_groups) if val else 0,
+        columns=columns, feature_cols=tuple(feature_cols), label_cols=tuple(label_cols),
+        sample_weight_col=sample_weight_col, num_proc=num_proc)
+    # Written last: its presence is what marks the dataset complete for later calls.
+    store.write(metadata_path, info.to_json().encode())
+    return info
