@@ -320,7 +320,7 @@ def prepare_data(df: Any, store: Store, feature_cols: Sequence[str], label_cols:
     metadata_path = store.get_data_metadata_path(key)
     if reuse_cached and store.exists(metadata_path):
         cached = PreparedData.from_json(store.read(metadata_path))
-        if store.exists(cached.train_path):
+        if all(store.exists(p) for p in (cached.train_path, cached.val_path) if p is not None):
             return cached
 
     if df.isEmpty():
