@@ -131,10 +131,10 @@ def _to_numpy(column: Any, shape: Optional[Tuple[int, ...]], name: str) -> np.nd
                 raise ValueError(
                     f"column {name!r} has rows of different lengths ({lengths.min()} to {lengths.max()}): "
                     "expected one length per column; prepare the data with prepare_data, which checks this")
-        array = values.reshape(n, -1)
+        array = values.reshape(n, -1) if n else values.reshape(0, 0)
     else:
         array = np.asarray(column.to_numpy(zero_copy_only=False))
-    if shape is not None:
+    if shape is not None and (n or -1 not in shape):
         array = array.reshape((n,) + tuple(shape))
     return array
 
