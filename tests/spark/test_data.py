@@ -190,3 +190,17 @@ def test_petastorm_reads_prepared_vectors(spark, frame, tmp_path):
                 np.testing.assert_array_equal(batch["v"], np.stack([i, i + 0.5, -i], axis=1))
                 ids.extend(batch["id"].tolist())
     assert len(ids) == 2 * 5 * ((N + 9) // 10) and set(ids) <= set(range(N))
+
+
+def test_local_session_settings(spark):
+    """The shared session builder runs local[2] on loopback with the fast-test settings and this Python."""
+    import sys
+
+    conf = spark.sparkContext.getConf()
+    assert spark.sparkContext.master == "local[2]"
+    assert conf.get("spark.driver.host") == conf.get("spark.driver.bindAddress") == "127.0.0.1"
+    assert conf.get("spark.ui.enabled") == "false" and spark.conf.get("spark.sql.shuffle.partitions") == "4"
+    assert conf.get("spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures") == "1"
+    assert spark.sparkContext.pythonExec == sys.executable
+    assert spark.sparkContext.parallelize([0], 1).map(lambda _: __import__("sys").executable).collect() == [
+        sys.executable]
