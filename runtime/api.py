@@ -244,7 +244,7 @@ def _reduce_entries(kind: str, arrays: Sequence[np.ndarray], op: int, name: Opti
         if kind == "allreduce":
             given = outs[i] if outs is not None else None
             if given is raw:
-                if not np.may_share_memory(array, raw):
+                if array is not raw and array.size and not np.may_share_memory(array, raw):
                     raise ValueError("in-place allreduce needs a C-contiguous array; pass np.ascontiguousarray(a)")
                 out = array
             else:
@@ -373,7 +373,7 @@ def broadcast_async(array: np.ndarray, root_rank: int, name: Optional[str] = Non
     array_c, wire = _prepare(array, dtype)
     base = _name("broadcast", name)
     if out is array:
-        if not np.may_share_memory(array_c, array):
+        if array_c is not array and array_c.size and not np.may_share_memory(array_c, array):
             raise ValueError("in-place broadcast needs a C-contiguous array; pass np.ascontiguousarray(a)")
         target = array_c
     elif out is not None:

@@ -207,10 +207,12 @@ class Engine:
     def _wait_for_work(self) -> None:
         if self._queue or any(r.frames for r in self._readers.values()):
             timeout = 0.0
-        elif self.coordinator is not None and self.coordinator.ready:
+        elif self.coordinator is not None and self.coordinator.has_work():
             timeout = 0.0
         else:
             timeout = self._idle_timeout()
+            if self._local and self._spin_for_frames():
+                timeout = 0.0
         fds = [self._wake_r] + [r.sock for r in self._readers.values() if not r.closed]
         try:
             select.select(fds, [], [], timeout)
@@ -222,6 +224,19 @@ class Engine:
                 pass
         except (BlockingIOError, OSError):
             pass
+
+    def _spin_for_frames(self) -> bool:
+        """Poll the control sockets briefly before sleeping: an answer is usually microseconds away."""
+        deadline = time.perf_counter() + 100e-6
+        while time.perf_counter() < deadline:
+            if self._queue or self._stopping:
+                return True
+            for reader in self._readers.values():
+                reader.pump()
+                if reader.frames or reader.closed:
+                    return True
+            os.sched_yield()
+        return False
 
     def _idle_timeout(self) -> Optional[float]:
         if self.coordinator is None:
@@ -295,7 +310,7 @@ class Engine:
                     if coord.pending or self._local:
                         raise CollectiveError(
                             f"rank {peer} shut down while operations were pending", lost_rank=peer)
-        if coord.ready and self._cycle_allows():
+        if coord.has_work() and self._cycle_allows():
             responses, defs, evicted, seq = coord.decide()
             if responses or defs or evicted:
                 frame = RESPONSES + pickle.dumps((responses, defs, evicted, seq, coord.sigs.persist), protocol=5)
@@ -443,10 +458,10 @@ class Engine:
                         entry.handle._set(entry.index, new_id)
             else:
                 raise CollectiveError(f"unknown response kind {kind!r}")
-        except CollectiveError:
+        except BaseException:
             for entry in entries:
-                if entry is not None:
-                    self._local[(ps, entry.name)] = entry  # failed with everything else below
+                if entry is not None and not entry.handle.done():
+                    self._local[(ps, entry.name)] = entry  # failed with everything else by _abort
             raise
 
     def _register_process_set(self, ps_id: int, ranks: Tuple[int, ...]) -> None:
@@ -475,6 +490,13 @@ class Engine:
 
     def _allreduce(self, t: Transport, names: Sequence[str], entries: List[Optional[Entry]],
                    metas: List[Meta]) -> None:
+        kinds = {(m.dtype, m.op, m.prescale, m.postscale) for m in metas}
+        if len(kinds) > 1:
+            # A group may mix dtypes or ops: reduce each compatible part through the fusion buffer.
+            for kind in sorted(kinds, key=repr):
+                part = [i for i, m in enumerate(metas) if (m.dtype, m.op, m.prescale, m.postscale) == kind]
+                self._allreduce(t, [names[i] for i in part], [entries[i] for i in part], [metas[i] for i in part])
+            return
         meta0 = metas[0]
         dtype = storage_dtype(meta0.dtype)
         op = ReduceOp(meta0.op)

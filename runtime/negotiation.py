@@ -192,6 +192,10 @@ class Coordinator:
         for key, entry in self.pending.items():
             self._check_ready(key, entry)
 
+    def has_work(self) -> bool:
+        """Whether decide() would produce something: ready requests, or every rank has joined."""
+        return bool(self.ready) or (bool(self.joined) and len(self.joined) == self.size)
+
     # -- output -----------------------------------------------------------------------------------
     def decide(self) -> Tuple[List[Response], List[Tuple[int, Meta]], List[int], int]:
         """Responses for everything ready, the id definitions workers need, evictions, and seq."""

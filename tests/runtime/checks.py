@@ -1,0 +1,251 @@
+"""Checks that run inside a launched world; expected values come from (rank, size) alone.
+
+Each check raises AssertionError with a description on failure. Test modules launch one world per
+size and run many checks in it, so process start-up is paid once per world.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Dict, List
+
+import numpy as np
+
+import spark_hvd.runtime as rt
+
+DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8"]
+OPS = [rt.Sum, rt.Average, rt.Min, rt.Max, rt.Product]
+LENGTHS = [0, 1, 7, 1001, 300_007]  # empty, one element, not divisible by 2 or 3, several chunks
+
+
+def to_wire(values: np.ndarray, dtype: str) -> np.ndarray:
+    """Small integer-valued float64 values as an array of the wire dtype (bfloat16 as raw bits)."""
+    if dtype == "bfloat16":
+        return (values.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    return values.astype(dtype)
+
+
+def from_wire(array: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return (array.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return array.astype(np.float64)
+
+
+def contribution(rank: int, length: int, op: int) -> np.ndarray:
+    base = np.arange(length, dtype=np.float64)
+    if op == rt.Product:
+        return 1.0 + (base + rank) % 2  # stays small for int8 products
+    return (base + 3 * rank) % 7
+
+
+def expected_reduction(size: int, length: int, op: int, dtype: str) -> np.ndarray:
+    stack = np.stack([contribution(r, length, op) for r in range(size)]) if length else np.zeros((size, 0))
+    if op == rt.Sum:
+        return stack.sum(0)
+    if op == rt.Min:
+        return stack.min(0)
+    if op == rt.Max:
+        return stack.max(0)
+    if op == rt.Product:
+        return stack.prod(0)
+    total = stack.sum(0)
+    return np.trunc(total / size) if dtype.startswith(("int", "uint")) else total / size
+
+
+def tolerance(dtype: str, size: int) -> float:
+    return {"float16": 2e-2, "bfloat16": 5e-2, "float32": 1e-6}.get(dtype, 1e-12) * size
+
+
+def _close(got: np.ndarray, want: np.ndarray, dtype: str, size: int, what: str) -> None:
+    got64 = from_wire(got, dtype)
+    if dtype.startswith(("int", "uint")):
+        assert np.array_equal(got64, want), f"{what}: got {got64[:8]} want {want[:8]}"
+    else:
+        assert np.allclose(got64, want, rtol=tolerance(dtype, size), atol=tolerance(dtype, size)), \
+            f"{what}: got {got64[:8]} want {want[:8]}"
+
+
+def allreduce_matrix() -> int:
+    """Every op x dtype x length, in place and out of place; returns the number of cases."""
+    rank, size = rt.rank(), rt.size()
+    cases = 0
+    for dtype in DTYPES:
+        for op in OPS:
+            for length in LENGTHS:
+                if length > 1001 and dtype not in ("float32", "bfloat16", "int64"):
+                    continue  # the chunked path once per storage width is enough
+                data = to_wire(contribution(rank, length, op), dtype)
+                want = expected_reduction(size, length, op, dtype)
+                extra = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
+                what = f"allreduce {rt.ReduceOp(op).name} {dtype} n={length}"
+                out = rt.allreduce(data, op=op, **extra)
+                _close(out, want, dtype, size, what + " (out of place)")
+                assert np.array_equal(data, to_wire(contribution(rank, length, op), dtype)), \
+                    what + ": the input changed"
+                inplace = data.copy()
+                result = rt.allreduce(inplace, op=op, out=inplace, **extra)
+                assert result is inplace or np.shares_memory(result, inplace), what + ": not in place"
+                _close(inplace, want, dtype, size, what + " (in place)")
+                cases += 2
+    return cases
+
+
+def scaled_allreduce() -> None:
+    rank, size = rt.rank(), rt.size()
+    data = np.full(5, rank + 1.0, dtype=np.float32)
+    out = rt.allreduce(data, op=rt.Sum, prescale_factor=2.0, postscale_factor=0.25)
+    assert np.allclose(out, 0.5 * size * (size + 1) / 2), out
+    ints = rt.allreduce(np.full(3, rank + 1, dtype=np.int32), op=rt.Average, postscale_factor=2.0)
+    assert np.array_equal(ints, np.full(3, int(np.trunc(size * (size + 1) / 2 / size)) * 2)), ints
+
+
+def allgather_cases() -> None:
+    rank, size = rt.rank(), rt.size()
+    for dtype in DTYPES:
+        mine = to_wire(np.full((rank, 3), rank, dtype=np.float64), dtype)  # rank 0 sends no rows
+        extra = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
+        got = rt.allgather(mine, **extra)
+        want = np.concatenate([np.full((r, 3), r, dtype=np.float64) for r in range(size)])
+        assert got.shape == want.shape, (dtype, got.shape, want.shape)
+        _close(got.reshape(-1), want.reshape(-1), dtype, size, f"allgather {dtype}")
+    big = rt.allgather(np.full(200_001 + rank, rank, dtype=np.float32))
+    assert big.size == sum(200_001 + r for r in range(size))
+    assert big[-1] == size - 1 and big[0] == 0
+    scalar_rows = rt.allgather(np.array([rank], dtype=np.int64))
+    assert scalar_rows.tolist() == list(range(size))
+    grouped = rt.grouped_allgather([np.array([rank]), np.full((2, 2), rank, dtype=np.int8)])
+    assert grouped[0].tolist() == list(range(size)) and grouped[1].shape == (2 * size, 2)
+
+
+def broadcast_cases() -> None:
+    rank, size = rt.rank(), rt.size()
+    for root in range(size):
+        for dtype in ("float32", "int8", "bfloat16", "float64"):
+            for length in (0, 1, 1001, 700_001):
+                if length > 1001 and dtype != "float32":
+                    continue
+                mine = to_wire(np.arange(length, dtype=np.float64) % 50 + rank, dtype)
+                extra = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
+                got = rt.broadcast(mine, root_rank=root, **extra)
+                want = np.arange(length, dtype=np.float64) % 50 + root
+                _close(got, want, dtype, 1, f"broadcast root={root} {dtype} n={length}")
+                inplace = mine.copy()
+                rt.broadcast(inplace, root_rank=root, out=inplace, **extra)
+                _close(inplace, want, dtype, 1, f"in-place broadcast root={root} {dtype}")
+
+
+def alltoall_cases() -> None:
+    rank, size = rt.rank(), rt.size()
+    for dtype in ("float32", "int64", "uint8", "bfloat16"):
+        splits = [(rank + j) % 3 for j in range(size)]
+        rows = [np.full((splits[j], 2), rank * 10 + j, dtype=np.float64) for j in range(size)]
+        data = to_wire(np.concatenate(rows) if rows else np.zeros((0, 2)), dtype)
+        extra = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
+        got, received = rt.alltoall(data, splits=splits, **extra)
+        want_splits = [(j + rank) % 3 for j in range(size)]
+        assert received.tolist() == want_splits, (received, want_splits)
+        want = np.concatenate([np.full((want_splits[j], 2), j * 10 + rank, dtype=np.float64) for j in range(size)])
+        _close(got.reshape(-1), want.reshape(-1), dtype, 1, f"alltoall {dtype}")
+    even, counts = rt.alltoall(np.arange(size * 2, dtype=np.int32) + 100 * rank)
+    assert counts.tolist() == [2] * size
+    assert even.tolist() == [100 * j + 2 * rank + k for j in range(size) for k in range(2)]
+
+
+def reducescatter_cases() -> None:
+    rank, size = rt.rank(), rt.size()
+    rows = 2 * size + 1
+    for dtype in ("float32", "int32", "float16", "bfloat16"):
+        for op in (rt.Sum, rt.Average, rt.Max):
+            data = to_wire(np.arange(rows * 2, dtype=np.float64).reshape(rows, 2) % 5 + rank, dtype)
+            extra = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
+            got = rt.reducescatter(data, op=op, **extra)
+            stack = np.stack([np.arange(rows * 2, dtype=np.float64).reshape(rows, 2) % 5 + r for r in range(size)])
+            full = {rt.Sum: stack.sum(0), rt.Max: stack.max(0)}.get(op)
+            if full is None:
+                full = stack.sum(0) / size
+                if dtype.startswith("int"):
+                    full = np.trunc(full)
+            counts = [rows // size + (1 if i < rows % size else 0) for i in range(size)]
+            lo = sum(counts[:rank])
+            want = full[lo:lo + counts[rank]]
+            assert got.shape == want.shape, (got.shape, want.shape)
+            _close(got.reshape(-1), want.reshape(-1), dtype, size, f"reducescatter {dtype} {op}")
+    grouped = rt.grouped_reducescatter([np.ones((size, 2), np.float32), np.ones((size * 3,), np.float64)], op=rt.Sum)
+    assert grouped[0].tolist() == [[size, size]] and grouped[1].tolist() == [size] * 3
+
+
+def grouped_and_async_cases() -> None:
+    rank, size = rt.rank(), rt.size()
+    outs = rt.grouped_allreduce([np.full(3, rank, np.float32), np.full(2, rank, np.int64)], op=rt.Sum)
+    assert outs[0].tolist() == [sum(range(size))] * 3 and outs[1].tolist() == [sum(range(size))] * 2
+    # Submit 40 named requests in a rank-dependent order; the engine agrees on one order.
+    names = [f"async.{i}" for i in range(40)]
+    order = names[rank:] + names[:rank] if rank % 2 == 0 else list(reversed(names))
+    handles = {n: rt.allreduce_async(np.full(17, int(n.split(".")[1]) + rank, np.float64), op=rt.Sum, name=n)
+               for n in order}
+    for n in names:
+        i = int(n.split(".")[1])
+        assert rt.synchronize(handles[n]).tolist() == [size * i + sum(range(size))] * 17
+        assert rt.poll(handles[n])
+
+
+def object_cases() -> None:
+    rank, size = rt.rank(), rt.size()
+    # Ranks pass objects of different types; names come from counters, so nobody waits forever.
+    sent = {"rank": rank, "fn": (lambda x: x + rank)} if rank == 0 else [rank]
+    got = rt.broadcast_object(sent, root_rank=0)
+    assert got["rank"] == 0 and got["fn"](1) == 1
+    gathered = rt.allgather_object(("r", rank, "x" * rank))
+    assert gathered == [("r", r, "x" * r) for r in range(size)]
+
+
+def barrier_and_process_sets() -> None:
+    rank, size = rt.rank(), rt.size()
+    rt.barrier()
+    evens = rt.add_process_set([r for r in range(size) if r % 2 == 0])
+    if evens.included():
+        out = rt.allreduce(np.array([rank + 1.0]), op=rt.Sum, process_set=evens)
+        assert out.tolist() == [sum(r + 1.0 for r in range(size) if r % 2 == 0)]
+        got = rt.broadcast(np.array([rank]), root_rank=evens.ranks[-1], process_set=evens)
+        assert got.tolist() == [evens.ranks[-1]]
+    rt.barrier()
+
+
+def join_cases() -> int:
+    """Rank r runs r + 1 steps, then joins; the rest go on with joined ranks contributing zeros."""
+    rank, size = rt.rank(), rt.size()
+    for step in range(rank + 1):
+        got = rt.allreduce(np.full(4, 1.0, np.float32), op=rt.Sum, name=f"join.step.{step}")
+        active = sum(1 for r in range(size) if r >= step)
+        assert got.tolist() == [float(active)] * 4, (step, got)
+        gathered = rt.allgather(np.full((1,), rank), name=f"join.gather.{step}")
+        assert gathered.tolist() == [r for r in range(size) if r >= step], gathered
+    return rt.join()
+
+
+CHECKS: Dict[str, Callable[[], object]] = {
+    "allreduce_matrix": allreduce_matrix,
+    "scaled_allreduce": scaled_allreduce,
+    "allgather": allgather_cases,
+    "broadcast": broadcast_cases,
+    "alltoall": alltoall_cases,
+    "reducescatter": reducescatter_cases,
+    "grouped_and_async": grouped_and_async_cases,
+    "objects": object_cases,
+    "barrier_and_process_sets": barrier_and_process_sets,
+    "join": join_cases,
+}
+
+
+def run_checks(names: List[str]) -> Dict[str, object]:
+    """Entry point inside a world: run the named checks in order, reporting each one's outcome."""
+    rt.init()
+    results: Dict[str, object] = {}
+    try:
+        for name in names:
+            start = time.perf_counter()
+            value = CHECKS[name]()
+            results[name] = {"value": value, "seconds": time.perf_counter() - start}
+    finally:
+        rt.shutdown()
+    return results

@@ -1,0 +1,23 @@
+"""The same checks with tensor fusion off and with the response cache off or tiny."""
+
+import pytest
+
+import checks
+
+SUBSET = ["allreduce_matrix", "grouped_and_async", "objects", "reducescatter", "join"]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"fusion_threshold": 0},
+        {"cache_capacity": 0},
+        {"cache_capacity": 3, "fusion_threshold": 4096},
+        {"cycle_time_ms": 2.0},
+    ],
+    ids=["fusion-off", "cache-off", "cache-tiny-evicting", "cycle-time"],
+)
+def test_checks_pass_with_settings(launch, settings):
+    """Results do not depend on fusion, caching or the cycle time: every check passes at np=2."""
+    results = launch(checks.run_checks, np=2, args=(SUBSET,), settings=settings)
+    assert all(set(SUBSET) <= set(r) for r in results)
