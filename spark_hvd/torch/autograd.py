@@ -1,0 +1,304 @@
+"""The differentiable collectives (``allreduce``, ``allgather``, ``broadcast``, ``alltoall``,
+``reducescatter`` and their grouped forms), with the gradients Horovod defines.
+
+Gradients, for a rank's output gradient ``g``:
+
+- allreduce: ``allreduce(g)`` with the same op and scale factors;
+- allgather: ``allreduce(g, op=Average)``, then this rank's rows of it;
+- broadcast: ``allreduce(g, op=Average)`` on the root rank, zeros elsewhere;
+- alltoall: ``alltoall(g)`` with the received splits as the send splits;
+- reducescatter: ``allgather(g)``, times the process set's size for op=Sum, times the scale factors.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from spark_hvd.torch.basics import Average, Sum, global_process_set, rank
+from spark_hvd.torch.compression import Compression, Compressor
+from spark_hvd.torch.mpi_ops import (
+    ALLGATHER,
+    ALLREDUCE,
+    ALLTOALL,
+    BROADCAST,
+    GROUPED_ALLGATHER,
+    GROUPED_ALLREDUCE,
+    GROUPED_REDUCESCATTER,
+    REDUCESCATTER,
+    dress,
+    enqueue,
+    resolve_op,
+)
+
+__all__ = [
+    "allreduce",
+    "grouped_allreduce",
+    "allgather",
+    "grouped_allgather",
+    "broadcast",
+    "alltoall",
+    "reducescatter",
+    "grouped_reducescatter",
+    "HorovodAllreduce",
+    "HorovodGroupedAllreduce",
+    "HorovodAllgather",
+    "HorovodGroupedAllgather",
+    "HorovodBroadcast",
+    "HorovodAlltoall",
+    "HorovodReducescatter",
+    "HorovodGroupedReducescatter",
+]
+
+
+def _set_rank(process_set: Any) -> int:
+    return process_set.rank() if process_set is not None else rank()
+
+
+def _set_size(process_set: Any) -> int:
+    from spark_hvd.torch.basics import size
+
+    return process_set.size() if process_set is not None else size()
+
+
+def _row_offset(rows: int, process_set: Any) -> int:
+    """Where this rank's rows start in an allgather result: the rows of the ranks before it."""
+    counts = enqueue("allgather", [torch.tensor([rows], dtype=torch.int64)], process_set=process_set).wait()
+    return int(counts[: _set_rank(process_set)].sum())
+
+
+def _rows(tensor: torch.Tensor) -> int:
+    return tensor.shape[0] if tensor.dim() > 0 else 1
+
+
+class HorovodAllreduce(torch.autograd.Function):
+    """Allreduce whose gradient is the allreduce of the output gradients (same op and factors)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str], op: int, prescale_factor: float,
+                postscale_factor: float, process_set: Any) -> torch.Tensor:
+        ctx.op, ctx.process_set = op, process_set
+        ctx.prescale_factor, ctx.postscale_factor = prescale_factor, postscale_factor
+        return enqueue("allreduce", [tensor], name=name, op=op, prescale_factor=prescale_factor,
+                       postscale_factor=postscale_factor, process_set=process_set).wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        grad = allreduce(grad_output, op=ctx.op, prescale_factor=ctx.prescale_factor,
+                         postscale_factor=ctx.postscale_factor, process_set=ctx.process_set)
+        return grad, None, None, None, None, None
+
+
+class HorovodGroupedAllreduce(torch.autograd.Function):
+    """Grouped allreduce; each gradient is reduced like :class:`HorovodAllreduce`'s."""
+
+    @staticmethod
+    def forward(ctx: Any, name: Optional[str], op: int, prescale_factor: float, postscale_factor: float,
+                process_set: Any, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        ctx.op, ctx.process_set = op, process_set
+        ctx.prescale_factor, ctx.postscale_factor = prescale_factor, postscale_factor
+        return tuple(enqueue("allreduce", tensors, grouped=True, name=name, op=op,
+                             prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                             process_set=process_set).wait())
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        grads = grouped_allreduce(list(grad_outputs), op=ctx.op, prescale_factor=ctx.prescale_factor,
+                                  postscale_factor=ctx.postscale_factor, process_set=ctx.process_set)
+        return (None, None, None, None, None, *grads)
+
+
+class HorovodAllgather(torch.autograd.Function):
+    """Allgather whose gradient is this rank's rows of the averaged output gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str], process_set: Any) -> torch.Tensor:
+        ctx.shape, ctx.process_set = tensor.shape, process_set
+        return enqueue("allgather", [tensor], name=name, process_set=process_set).wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        reduced = allreduce(grad_output, op=Average, process_set=ctx.process_set)
+        rows = ctx.shape[0] if len(ctx.shape) > 0 else 1
+        offset = _row_offset(rows, ctx.process_set)
+        return reduced.narrow(0, offset, rows).reshape(ctx.shape), None, None
+
+
+class HorovodGroupedAllgather(torch.autograd.Function):
+    """Grouped allgather; each gradient is computed like :class:`HorovodAllgather`'s."""
+
+    @staticmethod
+    def forward(ctx: Any, name: Optional[str], process_set: Any, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        ctx.shapes, ctx.process_set = [t.shape for t in tensors], process_set
+        return tuple(enqueue("allgather", tensors, grouped=True, name=name, process_set=process_set).wait())
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        reduced = grouped_allreduce(list(grad_outputs), op=Average, process_set=ctx.process_set)
+        rows = [s[0] if len(s) > 0 else 1 for s in ctx.shapes]
+        counts = enqueue("allgather", [torch.tensor([rows], dtype=torch.int64)],
+                         process_set=ctx.process_set).wait()
+        offsets = counts[: _set_rank(ctx.process_set)].sum(dim=0).tolist()
+        grads = [g.narrow(0, int(o), r).reshape(s) for g, o, r, s in zip(reduced, offsets, rows, ctx.shapes)]
+        return (None, None, *grads)
+
+
+class HorovodBroadcast(torch.autograd.Function):
+    """Broadcast whose gradient is the averaged output gradient on the root rank, zeros elsewhere."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: Optional[str], process_set: Any) -> torch.Tensor:
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        return enqueue("broadcast", [tensor], root_rank=root_rank, name=name, process_set=process_set).wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        reduced = allreduce(grad_output, op=Average, process_set=ctx.process_set)
+        if rank() != ctx.root_rank:
+            reduced = torch.zeros_like(reduced)
+        return reduced, None, None, None
+
+
+class HorovodAlltoall(torch.autograd.Function):
+    """Alltoall whose gradient sends the output gradient back along the received splits."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Optional[str],
+                process_set: Any) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        output, received_splits = enqueue("alltoall", [tensor], splits=splits, name=name,
+                                          process_set=process_set).wait()
+        ctx.received_splits, ctx.process_set = received_splits, process_set
+        if splits is None:
+            return output
+        ctx.mark_non_differentiable(received_splits)
+        return output, received_splits
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor, *unused: Any) -> Tuple[Optional[torch.Tensor], ...]:
+        grad, _ = alltoall(grad_output, splits=ctx.received_splits, process_set=ctx.process_set)
+        return grad, None, None, None
+
+
+class HorovodReducescatter(torch.autograd.Function):
+    """Reducescatter whose gradient is the allgather of the (scaled) output gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str], op: int, process_set: Any,
+                prescale_factor: float, postscale_factor: float) -> torch.Tensor:
+        ctx.scale = _scatter_grad_scale(op, process_set, prescale_factor, postscale_factor)
+        ctx.process_set = process_set
+        return enqueue("reducescatter", [tensor], name=name, op=op, prescale_factor=prescale_factor,
+                       postscale_factor=postscale_factor, process_set=process_set).wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        grad = grad_output * ctx.scale if ctx.scale != 1.0 else grad_output
+        return allgather(grad, process_set=ctx.process_set), None, None, None, None, None
+
+
+class HorovodGroupedReducescatter(torch.autograd.Function):
+    """Grouped reducescatter; each gradient is computed like :class:`HorovodReducescatter`'s."""
+
+    @staticmethod
+    def forward(ctx: Any, name: Optional[str], op: int, process_set: Any, prescale_factor: float,
+                postscale_factor: float, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        ctx.scale = _scatter_grad_scale(op, process_set, prescale_factor, postscale_factor)
+        ctx.process_set = process_set
+        return tuple(enqueue("reducescatter", tensors, grouped=True, name=name, op=op,
+                             prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                             process_set=process_set).wait())
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        grads = [g * ctx.scale if ctx.scale != 1.0 else g for g in grad_outputs]
+        return (None, None, None, None, None, *grouped_allgather(grads, process_set=ctx.process_set))
+
+
+def _scatter_grad_scale(op: int, process_set: Any, prescale_factor: float, postscale_factor: float) -> float:
+    scale = float(prescale_factor) * float(postscale_factor)
+    return scale * _set_size(process_set) if op == Sum else scale
+
+
+# --- Public differentiable functions ------------------------------------------------------------
+
+
+def _allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+               compression: type = Compression.none, op: Optional[int] = None, prescale_factor: float = 1.0,
+               postscale_factor: float = 1.0, process_set: Any = global_process_set) -> torch.Tensor:
+    sent, ctx = compression.compress(tensor)
+    out = HorovodAllreduce.apply(sent, name, resolve_op(op, average), prescale_factor, postscale_factor,
+                                 process_set)
+    return compression.decompress(out, ctx)
+
+
+def _grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                       name: Optional[str] = None, compression: type = Compression.none,
+                       op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: Any = global_process_set) -> List[torch.Tensor]:
+    sent, ctxs = _compress_all(compression, tensors)
+    outs = HorovodGroupedAllreduce.apply(name, resolve_op(op, average), prescale_factor, postscale_factor,
+                                         process_set, *sent)
+    return [compression.decompress(o, c) for o, c in zip(outs, ctxs)]
+
+
+def _allgather(tensor: torch.Tensor, name: Optional[str] = None,
+               process_set: Any = global_process_set) -> torch.Tensor:
+    return HorovodAllgather.apply(tensor, name, process_set)
+
+
+def _grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                       process_set: Any = global_process_set) -> List[torch.Tensor]:
+    return list(HorovodGroupedAllgather.apply(name, process_set, *tensors))
+
+
+def _broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+               process_set: Any = global_process_set) -> torch.Tensor:
+    return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
+
+
+def _alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
+              process_set: Any = global_process_set) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    return HorovodAlltoall.apply(tensor, splits, name, process_set)
+
+
+def _reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression: type = Compression.none,
+                   op: int = Average, process_set: Any = global_process_set, prescale_factor: float = 1.0,
+                   postscale_factor: float = 1.0) -> torch.Tensor:
+    sent, ctx = compression.compress(tensor)
+    out = HorovodReducescatter.apply(sent, name, op, process_set, prescale_factor, postscale_factor)
+    return compression.decompress(out, ctx)
+
+
+def _grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                           compression: type = Compression.none, op: int = Average,
+                           process_set: Any = global_process_set, prescale_factor: float = 1.0,
+                           postscale_factor: float = 1.0) -> List[torch.Tensor]:
+    sent, ctxs = _compress_all(compression, tensors)
+    outs = HorovodGroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor, *sent)
+    return [compression.decompress(o, c) for o, c in zip(outs, ctxs)]
+
+
+def _compress_all(compression: Compressor, tensors: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], List[Any]]:
+    pairs = [compression.compress(t) for t in tensors]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def _public(func: Any, verb: Any) -> Any:
+    # The hand-written signature must be the one the grid documents (Horovod's).
+    def shape(sig: inspect.Signature) -> list:
+        return [(p.name, p.kind, p.default) for p in sig.parameters.values()]
+
+    assert shape(inspect.signature(func)) == shape(verb.signature(with_compression=verb.compressible)), func
+    return dress(func, verb, blocking=True, inplace=False, module=__name__, differentiable=True)
+
+
+allreduce = _public(_allreduce, ALLREDUCE)
+grouped_allreduce = _public(_grouped_allreduce, GROUPED_ALLREDUCE)
+allgather = _public(_allgather, ALLGATHER)
+grouped_allgather = _public(_grouped_allgather, GROUPED_ALLGATHER)
+broadcast = _public(_broadcast, BROADCAST)
+alltoall = _public(_alltoall, ALLTOALL)
+reducescatter = _public(_reducescatter, REDUCESCATTER)
+grouped_reducescatter = _public(_grouped_reducescatter, GROUPED_REDUCESCATTER)

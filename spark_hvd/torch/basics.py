@@ -1,0 +1,173 @@
+"""Lifecycle, topology, reduction constants, process sets and build probes of spark_hvd.torch."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Iterable, List, Optional, Sequence, Union
+
+import spark_hvd.runtime as _rt
+from spark_hvd.runtime.errors import CollectiveError, NotInitializedError
+from spark_hvd.runtime.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+
+__all__ = [
+    "init",
+    "shutdown",
+    "is_initialized",
+    "rank",
+    "size",
+    "local_rank",
+    "local_size",
+    "cross_rank",
+    "cross_size",
+    "is_homogeneous",
+    "start_timeline",
+    "stop_timeline",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "gloo_built",
+    "gloo_enabled",
+    "nccl_built",
+    "ddl_built",
+    "ccl_built",
+    "cuda_built",
+    "rocm_built",
+    "ReduceOp",
+    "Average",
+    "Sum",
+    "Adasum",
+    "Min",
+    "Max",
+    "Product",
+    "ProcessSet",
+    "global_process_set",
+    "add_process_set",
+    "remove_process_set",
+    "HorovodInternalError",
+    "NotInitializedError",
+]
+
+HorovodInternalError = CollectiveError
+
+ProcessSet = _rt.ProcessSet
+global_process_set = _rt.global_process_set
+add_process_set = _rt.add_process_set
+remove_process_set = _rt.remove_process_set
+
+rank = _rt.rank
+size = _rt.size
+local_rank = _rt.local_rank
+local_size = _rt.local_size
+cross_rank = _rt.cross_rank
+cross_size = _rt.cross_size
+is_initialized = _rt.is_initialized
+shutdown = _rt.shutdown
+start_timeline = _rt.start_timeline
+stop_timeline = _rt.stop_timeline
+
+
+def _check_comm(comm: Any) -> None:
+    if comm is None:
+        return
+    if isinstance(comm, (list, tuple, range)):
+        world = _rt.size()
+        if sorted(comm) == list(range(world)):
+            return
+        raise ValueError(
+            f"init(comm={list(comm)!r}) asks for a sub-world of the {world} launched ranks, which spark-hvd "
+            "does not form; launch only the processes you need (spark-hvd-run -np N), or keep all ranks "
+            "and use process sets: init(process_sets=[ProcessSet(ranks)])"
+        )
+    raise ValueError(
+        f"init(comm={type(comm).__name__}) is not supported: spark-hvd forms its world from the launcher's "
+        "environment, not from an MPI communicator. Call init() without comm."
+    )
+
+
+def init(comm: Optional[Sequence[int]] = None,
+         process_sets: Optional[Union[str, Iterable[Any]]] = None) -> None:
+    """Join the job started by the launcher (or form a one-process world without one).
+
+    ``comm`` may list every launched rank (accepted for Horovod compatibility); a strict subset
+    is refused with an explanation. ``process_sets`` is a list of :class:`ProcessSet` objects (or
+    rank lists) registered on every rank right after start-up, or ``"dynamic"``; process sets can
+    always be added later with :func:`add_process_set`. Calling ``init()`` again while
+    initialized does nothing.
+    """
+    if process_sets is not None and not isinstance(process_sets, str):
+        process_sets = list(process_sets)
+    elif isinstance(process_sets, str) and process_sets != "dynamic":
+        raise ValueError(f"process_sets={process_sets!r} is invalid: expected a list of ProcessSet or 'dynamic'")
+    if not _rt.is_initialized():
+        _rt.init()
+    _check_comm(comm)
+    for entry in process_sets if isinstance(process_sets, list) else ():
+        _register(entry)
+
+
+def _register(entry: Any) -> Any:
+    if isinstance(entry, ProcessSet) and getattr(entry, "process_set_id", None) is not None:
+        return entry
+    return _rt.add_process_set(entry)
+
+
+def is_homogeneous() -> bool:
+    """Whether every host runs the same number of ranks."""
+    return bool(_rt.is_homogeneous())
+
+
+def _module_available(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def mpi_built() -> bool:
+    """Whether the MPI backend can be used here (mpi4py is installed)."""
+    return _module_available("mpi4py")
+
+
+def mpi_enabled() -> bool:
+    """Whether the running job moves data through MPI."""
+    return bool(getattr(_rt, "mpi_enabled", lambda: False)())
+
+
+def mpi_threads_supported() -> bool:
+    """Whether MPI is in use with multi-threading support (False when MPI is not in use)."""
+    return mpi_enabled()
+
+
+def gloo_built() -> bool:
+    """Always False: spark-hvd has its own ring transport and does not include Gloo."""
+    return False
+
+
+def gloo_enabled() -> bool:
+    """Always False: see :func:`gloo_built`."""
+    return False
+
+
+def nccl_built() -> bool:
+    """Whether CUDA tensors are reduced with NCCL; False: they are staged through host memory."""
+    return False
+
+
+def ddl_built() -> bool:
+    """Always False: IBM DDL is not supported."""
+    return False
+
+
+def ccl_built() -> bool:
+    """Always False: oneCCL is not supported."""
+    return False
+
+
+def cuda_built() -> bool:
+    """Whether collectives run on CUDA devices; False: CUDA tensors go through host memory."""
+    return False
+
+
+def rocm_built() -> bool:
+    """Always False: ROCm is not supported."""
+    return False

@@ -1,0 +1,367 @@
+"""``DistributedOptimizer``: averages gradients over all ranks, starting each gradient's allreduce
+from a hook the moment backward has produced it, so communication overlaps the rest of backward.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from contextlib import contextmanager
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from spark_hvd.torch.basics import Adasum, Average, global_process_set
+from spark_hvd.torch.compression import Compression, Compressor
+from spark_hvd.torch.mpi_ops import Handle, enqueue, sparse_allreduce_async
+
+__all__ = ["DistributedOptimizer"]
+
+_TOO_MANY_PASSES = (
+    "Gradients were computed more than backward_passes_per_step times before call to step(). "
+    "Increase backward_passes_per_step to accumulate gradients locally."
+)
+_ZERO_GRAD_RACE = (
+    "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+    "optimizer.synchronize(). This is prohibited as it can cause a race condition."
+)
+
+# A pending reduction: the handle (None while gradients still accumulate locally) and the
+# compression context(s) needed to unpack its result.
+_Pending = Tuple[Optional[Handle], Any]
+
+
+def _named(optimizer: torch.optim.Optimizer,
+           named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]]) -> List[Tuple[str, torch.Tensor]]:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        # One index across all groups, so names stay unique with several param groups.
+        return [(f"allreduce.noname.{i}", p) for i, p in enumerate(params)]
+    named = list(named_parameters)
+    bad = [entry for entry in named if not (isinstance(entry, tuple) and len(entry) == 2)]
+    if bad:
+        raise ValueError(
+            f"named_parameters should be a sequence of (name, parameter) tuples, usually "
+            f"model.named_parameters(); got an entry {bad[0]!r:.80}"
+        )
+    seen, duplicates = set(), []
+    for name, _ in named:
+        if name in seen:
+            duplicates.append(name)
+        seen.add(name)
+    if duplicates:
+        raise ValueError(
+            f"Parameter names in named_parameters must be unique; found duplicates: {sorted(set(duplicates))}. "
+            "Pass model.named_parameters() of one model, or prefix the names of each model."
+        )
+    named_ids = {id(p) for _, p in named}
+    unnamed = [i for i, p in enumerate(params) if id(p) not in named_ids]
+    if unnamed:
+        raise ValueError(
+            f"named_parameters was specified, but {len(unnamed)} parameter(s) of the optimizer are not named "
+            f"(positions {unnamed[:10]} in optimizer.param_groups order). Pass the named_parameters() of "
+            "every module whose parameters the optimizer updates."
+        )
+    return named
+
+
+def _split(items: Sequence[torch.Tensor], parts: int) -> List[Tuple[torch.Tensor, ...]]:
+    """``parts`` contiguous slices of near-equal length (the first ones one longer)."""
+    parts = max(1, min(parts, len(items)))
+    base, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        stop = start + base + (1 if i < extra else 0)
+        out.append(tuple(items[start:stop]))
+        start = stop
+    return [g for g in out if g]
+
+
+class _DistributedOptimizer:
+    """Methods mixed in front of the wrapped optimizer's class (see :func:`DistributedOptimizer`)."""
+
+    def _hvd_setup(self, named: List[Tuple[str, torch.Tensor]], compression: Compressor,
+                   backward_passes_per_step: int, op: int, gradient_predivide_factor: float,
+                   groups: Union[None, int, Sequence[Sequence[torch.Tensor]]], sparse_as_dense: bool,
+                   process_set: Any) -> None:
+        self._compression = compression
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        names = {p: name for name, p in named}
+        self._parameter_names: Dict[torch.Tensor, str] = {p: names[p] for p in trainable}
+        self._allreduce_delay: Dict[torch.Tensor, int] = {p: backward_passes_per_step for p in trainable}
+        self._requires_update = list(trainable)
+        self._handles: Dict[Any, _Pending] = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        self._group_of: Dict[torch.Tensor, Tuple[torch.Tensor, ...]] = {}
+        self._group_ready: Dict[Tuple[torch.Tensor, ...], int] = {}
+        self._hook_handles: List[Any] = []
+        self._set_groups(groups, trainable)
+        size = process_set.size() if process_set is not None else 1
+        self._communicate = size > 1
+        if self._communicate:
+            self._register_hooks(trainable)
+
+    # -- configuration ---------------------------------------------------------------------------
+    def _set_groups(self, groups: Any, trainable: List[torch.Tensor]) -> None:
+        if groups is None or groups == 0:
+            return
+        if isinstance(groups, int):
+            if groups < 0:
+                raise ValueError(f"groups={groups} is invalid: expected a number of groups >= 0 or a list of lists")
+            chosen = _split(trainable, groups)
+        else:
+            known = {p for p in trainable}
+            chosen = []
+            for i, group in enumerate(groups):
+                group = tuple(group)
+                stray = [j for j, p in enumerate(group) if p not in known]
+                if stray:
+                    raise ValueError(
+                        f"groups[{i}] holds tensors at positions {stray} that are not trainable parameters of "
+                        "this optimizer; groups must list the optimizer's parameters (requires_grad=True)"
+                    )
+                taken = [j for j, p in enumerate(group) if p in self._group_of]
+                if taken:
+                    raise ValueError(f"groups[{i}] repeats parameters already in an earlier group (positions {taken})")
+                for p in group:
+                    self._group_of[p] = group
+                chosen.append(group)
+        for group in chosen:
+            for p in group:
+                self._group_of[p] = group
+            self._group_ready[group] = 0
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes accumulate locally before gradients are reduced."""
+        if passes < 1:
+            raise ValueError(f"backward_passes_per_step={passes} is invalid: expected at least 1")
+        self.backward_passes_per_step = passes
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = passes
+
+    def _register_hooks(self, trainable: List[torch.Tensor]) -> None:
+        owner = weakref.ref(self)
+
+        def make_hook(p: torch.Tensor) -> Any:
+            def hook(param: torch.Tensor) -> None:
+                optimizer = owner()
+                # A discarded optimizer must not keep reducing gradients of a live model.
+                if optimizer is not None:
+                    optimizer._gradient_ready(p)
+
+            return hook
+
+        for p in trainable:
+            self._hook_handles.append(p.register_post_accumulate_grad_hook(make_hook(p)))
+
+    def __del__(self) -> None:
+        for handle in getattr(self, "_hook_handles", ()):
+            handle.remove()
+
+    # -- reduction ------------------------------------------------------------------------------------
+    def _scales(self) -> Tuple[float, float]:
+        if self.op == Average:
+            # Split the averaging around the sum; the runtime divides by the size afterwards.
+            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        return 1.0, 1.0
+
+    def _dense_grad(self, p: torch.Tensor) -> torch.Tensor:
+        if p.grad is None:
+            # Another rank may have used this parameter this step; contribute zeros so it is not kept waiting.
+            p.grad = torch.zeros_like(p)
+        elif p.grad.is_sparse and self.sparse_as_dense:
+            p.grad = p.grad.to_dense()
+        return p.grad
+
+    def _start(self, p: torch.Tensor) -> _Pending:
+        grad = self._dense_grad(p)
+        name = self._parameter_names[p]
+        if grad.is_sparse:
+            return sparse_allreduce_async(grad, name=name, op=self.op, process_set=self.process_set), "sparse"
+        sent, ctx = self._compression.compress(grad)
+        pre, post = self._scales()
+        handle = enqueue("allreduce", [sent], inplace=True, name=name, op=self.op, prescale_factor=pre,
+                         postscale_factor=post, process_set=self.process_set)
+        return handle, (sent, ctx)
+
+    def _start_group(self, group: Tuple[torch.Tensor, ...]) -> _Pending:
+        grads = [self._dense_grad(p) for p in group]
+        packed = [self._compression.compress(g) for g in grads]
+        sent = [s for s, _ in packed]
+        pre, post = self._scales()
+        handle = enqueue("allreduce", sent, grouped=True, inplace=True, name=self._parameter_names[group[0]],
+                         op=self.op, prescale_factor=pre, postscale_factor=post, process_set=self.process_set)
+        return handle, packed
+
+    def _gradient_ready(self, p: torch.Tensor) -> None:
+        if self._allreduce_delay[p] <= 0:
+            raise AssertionError(_TOO_MANY_PASSES)
+        self._allreduce_delay[p] -= 1
+        if self._allreduce_delay[p] > 0:
+            self._handles[p] = (None, None)
+            return
+        self._handles.pop(p, None)
+        group = self._group_of.get(p)
+        if group is None:
+            self._handles[p] = self._start(p)
+            return
+        self._group_ready[group] += 1
+        if self._group_ready[group] == len(group):
+            self._handles[group] = self._start_group(group)
+
+    def _finish(self, p: torch.Tensor, pending: _Pending) -> None:
+        handle, ctx = pending
+        result = handle.wait()
+        if ctx == "sparse":
+            p.grad = result
+            return
+        sent, cctx = ctx
+        if sent is not p.grad:
+            with torch.no_grad():
+                p.grad.copy_(self._compression.decompress(result, cctx))
+
+    def synchronize(self) -> None:
+        """Wait until every gradient has been reduced over all ranks (starting any not yet started).
+
+        Afterwards ``p.grad`` holds the averaged gradient on every rank. Call it before modifying
+        gradients (clipping), then ``step()`` inside ``skip_synchronize()``.
+        """
+        if not self._communicate:
+            self._synchronized = True
+            return
+        started = set()
+        for key, (handle, _) in self._handles.items():
+            if handle is not None:
+                started.update(key if isinstance(key, tuple) else (key,))
+        # Placeholders mark gradients still accumulating locally: reduce what has accumulated.
+        self._handles = {key: pending for key, pending in self._handles.items() if pending[0] is not None}
+        for p in self._requires_update:
+            if p not in self._group_of and p not in started:
+                self._handles[p] = self._start(p)
+        for group in self._group_ready:
+            if group not in self._handles:
+                self._handles[group] = self._start_group(group)
+        for key, pending in self._handles.items():
+            if isinstance(key, tuple):
+                handle, packed = pending
+                results = handle.wait()
+                for p, result, (sent, cctx) in zip(key, results, packed):
+                    if sent is not p.grad:
+                        with torch.no_grad():
+                            p.grad.copy_(self._compression.decompress(result, cctx))
+            else:
+                self._finish(key, pending)
+        self._handles.clear()
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        for group in self._group_ready:
+            self._group_ready[group] = 0
+        self._synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Within this context, ``step()`` does not synchronize (use after an explicit ``synchronize()``)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Any = None) -> Any:
+        """Synchronize (unless inside ``skip_synchronize()``), then apply the wrapped optimizer's update."""
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+                    "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.",
+                    stacklevel=2,
+                )
+            self.synchronize()
+        self._synchronized = False
+        return super().step(closure)  # type: ignore[misc]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients; refused while reductions are pending (between backward and step)."""
+        if self._handles:
+            raise AssertionError(_ZERO_GRAD_RACE)
+        super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load the wrapped optimizer's state and forget any pending reduction."""
+        self._handles = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+
+
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
+    compression: Compressor = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: int = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Union[None, int, Sequence[Sequence[torch.Tensor]]] = None,
+    sparse_as_dense: bool = False,
+    process_set: Any = global_process_set,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
+
+    Each parameter's allreduce starts from a hook as soon as backward has accumulated its
+    gradient, overlapping communication with the rest of backward; ``step()`` waits for them.
+    The returned object is an instance of a subclass of the optimizer's class (so ``isinstance``
+    and learning-rate schedulers keep working) sharing its state and param groups.
+
+    Arguments:
+        optimizer: The torch optimizer to wrap.
+        named_parameters: ``model.named_parameters()``; names key the allreduce operations (and
+            must be unique). Without them, parameters are numbered.
+        compression: ``Compression.none`` or ``Compression.fp16`` (gradients travel as float16).
+        backward_passes_per_step: Backward passes accumulated locally before one reduction.
+        op: ``Average`` (default) or ``Sum``. ``Adasum`` is not supported yet.
+        gradient_predivide_factor: With op=Average, gradients are scaled by 1/factor before the
+            sum and factor/size after it.
+        num_groups: Deprecated spelling of ``groups`` as a number.
+        groups: A number of groups to split the parameters into, or a list of lists of parameters;
+            each group is reduced as one grouped operation once all its gradients are ready.
+        sparse_as_dense: Reduce sparse gradients as dense tensors (otherwise they are allgathered).
+        process_set: Ranks that average their gradients (default: all ranks).
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError("optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
+    if op == Adasum:
+        raise ValueError("op=Adasum is not supported yet by spark-hvd; use op=Average (the default) or op=Sum")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError(
+            f"gradient_predivide_factor={gradient_predivide_factor} is only supported with op=Average, got op={op!r}"
+        )
+    if gradient_predivide_factor <= 0:
+        raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} is invalid: expected a value > 0")
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+            or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} is invalid: expected an int >= 1")
+    if num_groups:
+        warnings.warn("num_groups is deprecated; pass groups=<number> instead", DeprecationWarning, stacklevel=2)
+        if groups is None:
+            groups = num_groups
+    named = _named(optimizer, named_parameters)
+    cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
+    # Adopt the optimizer's attributes instead of constructing anew: its state (a loaded
+    # checkpoint), defaults and hooks carry over, and constructors with required arguments work.
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped._hvd_setup(named, compression, backward_passes_per_step, op, gradient_predivide_factor, groups,
+                       sparse_as_dense, process_set)
+    return wrapped
