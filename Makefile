@@ -25,12 +25,16 @@ $(PETASTORM_STAMP): pyproject.toml constraints/petastorm.txt
 	touch $(PETASTORM_STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/demo_train.py
+	$(VENV)/bin/spark-hvd-run -np 2 python examples/demo_train.py
 
-test: test-main
+test: test-main test-petastorm
 
 test-main: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests -m "not petastorm"
+
+# The data and estimator tests again, on the pinned versions petastorm needs (pyarrow<15, numpy<2).
+test-petastorm: $(PETASTORM_STAMP)
+	$(PETASTORM_VENV)/bin/python -m pytest -q tests/spark/test_data.py tests/spark/test_reader.py -m "petastorm or not petastorm"
 
 bench: $(STAMP)
 	$(PIP) install -q -c constraints/ci.txt -e ".[mpi]"

@@ -125,6 +125,11 @@ def reduce_into(acc: np.ndarray, other: np.ndarray, op: ReduceOp, wire: str) -> 
     """acc = op(acc, other), elementwise, in place; both hold ``wire`` storage."""
     if acc.size == 0:
         return
+    with np.errstate(over="ignore", invalid="ignore"):  # inf/nan follow IEEE rules, as in frameworks
+        _reduce(acc, other, op, wire)
+
+
+def _reduce(acc: np.ndarray, other: np.ndarray, op: ReduceOp, wire: str) -> None:
     if wire == "bfloat16":
         result = _REDUCERS[op](_bf16_to_f32(acc), _bf16_to_f32(other))
         _f32_to_bf16(result, acc)
