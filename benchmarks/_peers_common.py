@@ -1,0 +1,152 @@
+"""The measurement loop every framework's ranks run: the same sweep, warm-up and timing rules for all.
+
+A framework plugs in through a small adapter (:class:`Collectives`); :func:`measure` runs the size
+sweep and the 200-gradient case on it and returns this rank's raw per-iteration times. The
+launcher combines ranks by taking, for each iteration, the slowest rank's time, then the median.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any, Dict, List, Protocol, Sequence
+
+__all__ = ["Collectives", "measure", "iterations_for", "warmup_for", "write_rank_result", "read_plan", "MiB"]
+
+KiB = 1024
+MiB = 1024 * KiB
+
+
+class Collectives(Protocol):
+    """What the sweep needs from a framework, on buffers the adapter allocates itself."""
+
+    rank: int
+    size: int
+
+    def buffer(self, nbytes: int) -> Any:
+        """A float32 buffer of ``nbytes`` bytes, zero-filled."""
+
+    def fill(self, buf: Any, value: float) -> None: ...
+
+    def holds(self, buf: Any, value: float) -> bool:
+        """True when every element of ``buf`` equals ``value``."""
+
+    def allreduce(self, buf: Any) -> None:
+        """Blocking in-place float32 Sum allreduce of ``buf``."""
+
+    def allreduce_many(self, bufs: Sequence[Any]) -> None:
+        """Submit an in-place Sum allreduce of every buffer asynchronously, then wait for all."""
+
+    def barrier(self) -> None: ...
+
+    def max_scalar(self, value: float) -> float:
+        """The largest ``value`` over all ranks."""
+
+
+def warmup_for(nbytes: int, quick: bool) -> int:
+    """Untimed iterations before a size is measured: enough to settle buffers and connections."""
+    if nbytes <= MiB:
+        return 5 if quick else 10
+    if nbytes <= 16 * MiB:
+        return 2 if quick else 3
+    return 1 if quick else 2
+
+
+def iterations_for(estimate_s: float, budget_s: float, min_iters: int, max_iters: int) -> int:
+    """Timed iterations that fit ``budget_s`` at ``estimate_s`` each, within [min_iters, max_iters]."""
+    if estimate_s <= 0:
+        return max_iters
+    return max(min_iters, min(max_iters, int(budget_s / estimate_s)))
+
+
+def _timed(op, buf: Any, count: int) -> List[float]:
+    times = []
+    clock = time.perf_counter
+    for _ in range(count):
+        start = clock()
+        op(buf)
+        times.append(clock() - start)
+    return times
+
+
+def _agreed_iterations(c: Collectives, warm_times: List[float], plan: Dict[str, Any]) -> int:
+    # Every rank must run the same count, so the estimate is the slowest rank's.
+    tail = sorted(warm_times[len(warm_times) // 2:]) or [0.0]
+    estimate = c.max_scalar(tail[len(tail) // 2])
+    return iterations_for(estimate, plan["budget_s"], plan["min_iters"], plan["max_iters"])
+
+
+def _sweep_size(c: Collectives, nbytes: int, plan: Dict[str, Any]) -> Dict[str, Any]:
+    buf = c.buffer(nbytes)
+    # One checked call first: a benchmark of a wrong answer is worthless.
+    c.fill(buf, float(c.rank + 1))
+    c.allreduce(buf)
+    expected = float(c.size * (c.size + 1) // 2)
+    if not c.holds(buf, expected):
+        raise RuntimeError(f"allreduce of {nbytes} bytes gave a wrong result on rank {c.rank}; expected {expected}")
+    # Zeros keep repeated in-place sums finite (and free of denormals) for any iteration count.
+    c.fill(buf, 0.0)
+    warm = _timed(c.allreduce, buf, warmup_for(nbytes, plan["quick"]))
+    iters = _agreed_iterations(c, warm, plan)
+    c.barrier()
+    times = _timed(c.allreduce, buf, iters)
+    del buf
+    return {"iters": iters, "times_s": times}
+
+
+def _async_case(c: Collectives, plan: Dict[str, Any]) -> Dict[str, Any]:
+    count, each = plan["async_count"], plan["async_bytes"]
+    grads = [c.buffer(each) for _ in range(count)]
+    for g in grads:
+        c.fill(g, float(c.rank + 1))
+    c.allreduce_many(grads)
+    expected = float(c.size * (c.size + 1) // 2)
+    if not all(c.holds(g, expected) for g in grads):
+        raise RuntimeError(f"asynchronous allreduce of {count} buffers gave a wrong result on rank {c.rank}")
+    for g in grads:
+        c.fill(g, 0.0)
+    warm = _timed(c.allreduce_many, grads, 3 if plan["quick"] else 5)
+    rounds = _agreed_iterations(c, warm, {**plan, "budget_s": plan["async_budget_s"],
+                                          "min_iters": plan["async_min_rounds"],
+                                          "max_iters": plan["async_max_rounds"]})
+    c.barrier()
+    batched = _timed(c.allreduce_many, grads, rounds)
+    single = _sweep_size(c, count * each, plan)
+    return {"count": count, "bytes_each": each, "rounds": rounds, "times_s": batched,
+            "single_bytes": count * each, "single": single}
+
+
+def measure(c: Collectives, plan: Dict[str, Any]) -> Dict[str, Any]:
+    """Run the size sweep and (if planned) the asynchronous case; this rank's raw times."""
+    started = time.perf_counter()
+    sizes = {}
+    for nbytes in plan["sizes"]:
+        sizes[str(nbytes)] = _sweep_size(c, nbytes, plan)
+    result: Dict[str, Any] = {"rank": c.rank, "size": c.size, "sizes": sizes}
+    if plan["async_count"]:
+        result["async"] = _async_case(c, plan)
+    result["wall_s"] = time.perf_counter() - started
+    result["pid"] = os.getpid()
+    result["python"] = platform.python_version()
+    return result
+
+
+def write_rank_result(out_dir: str, rank: int, result: Dict[str, Any]) -> None:
+    """Write one rank's result where the launcher collects it (atomically: a reader never sees half)."""
+    path = os.path.join(out_dir, f"rank{rank}.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, path)
+
+
+def read_plan(argv: Sequence[str]) -> Dict[str, Any]:
+    """The plan and output folder a peer script gets on its command line: PLAN_JSON OUT_DIR."""
+    if len(argv) != 2:
+        print(f"usage: {sys.argv[0]} PLAN_JSON OUT_DIR (started by benchmarks/collectives.py)", file=sys.stderr)
+        raise SystemExit(2)
+    with open(argv[0]) as f:
+        return json.load(f)

@@ -1,0 +1,58 @@
+"""spark-hvd's side of the benchmark: the function each rank runs under ``spark_hvd.runner.run``."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Sequence
+
+import numpy as np
+
+from _peers_common import measure
+
+__all__ = ["run_rank"]
+
+
+class _SparkHvd:
+    """In-place Sum allreduce on numpy float32 buffers, through the spark-hvd engine."""
+
+    def __init__(self, hvd: Any) -> None:
+        self.hvd = hvd
+        self.rank = hvd.rank()
+        self.size = hvd.size()
+
+    def buffer(self, nbytes: int) -> np.ndarray:
+        return np.zeros(nbytes // 4, dtype=np.float32)
+
+    def fill(self, buf: np.ndarray, value: float) -> None:
+        buf.fill(value)
+
+    def holds(self, buf: np.ndarray, value: float) -> bool:
+        return bool(np.all(buf == value))
+
+    def allreduce(self, buf: np.ndarray) -> None:
+        # A stable name per size, as a training loop's gradients have.
+        self.hvd.allreduce(buf, op=self.hvd.Sum, out=buf, name=f"bench.{buf.nbytes}")
+
+    def allreduce_many(self, bufs: Sequence[np.ndarray]) -> None:
+        hvd = self.hvd
+        handles = [hvd.allreduce_async(b, op=hvd.Sum, out=b, name=f"grad.{i}") for i, b in enumerate(bufs)]
+        for handle in handles:
+            hvd.synchronize(handle)
+
+    def barrier(self) -> None:
+        self.hvd.barrier()
+
+    def max_scalar(self, value: float) -> float:
+        return float(self.hvd.allreduce(np.array([value], dtype=np.float64), op=self.hvd.Max, name="bench.max")[0])
+
+
+def run_rank(plan: Dict[str, Any]) -> Dict[str, Any]:
+    import spark_hvd
+    import spark_hvd.runtime as hvd
+
+    hvd.init()
+    try:
+        result = measure(_SparkHvd(hvd), plan)
+        result["version"] = getattr(spark_hvd, "__version__", "unknown")
+        return result
+    finally:
+        hvd.shutdown()

@@ -1,0 +1,521 @@
+"""Allreduce side by side: spark-hvd, torch.distributed (gloo) and mpi4py (mpich) on this machine.
+
+    python benchmarks/collectives.py [--np 2 3] [--sizes 4 64K 1M] [--quick] [--json PATH]
+
+For each world size, each available framework's world is launched once and runs the same sweep:
+an in-place float32 Sum allreduce per size (warm-up, then timed iterations bounded by a time
+budget), then 200 buffers of 16 KiB submitted asynchronously and waited for, next to one
+allreduce of their combined size. Per iteration the slowest rank's time counts; the table shows
+the median, algorithm bandwidth (bytes / time) and bus bandwidth (algbw x 2(n-1)/n, what a ring
+moves per link), the ratios of spark-hvd to each peer, and the targets the project set itself.
+Raw numbers, versions and machine facts go to a JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    # The peer modules live next to this file; spark-hvd's ranks import them by this path too.
+    sys.path.insert(0, str(HERE))
+
+from _peers_common import KiB, MiB  # noqa: E402
+
+__all__ = ["main", "parse_size", "summarize_times", "FRAMEWORKS"]
+
+FRAMEWORKS = ("spark-hvd", "gloo", "mpi")
+PEERS = ("gloo", "mpi")
+DEFAULT_JSON = HERE / "results" / "collectives.json"
+FULL_SIZES = [4 ** k for k in range(1, 15)]  # 4 B, 16 B, ..., 64 MiB, 256 MiB
+QUICK_SIZES = [4, 64 * KiB, MiB, 16 * MiB]
+ASYNC_COUNT = 200
+ASYNC_BYTES = 16 * KiB
+
+
+# -- arguments ---------------------------------------------------------------------------------
+def parse_size(text: str) -> int:
+    """Bytes from ``4``, ``64K``, ``64KiB``, ``1M``, ``256MiB`` (binary units); a multiple of 4."""
+    match = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)(?:i?[bB])?\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"size {text!r} is not understood: expected e.g. 4, 64K, 1M or 256MiB")
+    value = int(match.group(1)) * {"": 1, "k": KiB, "m": MiB, "g": 1024 * MiB}[match.group(2).lower()]
+    if value < 4 or value % 4:
+        raise argparse.ArgumentTypeError(
+            f"size {text!r} = {value} bytes is invalid: expected a positive multiple of 4 (float32 elements)")
+    return value
+
+
+def size_label(nbytes: int) -> str:
+    for unit, scale in (("MiB", MiB), ("KiB", KiB)):
+        if nbytes >= scale:
+            value = nbytes / scale
+            return f"{value:g} {unit}" if value == int(value) else f"{value:.2f} {unit}"
+    return f"{nbytes} B"
+
+
+def _setting(text: str) -> Tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--hvd-setting {text!r}: expected KEY=VALUE, e.g. cycle_time_ms=1")
+    return key, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Allreduce latency and bandwidth of spark-hvd next to gloo and MPI on this machine.")
+    parser.add_argument("--np", type=int, nargs="+", metavar="N",
+                        help="world sizes to run (default: 2 3; with --quick: 2)")
+    parser.add_argument("--sizes", type=parse_size, nargs="+", metavar="SIZE",
+                        help="message sizes in bytes, K/M suffixes allowed (default: powers of 4 from 4 B to 256 MiB)")
+    parser.add_argument("--quick", action="store_true",
+                        help="np=2, sizes 4 B, 64 KiB, 1 MiB, 16 MiB and fewer iterations (under a minute)")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, metavar="PATH",
+                        help=f"where to write the raw results (default: {DEFAULT_JSON.relative_to(HERE.parent)})")
+    parser.add_argument("--frameworks", nargs="+", choices=FRAMEWORKS, default=list(FRAMEWORKS),
+                        help="frameworks to run (default: all that are installed)")
+    parser.add_argument("--no-async", action="store_true", help="skip the 200 x 16 KiB asynchronous case")
+    parser.add_argument("--hvd-setting", type=_setting, action="append", default=[], metavar="KEY=VALUE",
+                        help="a spark-hvd runtime setting for its world, e.g. fusion_threshold=0 (repeatable)")
+    parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                        help="limit for one framework's world (default: 120 with --quick, else 600)")
+    return parser
+
+
+def build_plan(args: argparse.Namespace) -> Dict[str, Any]:
+    quick = bool(args.quick)
+    sizes = sorted(set(args.sizes or (QUICK_SIZES if quick else FULL_SIZES)))
+    timeout = args.timeout or (120.0 if quick else 600.0)
+    if timeout <= 0:
+        raise ValueError(f"--timeout={timeout} is invalid: expected seconds > 0")
+    plan = {
+        "quick": quick,
+        "sizes": sizes,
+        # Seconds of timed iterations per size, and the bounds on their number.
+        "budget_s": 0.1 if quick else 0.5,
+        "min_iters": 3 if quick else 5,
+        "max_iters": 300 if quick else 2000,
+        "async_count": 0 if args.no_async else ASYNC_COUNT,
+        "async_bytes": ASYNC_BYTES,
+        "async_budget_s": 0.5 if quick else 2.0,
+        "async_min_rounds": 3 if quick else 5,
+        "async_max_rounds": 10 if quick else 50,
+        "world_timeout_s": timeout,
+    }
+    return plan
+
+
+# -- launching worlds --------------------------------------------------------------------------
+class WorldFailed(RuntimeError):
+    """A framework's world did not produce results; the message says why."""
+
+
+def _child_env(extra: Dict[str, str]) -> Dict[str, str]:
+    env = dict(os.environ)
+    # One compute thread per rank for every framework: ranks share the cores with each other.
+    env.update({"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.update(extra)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _stop(procs: Sequence[subprocess.Popen]) -> None:
+    """Terminate the worlds we started (each in its own session), then kill what is left."""
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+    deadline = time.monotonic() + 3.0
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait(5.0)
+
+
+def _run_processes(commands: List[Tuple[List[str], Dict[str, str]]], out_dir: Path, size: int,
+                   timeout: float) -> List[Dict[str, Any]]:
+    """Start the commands, wait for all (stopping the rest when one fails), read every rank's result."""
+    procs: List[subprocess.Popen] = []
+    logs: List[Path] = []
+    try:
+        for i, (cmd, env) in enumerate(commands):
+            log = out_dir / f"output{i}.txt"
+            logs.append(log)
+            with open(log, "wb") as f:
+                procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                              stdin=subprocess.DEVNULL, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                i, code = failed[0]
+                raise WorldFailed(f"process {i} ({' '.join(commands[i][0][-3:-2])}) exited with code {code}:\n"
+                                  + _tail(logs[i]))
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() > deadline:
+                raise WorldFailed(f"did not finish within {timeout:.0f} s (raise --timeout); last output:\n"
+                                  + _tail(logs[0]))
+            time.sleep(0.05)
+    finally:
+        _stop(procs)
+    results = []
+    for rank in range(size):
+        path = out_dir / f"rank{rank}.json"
+        if not path.exists():
+            raise WorldFailed(f"rank {rank} finished without writing {path.name}:\n" + _tail(logs[0]))
+        results.append(json.loads(path.read_text()))
+    return results
+
+
+def run_sparkhvd(np_: int, plan: Dict[str, Any], settings: Dict[str, str]) -> List[Dict[str, Any]]:
+    from spark_hvd.runner import run
+    from spark_hvd.runner.errors import RankFailedError
+
+    from _peers_sparkhvd import run_rank
+
+    env = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    try:
+        return run(run_rank, args=(plan,), np=np_, env=env, settings=settings or None,
+                   timeout=plan["world_timeout_s"])
+    except (RankFailedError, TimeoutError) as exc:
+        raise WorldFailed(str(exc)) from None
+
+
+def run_gloo(np_: int, plan: Dict[str, Any], work: Path) -> List[Dict[str, Any]]:
+    plan_path = work / "plan.json"
+    port = str(_free_port())
+    commands = []
+    for rank in range(np_):
+        env = _child_env({"RANK": str(rank), "WORLD_SIZE": str(np_), "LOCAL_RANK": str(rank),
+                          "LOCAL_WORLD_SIZE": str(np_), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                          "GLOO_SOCKET_IFNAME": "lo"})
+        commands.append(([sys.executable, str(HERE / "_peers_gloo.py"), str(plan_path), str(work)], env))
+    return _run_processes(commands, work, np_, plan["world_timeout_s"])
+
+
+def mpiexec_path() -> Optional[Path]:
+    """The mpiexec of the MPI wheel installed next to this interpreter (not a system MPI)."""
+    candidate = Path(sys.executable).parent / "mpiexec"
+    return candidate if candidate.exists() and os.access(candidate, os.X_OK) else None
+
+
+def run_mpi(np_: int, plan: Dict[str, Any], work: Path) -> List[Dict[str, Any]]:
+    mpiexec = mpiexec_path()
+    assert mpiexec is not None
+    cmd = [str(mpiexec), "-n", str(np_), sys.executable, str(HERE / "_peers_mpi.py"), str(work / "plan.json"),
+           str(work)]
+    return _run_processes([(cmd, _child_env({}))], work, np_, plan["world_timeout_s"])
+
+
+def availability(name: str) -> Optional[str]:
+    """None when the framework can run here, else a note saying what is missing and how to add it."""
+    if name == "spark-hvd":
+        if importlib.util.find_spec("spark_hvd") is None:
+            return "spark_hvd is not installed (pip install -e .)"
+        return None
+    if name == "gloo":
+        if importlib.util.find_spec("torch") is None:
+            return "torch is not installed (pip install torch==2.13.0)"
+        return None
+    if importlib.util.find_spec("mpi4py") is None:
+        return "mpi4py is not installed (pip install -e '.[mpi]', which brings the mpich wheel)"
+    if mpiexec_path() is None:
+        return f"no mpiexec next to {sys.executable} (pip install mpich)"
+    return None
+
+
+def run_world(name: str, np_: int, plan: Dict[str, Any], settings: Dict[str, str]) -> List[Dict[str, Any]]:
+    if name == "spark-hvd":
+        return run_sparkhvd(np_, plan, settings)
+    with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
+        work = Path(tmp)
+        (work / "plan.json").write_text(json.dumps(plan))
+        return (run_gloo if name == "gloo" else run_mpi)(np_, plan, work)
+
+
+# -- combining ranks ---------------------------------------------------------------------------
+def summarize_times(per_rank: Sequence[Sequence[float]]) -> Dict[str, Any]:
+    """Per iteration the slowest rank's time; then median, min and 90th percentile of those."""
+    counts = {len(t) for t in per_rank}
+    if len(counts) != 1:
+        raise ValueError(f"ranks timed different numbers of iterations: {sorted(counts)}; expected one count")
+    slowest = [max(column) for column in zip(*per_rank)]
+    ordered = sorted(slowest)
+    return {
+        "iters": len(slowest),
+        "median_s": statistics.median(slowest),
+        "min_s": ordered[0],
+        "p90_s": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+        "times_us": [round(t * 1e6, 2) for t in slowest],
+    }
+
+
+def bandwidths(nbytes: int, seconds: float, size: int) -> Tuple[float, float]:
+    """(algbw, busbw) in GB/s (1e9 bytes per second)."""
+    algbw = nbytes / seconds / 1e9
+    return algbw, algbw * 2 * (size - 1) / size
+
+
+def combine(rank_results: List[Dict[str, Any]], size: int) -> Dict[str, Any]:
+    sizes = {}
+    for key in rank_results[0]["sizes"]:
+        nbytes = int(key)
+        summary = summarize_times([r["sizes"][key]["times_s"] for r in rank_results])
+        summary["algbw_GBps"], summary["busbw_GBps"] = bandwidths(nbytes, summary["median_s"], size)
+        sizes[key] = summary
+    combined: Dict[str, Any] = {"status": "ok", "version": rank_results[0].get("version"),
+                                "wall_s": max(r["wall_s"] for r in rank_results), "sizes": sizes}
+    if "async" in rank_results[0]:
+        first = rank_results[0]["async"]
+        batched = summarize_times([r["async"]["times_s"] for r in rank_results])
+        single = summarize_times([r["async"]["single"]["times_s"] for r in rank_results])
+        combined["async"] = {
+            "count": first["count"], "bytes_each": first["bytes_each"], "batched": batched,
+            "single_bytes": first["single_bytes"], "single": single,
+            "ratio": batched["median_s"] / single["median_s"],
+        }
+    return combined
+
+
+# -- reporting ---------------------------------------------------------------------------------
+def _fmt(value: Optional[float], digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if value >= 1000:
+        return f"{value:,.0f}"
+    if value >= 100:
+        return f"{value:.1f}"
+    return f"{value:.{digits}f}"
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a is not None and b else None
+
+
+def _size_row(nbytes: int, fws: Dict[str, Dict[str, Any]], names: Sequence[str]) -> Dict[str, Optional[float]]:
+    row: Dict[str, Optional[float]] = {}
+    for name in names:
+        entry = fws.get(name, {}).get("sizes", {}).get(str(nbytes))
+        row[f"{name}.us"] = entry["median_s"] * 1e6 if entry else None
+        row[f"{name}.algbw"] = entry["algbw_GBps"] if entry else None
+        row[f"{name}.busbw"] = entry["busbw_GBps"] if entry else None
+    for peer in PEERS:
+        row[f"busbw/{peer}"] = _ratio(row.get("spark-hvd.busbw"), row.get(f"{peer}.busbw"))
+        row[f"lat/{peer}"] = _ratio(row.get("spark-hvd.us"), row.get(f"{peer}.us"))
+    return row
+
+
+def print_table(np_: int, fws: Dict[str, Dict[str, Any]], sizes: Sequence[int], out: Callable[[str], None]) -> None:
+    names = [n for n in FRAMEWORKS if fws.get(n, {}).get("status") == "ok"]
+    out(f"\n== np={np_}: float32 in-place Sum allreduce, median of the slowest rank per iteration ==")
+    for name in FRAMEWORKS:
+        status = fws.get(name, {})
+        if status.get("status") != "ok":
+            out(f"  {name}: {status.get('status', 'not run')}: {status.get('note', '')}".rstrip())
+    header = ["size"]
+    for name in names:
+        header += [f"{name} us", "algbw", "busbw"]
+    header += ["busbw/gloo", "busbw/mpi", "lat/gloo", "lat/mpi"]
+    rows = []
+    for nbytes in sizes:
+        row = _size_row(nbytes, fws, names)
+        cells = [size_label(nbytes)]
+        for name in names:
+            cells += [_fmt(row[f"{name}.us"], 1), _fmt(row[f"{name}.algbw"]), _fmt(row[f"{name}.busbw"])]
+        cells += [_fmt(row["busbw/gloo"]), _fmt(row["busbw/mpi"]), _fmt(row["lat/gloo"], 3),
+                  _fmt(row["lat/mpi"], 3)]
+        rows.append(cells)
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    out("  ".join(h.rjust(w) for h, w in zip(header, widths)))
+    for cells in rows:
+        out("  ".join(c.rjust(w) for c, w in zip(cells, widths)))
+    out("(us: median microseconds; algbw = bytes/time, busbw = algbw x 2(n-1)/n, in GB/s; "
+        "ratios are spark-hvd over the peer: busbw higher is better, lat lower is better)")
+    async_rows = [(n, fws[n]["async"]) for n in names if "async" in fws[n]]
+    if async_rows:
+        first = async_rows[0][1]
+        label = f"{first['count']} x {size_label(first['bytes_each'])} async"
+        single = f"one {size_label(first['single_bytes'])}"
+        out(f"\n  {'framework':>10}  {label + ' ms':>24}  {single + ' ms':>18}  {'ratio':>6}  {'spark-hvd/this':>14}")
+        hvd_async = fws.get("spark-hvd", {}).get("async", {}).get("batched", {}).get("median_s")
+        for name, a in async_rows:
+            vs = _ratio(hvd_async, a["batched"]["median_s"])
+            out(f"  {name:>10}  {_fmt(a['batched']['median_s'] * 1e3):>24}  {_fmt(a['single']['median_s'] * 1e3):>18}"
+                f"  {_fmt(a['ratio']):>6}  {_fmt(vs, 3):>14}")
+        out("  (ratio: the asynchronous batch over one allreduce of the same total size; lower is better)")
+
+
+def evaluate_targets(results: Dict[str, Dict[str, Dict[str, Any]]]) -> List[Dict[str, Any]]:
+    """The issue's targets at np=2, each PASS or MISS with the measured ratio (or n/a and why)."""
+    fws = results.get("2", {})
+    hvd = fws.get("spark-hvd", {})
+    targets: List[Dict[str, Any]] = []
+
+    def peer_note(peer: str) -> Optional[str]:
+        if hvd.get("status") != "ok":
+            return f"spark-hvd did not run at np=2 ({hvd.get('note', 'not run')})"
+        if fws.get(peer, {}).get("status") != "ok":
+            return f"{peer} did not run at np=2 ({fws.get(peer, {}).get('note', 'not run')})"
+        return None
+
+    def busbw_target(peer: str, floor: int, want: float) -> Dict[str, Any]:
+        text = f"busbw >= {want:g}x {peer} from {size_label(floor)} up (np=2)"
+        note = peer_note(peer)
+        if note:
+            return {"target": text, "result": "n/a", "note": note}
+        ratios = []
+        for key, mine in hvd["sizes"].items():
+            theirs = fws[peer]["sizes"].get(key)
+            if int(key) >= floor and theirs:
+                ratios.append((mine["busbw_GBps"] / theirs["busbw_GBps"], int(key)))
+        if not ratios:
+            return {"target": text, "result": "n/a", "note": f"no size of at least {size_label(floor)} was run"}
+        worst, at = min(ratios)
+        return {"target": text, "result": "PASS" if worst >= want else "MISS", "ratio": worst,
+                "note": f"lowest ratio {worst:.2f} at {size_label(at)}; "
+                        + ", ".join(f"{size_label(n)} {r:.2f}" for r, n in sorted(ratios, key=lambda x: x[1]))}
+
+    targets.append(busbw_target("gloo", 64 * KiB, 1.5))
+    targets.append(busbw_target("mpi", 16 * MiB, 1.0))
+    text = "4-byte latency <= 0.25x gloo's (np=2)"
+    note = peer_note("gloo")
+    if note is None and "4" in hvd["sizes"] and "4" in fws["gloo"]["sizes"]:
+        ratio = hvd["sizes"]["4"]["median_s"] / fws["gloo"]["sizes"]["4"]["median_s"]
+        targets.append({"target": text, "result": "PASS" if ratio <= 0.25 else "MISS", "ratio": ratio,
+                        "note": f"{hvd['sizes']['4']['median_s'] * 1e6:.1f} us vs "
+                                f"{fws['gloo']['sizes']['4']['median_s'] * 1e6:.1f} us"})
+    else:
+        targets.append({"target": text, "result": "n/a", "note": note or "4 B was not in the sweep"})
+    text = "200 x 16 KiB async <= 1.5x one 3.2 MB allreduce (spark-hvd, np=2)"
+    if hvd.get("status") == "ok" and "async" in hvd:
+        a = hvd["async"]
+        targets.append({"target": text, "result": "PASS" if a["ratio"] <= 1.5 else "MISS", "ratio": a["ratio"],
+                        "note": f"{a['batched']['median_s'] * 1e3:.2f} ms vs {a['single']['median_s'] * 1e3:.2f} ms"})
+    else:
+        targets.append({"target": text, "result": "n/a",
+                        "note": "spark-hvd's asynchronous case did not run at np=2"})
+    return targets
+
+
+def print_targets(targets: List[Dict[str, Any]], out: Callable[[str], None]) -> None:
+    out("\n== targets ==")
+    for t in targets:
+        ratio = f" (ratio {t['ratio']:.3f})" if "ratio" in t else ""
+        out(f"  {t['result']:<4}  {t['target']}{ratio}: {t['note']}")
+
+
+def _version(dist: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine_info() -> Dict[str, Any]:
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "executable": sys.executable,
+        "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "versions": {d: _version(d) for d in ("spark-hvd", "numpy", "torch", "mpi4py", "mpich")},
+    }
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    plan = build_plan(args)
+    nps = args.np or ([2] if args.quick else [2, 3])
+    bad = [n for n in nps if n < 2]
+    if bad:
+        raise SystemExit(f"--np {bad} is invalid: expected world sizes of at least 2")
+    settings = dict(args.hvd_setting)
+    out = lambda line: print(line, flush=True)  # noqa: E731
+    info = machine_info()
+    started = time.time()
+    out(f"collectives benchmark: np={nps}, {len(plan['sizes'])} sizes "
+        f"({size_label(plan['sizes'][0])} .. {size_label(plan['sizes'][-1])}), "
+        f"{'quick' if plan['quick'] else 'full'} plan, {info['cpus_usable']} usable cores, "
+        f"load average {info['loadavg_start'][0] if info['loadavg_start'] else '?'}")
+    notes = {name: availability(name) for name in FRAMEWORKS}
+    results: Dict[str, Dict[str, Dict[str, Any]]] = {}
+    for np_ in nps:
+        fws: Dict[str, Dict[str, Any]] = {}
+        for name in FRAMEWORKS:
+            if name not in args.frameworks:
+                fws[name] = {"status": "skipped", "note": "not selected with --frameworks"}
+                continue
+            if notes[name]:
+                fws[name] = {"status": "skipped", "note": notes[name]}
+                out(f"np={np_} {name}: skipped, {notes[name]}")
+                continue
+            t0 = time.monotonic()
+            try:
+                fws[name] = combine(run_world(name, np_, plan, settings), np_)
+                out(f"np={np_} {name}: done in {time.monotonic() - t0:.1f} s")
+            except WorldFailed as exc:
+                fws[name] = {"status": "failed", "note": str(exc).splitlines()[0], "detail": str(exc)}
+                out(f"np={np_} {name}: FAILED after {time.monotonic() - t0:.1f} s: {exc}")
+        results[str(np_)] = fws
+    for np_ in nps:
+        print_table(np_, results[str(np_)], plan["sizes"], out)
+    targets = evaluate_targets(results)
+    print_targets(targets, out)
+    info["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    document = {
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": [sys.executable] + sys.argv,
+        "wall_s": time.time() - started,
+        "machine": info,
+        "plan": plan,
+        "results": results,
+        "targets": targets,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(document, indent=1))
+    out(f"\nwrote {args.json} ({document['wall_s']:.0f} s in all)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
