@@ -82,6 +82,8 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("cycle_time_ms", "SPARK_HVD_CYCLE_TIME", float, 0.0,
             "Milliseconds the coordinator may hold ready requests back to fuse more; 0 answers at once.",
             ("HOROVOD_CYCLE_TIME",)),
+    Setting("eager_threshold", "SPARK_HVD_EAGER_THRESHOLD", int, 4096,
+            "Allreduces up to this many bytes travel inside the negotiation messages (0 disables)."),
     Setting("cache_capacity", "SPARK_HVD_CACHE_CAPACITY", int, 1024,
             "Request signatures remembered so steady-state negotiation sends ids, not metadata (0 disables).",
             ("HOROVOD_CACHE_CAPACITY",)),
@@ -150,6 +152,7 @@ class RuntimeConfig:
     host_key: Optional[str] = None
     fusion_threshold: int = 64 * MiB
     cycle_time_ms: float = 0.0
+    eager_threshold: int = 4096
     cache_capacity: int = 1024
     timeline: Optional[str] = None
     timeline_mark_cycles: bool = False
@@ -166,6 +169,7 @@ class RuntimeConfig:
             ("fusion_threshold", self.fusion_threshold >= 0, "a byte count >= 0"),
             ("cycle_time_ms", self.cycle_time_ms >= 0, "milliseconds >= 0"),
             ("cache_capacity", self.cache_capacity >= 0, "a count >= 0"),
+            ("eager_threshold", self.eager_threshold >= 0, "a byte count >= 0"),
             ("stall_check_seconds", self.stall_check_seconds >= 0, "seconds >= 0"),
             ("stall_shutdown_seconds", self.stall_shutdown_seconds >= 0, "seconds >= 0"),
             ("start_timeout", self.start_timeout > 0, "seconds > 0"),

@@ -126,7 +126,10 @@ class Engine:
         self._signatures = WorkerSignatures()
         if self.rank == 0:
             self.coordinator = Coordinator(self.size, config.cache_capacity, config.fusion_threshold,
-                                           config.stall_check_seconds, config.stall_shutdown_seconds)
+                                           config.stall_check_seconds, config.stall_shutdown_seconds,
+                                           config.eager_threshold)
+        # Payloads of small allreduces that arrived with their announcements: (ps, name) -> rank -> bytes.
+        self._eager: Dict[Tuple[int, str], Dict[int, bytes]] = {}
         self._readers: Dict[int, FrameReader] = {peer: FrameReader(sock) for peer, sock in world.control.items()}
         if config.timeline and self.rank == 0:
             self.start_timeline(config.timeline, config.timeline_mark_cycles)
@@ -253,18 +256,20 @@ class Engine:
         return new
 
     def _pump(self) -> None:
-        for peer, reader in self._readers.items():
-            if not reader.pump() and peer not in self._left:
-                self._left[peer] = "closed its connection"
-                raise CollectiveError(
-                    f"rank {peer} was lost: its connection closed (the process exited or was killed)",
-                    lost_rank=peer,
-                )
+        for reader in self._readers.values():
+            reader.pump()
+
+    def _lost(self, peer: int) -> CollectiveError:
+        if self._left.get(peer) == "shut down":
+            return CollectiveError(f"rank {peer} has shut down; collectives that need it cannot complete",
+                                   lost_rank=peer)
+        return CollectiveError(
+            f"rank {peer} was lost: its connection closed (the process exited or was killed)", lost_rank=peer)
 
     def _worker_cycle(self) -> None:
         new = self._take_new()
         if new:
-            items = [self._signatures.encode(e.name, e.meta) for e in new]
+            items = [self._signatures.encode(e.name, e.meta) + (self._eager_payload(e),) for e in new]
             self._send(0, REQUESTS + pickle.dumps((self._signatures.seq, items), protocol=5))
         self._pump()
         reader = self._readers[0]
@@ -282,7 +287,9 @@ class Engine:
                 raise CollectiveError(message, lost_rank=lost)
             elif kind == BYE:
                 self._left[0] = "shut down"
-                raise CollectiveError("rank 0 has shut down; no further collectives are possible", lost_rank=0)
+        if reader.closed or 0 in self._left:
+            # Everything rank 0 sent before it went has been executed above.
+            raise self._lost(0)
 
     def _coordinator_cycle(self) -> None:
         coord = self.coordinator
@@ -297,21 +304,31 @@ class Engine:
                 if kind == REQUESTS:
                     seq, items = pickle.loads(frame[1:])
                     coord.sigs.ack(peer, seq)
-                    for name, item in items:
+                    for name, item, payload in items:
+                        meta = coord.sigs.lookup(item) if isinstance(item, int) else Meta(*item)
+                        if payload is not None:
+                            self._eager.setdefault((meta.ps, name), {})[peer] = payload
                         if isinstance(item, int):
                             coord.submit_id(peer, name, item)
                         else:
-                            coord.submit(peer, name, Meta(*item))
+                            coord.submit(peer, name, meta)
                 elif kind == ABORT:
                     message, lost = pickle.loads(frame[1:])
                     raise CollectiveError(message, lost_rank=lost)
                 elif kind == BYE:
                     self._left[peer] = "shut down"
-                    if coord.pending or self._local:
-                        raise CollectiveError(
-                            f"rank {peer} shut down while operations were pending", lost_rank=peer)
+            if reader.closed and peer not in self._left:
+                raise self._lost(peer)  # gone without saying goodbye: it crashed
+        if self._left:
+            # Requests that need a departed rank can never complete.
+            needed = {ps for ps, _ in coord.pending} | {ps for ps, _ in self._local}
+            for ps in needed:
+                gone = [r for r in self.process_sets.get(ps, ()) if r in self._left]
+                if gone:
+                    raise self._lost(gone[0])
         if coord.has_work() and self._cycle_allows():
             responses, defs, evicted, seq = coord.decide()
+            responses = self._eagerize(responses, coord.sigs.lookup)
             if responses or defs or evicted:
                 frame = RESPONSES + pickle.dumps((responses, defs, evicted, seq, coord.sigs.persist), protocol=5)
                 for peer in self._readers:
@@ -331,6 +348,68 @@ class Engine:
             raise CollectiveError(
                 "stalled operations exceeded SPARK_HVD_STALL_SHUTDOWN_TIME_SECONDS="
                 f"{self.config.stall_shutdown_seconds}: " + "; ".join(lines))
+
+    def _eager_payload(self, entry: Entry) -> Optional[bytes]:
+        """A small allreduce's prescaled input, sent along with its announcement."""
+        meta = entry.meta
+        if meta.kind != "allreduce" or entry.array is None or meta.nbytes() > self.config.eager_threshold:
+            return None
+        if meta.prescale == 1.0:
+            return entry.array.tobytes()
+        data = entry.array.reshape(-1).copy()
+        scale_inplace(data, meta.prescale, meta.dtype)
+        return data.tobytes()
+
+    def _eagerize(self, responses: List[tuple], resolve: Callable[[int], Meta]) -> List[tuple]:
+        """Answer small allreduces whose every contribution came with its announcement.
+
+        The coordinator reduces them itself and sends the results in the response, so no rank
+        needs a separate data exchange; otherwise the response stays a regular allreduce.
+        """
+        if not self._eager and self.size > 1:
+            return responses
+        out = []
+        for response in responses:
+            if response[0] != "allreduce":
+                out.append(response)
+                continue
+            names, ps, ids = response[1], response[2], response[3]
+            results = self._eager_results(names, ps, [resolve(s) for s in ids])
+            out.append(response if results is None else ("allreduce_eager", names, ps, ids, results))
+        for response in responses:
+            for name in response[1]:
+                self._eager.pop((response[2], name), None)
+        return out
+
+    def _eager_results(self, names: Sequence[str], ps: int, metas: List[Meta]) -> Optional[tuple]:
+        members = self.process_sets.get(ps, ())
+        joined = set(self.coordinator.joined) if (self.coordinator is not None and ps == 0) else set()
+        start = time.perf_counter()
+        results = []
+        for name, meta in zip(names, metas):
+            if meta.nbytes() > self.config.eager_threshold:
+                return None
+            got = self._eager.get((ps, name), {})
+            mine = self._local.get((ps, name))
+            if 0 in members and mine is not None and mine.array is not None:
+                got = dict(got)
+                got[0] = self._eager_payload(mine)  # type: ignore[assignment]
+            parts = [got.get(r) for r in members if r not in joined or r in got]
+            if any(p is None for p in parts):
+                return None
+            dtype = storage_dtype(meta.dtype)
+            acc = np.frombuffer(parts[0], dtype=dtype).copy() if parts else np.zeros(0, dtype)
+            for part in parts[1:]:
+                reduce_into(acc, np.frombuffer(part, dtype=dtype), ReduceOp(meta.op), meta.dtype)
+            if len(parts) < len(members) and acc.size == 0:
+                acc = np.zeros(int(np.prod(meta.shape, dtype=np.int64)), dtype)
+            self._finish_scale(acc, meta, len(members))
+            results.append(acc.tobytes())
+        if self._timeline is not None:
+            now = time.perf_counter()
+            for name in names:
+                self._timeline.span(name, REDUCE, start * 1e6, now * 1e6, {"eager": True})
+        return tuple(results)
 
     def _cycle_allows(self) -> bool:
         """With a cycle time, hold ready requests back until the oldest has waited that long."""
@@ -354,8 +433,9 @@ class Engine:
             raise CollectiveError(f"rank {peer} was lost: sending to it failed ({exc})", lost_rank=peer) from None
 
     # -- failure ----------------------------------------------------------------------------------
-    def _check_while_waiting(self) -> None:
-        """Called by the transport while a collective waits: notice aborts and lost peers."""
+    def _check_while_waiting(self, peers: Sequence[int] = ()) -> None:
+        """Called by the transport while a collective waits on ``peers`` (global ranks): notice
+        aborts announced by others, and the loss of a peer this collective still needs."""
         if self._stopping:
             raise CollectiveError("spark-hvd is shutting down on this rank")
         self._pump()
@@ -365,11 +445,18 @@ class Engine:
                     message, lost = pickle.loads(frame[1:])
                     raise CollectiveError(message, lost_rank=lost)
                 if frame[:1] == BYE:
-                    raise CollectiveError(f"rank {peer} shut down in the middle of a collective", lost_rank=peer)
+                    self._left.setdefault(peer, "shut down")
+        for peer in peers:
+            reader = self._readers.get(peer)
+            if peer in self._left or (reader is not None and reader.closed):
+                raise self._lost(peer)
+        if self.rank != 0 and self._readers[0].closed and 0 not in self._left:
+            raise self._lost(0)  # the coordinator crashed: nothing can complete
         now = time.monotonic()
         if now - self._last_liveness > 0.2:
             self._last_liveness = now
-            for peer, channel in self.world.transport.channels.items():
+            for peer in peers:
+                channel = self.world.transport.channels.get(peer)
                 alive = getattr(channel, "peer_alive", None)
                 if alive is not None and not alive():
                     raise CollectiveError(f"rank {peer} was lost: its process is gone", lost_rank=peer)
@@ -433,6 +520,15 @@ class Engine:
         try:
             if kind == "allreduce":
                 self._allreduce(transport, names, entries, [resolve(s) for s in response[3]])
+            elif kind == "allreduce_eager":
+                start = time.perf_counter()
+                for entry, sid, result in zip(entries, response[3], response[4]):
+                    if entry is None:
+                        continue
+                    meta = resolve(sid)
+                    np.copyto(entry.out.reshape(-1), np.frombuffer(result, dtype=storage_dtype(meta.dtype)))
+                    entry.handle._set(entry.index, entry.out)
+                    self._span(entry.name, MEMCPY_OUT, start)
             elif kind == "reducescatter":
                 for name, entry, sid in zip(names, entries, response[3]):
                     self._reducescatter(transport, name, entry, resolve(sid))

@@ -143,8 +143,9 @@ class Coordinator:
     """Rank 0's view of every rank's outstanding requests."""
 
     def __init__(self, size: int, cache_capacity: int, fusion_threshold: int,
-                 stall_check_seconds: float, stall_shutdown_seconds: float) -> None:
+                 stall_check_seconds: float, stall_shutdown_seconds: float, eager_threshold: int = 0) -> None:
         self.size = size
+        self.eager_threshold = eager_threshold
         self.fusion_threshold = fusion_threshold
         self.stall_check_seconds = stall_check_seconds
         self.stall_shutdown_seconds = stall_shutdown_seconds
@@ -224,10 +225,13 @@ class Coordinator:
                 continue
             del self.pending[key]
             if sample.kind in _FUSABLE and self.fusion_threshold > 0:
-                fkey = (ps, sample.dtype, sample.op, sample.prescale, sample.postscale)
-                bucket = fused.get(fkey)
                 size = sample.nbytes()
-                if bucket is not None and bucket[1] + size <= self.fusion_threshold:
+                # Small requests that can travel inside the messages are fused only among themselves.
+                eager = size <= self.eager_threshold
+                fkey = (ps, sample.dtype, sample.op, sample.prescale, sample.postscale, eager)
+                bucket = fused.get(fkey)
+                limit = min(self.fusion_threshold, 64 * self.eager_threshold) if eager else self.fusion_threshold
+                if bucket is not None and bucket[1] + size <= limit:
                     bucket[0][1].append(name)
                     bucket[0][3].append(entry.ids[self._any_rank(entry)])
                     bucket[1] += size

@@ -169,11 +169,13 @@ class ShmChannel:
 
     def isend(self, buf: memoryview) -> Op:
         op = _ShmSend(self.outgoing, buf)
+        op.peer = self.peer
         op.progress()
         return op
 
     def irecv(self, nbytes: int, sink: Sink) -> Op:
         op = _ShmRecv(self.incoming, nbytes, sink)
+        op.peer = self.peer
         op.progress()
         return op
 

@@ -66,6 +66,7 @@ class Op:
     """A started send or receive; ``progress()`` moves it on without blocking."""
 
     done: bool = False
+    peer: int = -1  # the global rank on the other end
     fileno: Optional[int] = None  # a socket to wait on, when the op waits on one
     waits_for_write: bool = False
 
@@ -120,6 +121,7 @@ class _TcpSend(Op):
 class _TcpRecv(Op):
     def __init__(self, channel: "TcpChannel", nbytes: int, sink: Sink) -> None:
         self.channel = channel
+        self.peer = channel.peer
         self.sock = channel.sock
         self.nbytes = nbytes
         self.sink = sink
@@ -198,7 +200,7 @@ class Transport:
     """
 
     def __init__(self, rank: int, size: int, channels: Dict[int, Channel],
-                 check: Optional[Callable[[], None]] = None) -> None:
+                 check: Optional[Callable[[Sequence[int]], None]] = None) -> None:
         self.rank = rank
         self.size = size
         self.channels = channels
@@ -247,7 +249,7 @@ class Transport:
             if now - last_check > 0.02:
                 last_check = now
                 if self.check is not None:
-                    self.check()
+                    self.check([op.peer for op in pending])
             if idle < 50:
                 os.sched_yield()
                 continue

@@ -13,6 +13,7 @@ import logging
 import os
 import select
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -20,7 +21,7 @@ from typing import Dict, List, Optional
 from .config import RuntimeConfig
 from .errors import AuthenticationError, RendezvousTimeout
 from .rendezvous import RendezvousClient
-from .shm import ShmChannel, ShmRing, remove_job_segments, ring_name, shm_available
+from .shm import ShmChannel, ShmRing, job_token, ring_name, shm_available
 from .transport import Channel, TcpChannel, Transport
 from .wire import authenticate_server, connect, listen, recv_frame, secret_bytes, send_frame, tune_socket
 
@@ -68,11 +69,14 @@ def connect_world(cfg: RuntimeConfig) -> World:
     key = secret_bytes(cfg.secret)
     deadline = time.monotonic() + cfg.start_timeout
     listener = listen(cfg.hostname, 0)
+    # Rank 0 also takes control connections from its own host on a Unix socket (lower latency).
+    unix_listener, unix_name = _unix_listener(cfg.secret) if rank == 0 else (None, None)
     rings: Dict[int, ShmRing] = {}
     client = RendezvousClient(cfg.rendezvous_addr, cfg.secret, cfg.start_timeout)  # type: ignore[arg-type]
     try:
         host_key = cfg.host_key or socket.gethostname()
-        me = {"host": cfg.hostname, "port": listener.getsockname()[1], "host_key": host_key, "pid": os.getpid()}
+        me = {"host": cfg.hostname, "port": listener.getsockname()[1], "host_key": host_key, "pid": os.getpid(),
+              "unix": unix_name}
         client.put(f"addr/{rank}", json.dumps(me))
         peers = [json.loads(v) for v in client.get([f"addr/{r}" for r in range(size)],
                                                    timeout=_left(deadline), what="ranks")]
@@ -94,7 +98,12 @@ def connect_world(cfg: RuntimeConfig) -> World:
         dials = [(0, "control")] if rank != 0 else []
         dials += [(p, "data") for p in range(rank) if p not in local]
         for peer, purpose in dials:
-            sock = connect((peers[peer]["host"], peers[peer]["port"]), key, _left(deadline), f"rank {peer}")
+            same_host = peers[peer]["host_key"] == host_key
+            if purpose == "control" and same_host and peers[peer].get("unix"):
+                address = "\0" + peers[peer]["unix"]
+            else:
+                address = (peers[peer]["host"], peers[peer]["port"])
+            sock = connect(address, key, _left(deadline), f"rank {peer}")
             tune_socket(sock, cfg.peer_timeout)
             send_frame(sock, json.dumps({"rank": rank, "purpose": purpose}).encode())
             if purpose == "control":
@@ -104,7 +113,8 @@ def connect_world(cfg: RuntimeConfig) -> World:
         expected = {(p, "data") for p in range(rank + 1, size) if p not in local}
         if rank == 0:
             expected |= {(p, "control") for p in range(1, size)}
-        rejected = _accept(listener, key, expected, control, channels, cfg, deadline)
+        listeners = [listener] + ([unix_listener] if unix_listener is not None else [])
+        rejected = _accept(listeners, key, expected, control, channels, cfg, deadline)
 
         # Everyone has mapped its rings once rank 0 has heard from all: then the names can go.
         client.put(f"connected/{rank}", "1")
@@ -120,6 +130,8 @@ def connect_world(cfg: RuntimeConfig) -> World:
     finally:
         client.close()
         listener.close()
+        if unix_listener is not None:
+            unix_listener.close()
 
 
 def _left(deadline: float) -> float:
@@ -131,7 +143,22 @@ def _left(deadline: float) -> float:
     return remaining
 
 
-def _accept(listener: socket.socket, key: bytes, expected: set, control: Dict[int, socket.socket],
+def _unix_listener(secret: str):
+    """A listening socket in Linux's abstract namespace (nothing on disk to clean up), or none."""
+    if not sys.platform.startswith("linux"):
+        return None, None
+    name = f"spark-hvd-{job_token(secret)}-control"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind("\0" + name)
+    except OSError:
+        sock.close()
+        return None, None
+    sock.listen(128)
+    return sock, name
+
+
+def _accept(listeners: List[socket.socket], key: bytes, expected: set, control: Dict[int, socket.socket],
             channels: Dict[int, Channel], cfg: RuntimeConfig, deadline: float) -> int:
     rejected = 0
     while expected:
@@ -142,10 +169,10 @@ def _accept(listener: socket.socket, key: bytes, expected: set, control: Dict[in
                 f"rank {cfg.rank}: connections from {missing} did not arrive within {cfg.start_timeout:.0f} s; "
                 "check that those ranks are running and can reach this host, or raise SPARK_HVD_START_TIMEOUT"
             )
-        ready, _, _ = select.select([listener], [], [], min(remaining, 1.0))
+        ready, _, _ = select.select(listeners, [], [], min(remaining, 1.0))
         if not ready:
             continue
-        sock, _ = listener.accept()
+        sock, _ = ready[0].accept()
         try:
             authenticate_server(sock, key, min(5.0, max(0.1, deadline - time.monotonic())))
             hello = json.loads(recv_frame(sock, time.monotonic() + 5.0))

@@ -52,7 +52,8 @@ def test_mismatch_fails_every_rank_with_a_listing(launch):
 def _timeline_job(second_path):
     rt.init()
     for step in range(3):
-        handles = [rt.allreduce_async(np.full(1000, step, np.float32), name=f"grad.{i}") for i in range(4)]
+        handles = [rt.allreduce_async(np.full(5000, step, np.float32), name=f"grad.{i}") for i in range(4)]
+        rt.allreduce(np.ones(3), name="small")  # answered inside the negotiation messages
         for h in handles:
             rt.synchronize(h)
     rt.allgather(np.zeros((2, 2)), name="gathered")
@@ -70,7 +71,9 @@ def test_timeline_is_chrome_trace_with_phases(launch, tmp_path):
     launch(_timeline_job, np=2, args=(str(second),), settings={"timeline": str(first)})
     events = json.loads(first.read_text())
     names = {e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "process_name"}
-    assert {"grad.0", "grad.3", "gathered"} <= names
+    assert {"grad.0", "grad.3", "gathered", "small"} <= names
+    small_pid = next(e["pid"] for e in events if e.get("ph") == "M" and e.get("args", {}).get("name") == "small")
+    assert any(e.get("args", {}).get("eager") for e in events if e.get("pid") == small_pid and e.get("ph") == "X")
     phases = {e["name"] for e in events if e.get("ph") == "X"}
     assert {"NEGOTIATE", "QUEUE", "MEMCPY_IN_FUSION_BUFFER", "REDUCE", "MEMCPY_OUT_FUSION_BUFFER"} <= phases
     assert all(e["dur"] >= 0 and "ts" in e for e in events if e.get("ph") == "X")

@@ -1,4 +1,4 @@
-"""The same checks with tensor fusion off and with the response cache off or tiny."""
+"""The same checks with fusion, the response cache, eager small messages or shared memory turned off."""
 
 import pytest
 
@@ -14,8 +14,10 @@ SUBSET = ["allreduce_matrix", "grouped_and_async", "objects", "reducescatter", "
         {"cache_capacity": 0},
         {"cache_capacity": 3, "fusion_threshold": 4096},
         {"cycle_time_ms": 2.0},
+        {"eager_threshold": 0},
+        {"shm": False},
     ],
-    ids=["fusion-off", "cache-off", "cache-tiny-evicting", "cycle-time"],
+    ids=["fusion-off", "cache-off", "cache-tiny-evicting", "cycle-time", "eager-off", "tcp-only"],
 )
 def test_checks_pass_with_settings(launch, settings):
     """Results do not depend on fusion, caching or the cycle time: every check passes at np=2."""
