@@ -2,7 +2,7 @@
 
 import pytest
 
-import checks
+import runtime_checks as checks
 
 SUBSET = ["allreduce_matrix", "grouped_and_async", "objects", "reducescatter", "join"]
 

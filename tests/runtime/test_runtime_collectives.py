@@ -2,7 +2,7 @@
 
 import pytest
 
-import checks
+import runtime_checks as checks
 
 ALL = list(checks.CHECKS)
 
