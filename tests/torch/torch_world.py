@@ -39,7 +39,7 @@ def run_checks(checks: Sequence[Check]) -> Dict[str, Optional[str]]:
     return outcome
 
 
-def launch(checks: Sequence[Check], np: int, timeout: float = 240, env: Optional[Dict[str, str]] = None,
+def launch(checks: Sequence[Check], np: int, timeout: float = 120, env: Optional[Dict[str, str]] = None,
            settings: Optional[Dict[str, object]] = None) -> List[Dict[str, Optional[str]]]:
     """Launch a world of ``np`` ranks that runs ``checks``; return each rank's outcome."""
     from spark_hvd.runner import run

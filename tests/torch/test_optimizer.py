@@ -1,0 +1,358 @@
+"""DistributedOptimizer at world sizes 1, 2 and 3: equivalence with single-process training on the
+concatenated batch, local accumulation, compression, overlap with backward, unused parameters,
+gradient clipping, groups and its error messages."""
+
+import copy
+import time
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torch_world import SIZES, assert_passed, close, launch
+
+BATCH = 4  # rows per rank per micro-batch
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def _data(size, steps, micro=1):
+    """The full data of every step: size * micro * BATCH rows, identical on every rank."""
+    g = torch.Generator().manual_seed(42)
+    rows = size * micro * BATCH
+    return [(torch.randn(rows, 6, generator=g), torch.randint(0, 3, (rows,), generator=g)) for _ in range(steps)]
+
+
+def _my_rows(x, rank, micro=1):
+    """This rank's rows of a step's full batch, as ``micro`` micro-batches."""
+    per_rank = micro * BATCH
+    mine = x[rank * per_rank:(rank + 1) * per_rank]
+    return list(mine.split(BATCH))
+
+
+def _reference(model, data, make_optimizer):
+    """Single-process training on the concatenated batches."""
+    model = copy.deepcopy(model)
+    opt = make_optimizer(model)
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model
+
+
+def _distributed(hvd, rank, model, data, make_optimizer, micro=1, **options):
+    opt = hvd.DistributedOptimizer(make_optimizer(model), named_parameters=model.named_parameters(),
+                                   backward_passes_per_step=micro, **options)
+    for x, y in data:
+        opt.zero_grad()
+        for xs, ys in zip(_my_rows(x, rank, micro), _my_rows(y, rank, micro)):
+            (F.cross_entropy(model(xs), ys) / micro).backward()
+        opt.step()
+    return opt
+
+
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _assert_same_params(got, want, atol, what):
+    for (name, p), q in zip(got.named_parameters(), want.parameters()):
+        close(p.detach(), q.detach(), atol, f"{what}: {name}")
+
+
+def _assert_equal_across_ranks(hvd, model):
+    for name, p in model.named_parameters():
+        gathered = hvd.allgather(p.detach().unsqueeze(0))
+        assert all(torch.equal(gathered[0], g) for g in gathered), f"{name} differs between ranks"
+
+
+def check_matches_single_process_training(hvd, rank, size):
+    """Five momentum-SGD steps on 2+ ranks (after broadcast_parameters from rank 0 of
+    differently initialised models) leave parameters within 1e-5 of single-process training
+    on the concatenated batch, and identical on every rank."""
+    model = _model(seed=rank)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    _assert_same_params(model, _model(seed=0), 0.0, "after broadcast_parameters")
+    data = _data(size, steps=5)
+    want = _reference(_model(seed=0), data, _sgd)
+    _distributed(hvd, rank, model, data, _sgd)
+    _assert_same_params(model, want, 1e-5, "after training")
+    _assert_equal_across_ranks(hvd, model)
+
+
+def check_backward_passes_per_step(hvd, rank, size):
+    """With backward_passes_per_step=2 the first backward leaves the local gradient untouched, the
+    second starts the reduction, training matches single-process training, and a third backward
+    before step() raises Horovod's AssertionError."""
+    data = _data(size, steps=3, micro=2)
+    want = _reference(_model(), data, _sgd)
+    model = _model()
+    _distributed(hvd, rank, model, data, _sgd, micro=2)
+    _assert_same_params(model, want, 1e-5, "bpps=2")
+
+    model = _model()
+    local = copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(), backward_passes_per_step=2)
+    x, y = data[0]
+    xs, ys = _my_rows(x, rank, 2)[0], _my_rows(y, rank, 2)[0]
+    F.cross_entropy(model(xs), ys).backward()
+    F.cross_entropy(local(xs), ys).backward()
+    for p, q in zip(model.parameters(), local.parameters()):
+        close(p.grad, q.grad, 0.0, "gradient after the first of two passes")
+    F.cross_entropy(model(xs), ys).backward()
+    if size > 1:
+        try:
+            F.cross_entropy(model(xs), ys).backward()
+        except AssertionError as exc:
+            assert "backward_passes_per_step" in str(exc)
+        else:
+            raise AssertionError("a third backward pass before step() did not raise")
+    opt.synchronize()
+
+
+def check_fp16_compression(hvd, rank, size):
+    """Compression.fp16 trains to within float16 precision of single-process training."""
+    data = _data(size, steps=3)
+    want = _reference(_model(), data, _sgd)
+    model = _model()
+    _distributed(hvd, rank, model, data, _sgd, compression=hvd.Compression.fp16)
+    _assert_same_params(model, want, 5e-3, "fp16")
+    _assert_equal_across_ranks(hvd, model)
+
+
+class _Probe(torch.autograd.Function):
+    """Identity whose backward runs between the last layer's and the first layer's gradients."""
+
+    @staticmethod
+    def forward(ctx, x, callback):
+        ctx.callback = callback
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.callback()
+        return grad, None
+
+
+def check_allreduce_starts_during_backward(hvd, rank, size):
+    """While backward is still running (before the first layer's gradient exists), the last
+    layer's gradient allreduce has been started and completes: communication overlaps backward."""
+    if size == 1:
+        return  # Horovod does not communicate in a world of one; nothing to overlap.
+    first, last = torch.nn.Linear(6, 8), torch.nn.Linear(8, 3)
+    model = torch.nn.Sequential(first, last)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    seen = {}
+
+    def during_backward():
+        pending = opt._handles.get(last.weight)
+        seen["started"] = pending is not None and pending[0] is not None
+        seen["first_pending"] = first.weight in opt._handles
+        deadline = time.monotonic() + 60
+        while seen["started"] and not hvd.poll(pending[0]) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        seen["completed"] = seen["started"] and hvd.poll(pending[0])
+
+    x = torch.randn(BATCH, 6)
+    out = last(_Probe.apply(first(x), during_backward))
+    out.sum().backward()
+    opt.step()
+    assert seen == {"started": True, "first_pending": False, "completed": True}, seen
+
+
+def _two_headed():
+    torch.manual_seed(0)
+    return torch.nn.ModuleDict({"trunk": torch.nn.Linear(4, 4), "a": torch.nn.Linear(4, 2), "b": torch.nn.Linear(4, 2)})
+
+
+def _two_headed_loss(model, r):
+    head = model["a"] if r == 0 else model["b"]
+    return head(model["trunk"](torch.ones(2, 4) * (r + 1))).sum()
+
+
+def check_unused_parameters(hvd, rank, size):
+    """Rank 0 uses head a only, the other ranks head b only: step() completes on every rank (no
+    hang), every gradient is the sum of the ranks' gradients over size (zeros where a rank had
+    none), and parameters stay identical across ranks. Alone, the unused head keeps grad None."""
+    model = _two_headed()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    _two_headed_loss(model, rank).backward()
+    opt.synchronize()
+    expected = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+    for r in range(size):
+        local = _two_headed()
+        _two_headed_loss(local, r).backward()
+        for name, p in local.named_parameters():
+            if p.grad is not None:
+                expected[name] += p.grad / size
+    for name, p in model.named_parameters():
+        if size == 1 and name.startswith("b."):
+            assert p.grad is None, name
+        else:
+            close(p.grad, expected[name], 1e-6, name)
+    with opt.skip_synchronize():
+        opt.step()
+    _assert_equal_across_ranks(hvd, model)
+
+
+def check_clipping_between_synchronize_and_step(hvd, rank, size):
+    """synchronize(); clip_grad_norm_(); step() inside skip_synchronize() applies the clipped
+    averaged gradient without a warning; step() after synchronize() without it warns."""
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    x, y = _data(size, steps=1)[0]
+    F.cross_entropy(model(_my_rows(x, rank)[0]), _my_rows(y, rank)[0]).backward()
+    opt.synchronize()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    norm = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters()))
+    assert norm <= 0.01 + 1e-6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with opt.skip_synchronize():
+            opt.step()
+    _assert_equal_across_ranks(hvd, model)
+    opt.zero_grad()
+    F.cross_entropy(model(_my_rows(x, rank)[0]), _my_rows(y, rank)[0]).backward()
+    opt.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    assert any("skip_synchronize" in str(w.message) for w in caught)
+
+
+def check_zero_grad_between_backward_and_step(hvd, rank, size):
+    """zero_grad() while gradients are being reduced raises Horovod's AssertionError."""
+    model = _model()
+    opt = hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters())
+    model(torch.ones(2, 6)).sum().backward()
+    if size > 1:
+        try:
+            opt.zero_grad()
+        except AssertionError as exc:
+            assert "zero_grad" in str(exc)
+        else:
+            raise AssertionError("zero_grad() between backward and step did not raise")
+    opt.step()
+    opt.zero_grad()
+
+
+def check_groups_and_predivide(hvd, rank, size):
+    """groups=2, explicit groups (one holding an unused parameter) and gradient_predivide_factor
+    train like plain DistributedOptimizer; op=Sum sums the gradients."""
+    data = _data(size, steps=2)
+    want = _reference(_model(), data, _sgd)
+    for options in ({"groups": 2}, {"gradient_predivide_factor": 2.0}):
+        model = _model()
+        _distributed(hvd, rank, model, data, _sgd, **options)
+        _assert_same_params(model, want, 1e-5, str(options))
+    model = _model()
+    extra = torch.nn.Parameter(torch.zeros(3))
+    params = list(model.parameters()) + [extra]
+    named = list(model.named_parameters()) + [("extra", extra)]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), named_parameters=named,
+                                   groups=[[params[0], extra], [params[2], params[3]]])
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(model(_my_rows(x, rank)[0]), _my_rows(y, rank)[0]).backward()
+        opt.step()
+    _assert_same_params(model, want, 1e-5, "explicit groups")
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                                   op=hvd.Sum)
+    model(torch.ones(1, 6)).sum().backward()
+    opt.synchronize()
+    local = _model()
+    local(torch.ones(1, 6)).sum().backward()
+    scale = size if size > 1 else 1
+    for p, q in zip(model.parameters(), local.parameters()):
+        close(p.grad, q.grad * scale, 1e-5, "op=Sum")
+
+
+def check_wrapping_keeps_optimizer_identity(hvd, rank, size):
+    """The wrapped optimizer is an instance of the original class with its state and param groups,
+    works with an LR scheduler, and param groups with several groups get unique default names."""
+    model = _model()
+    base = torch.optim.Adam([{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.01}])
+    model(torch.ones(1, 6)).sum().backward()
+    base.step()
+    opt = hvd.DistributedOptimizer(base)
+    assert isinstance(opt, torch.optim.Adam) and type(opt).__name__ == "Adam"
+    assert opt.state_dict()["state"].keys() == base.state_dict()["state"].keys()
+    assert len(set(opt._parameter_names.values())) == 4
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    opt.zero_grad()
+    model(torch.ones(1, 6)).sum().backward()
+    opt.step()
+    scheduler.step()
+    assert opt.param_groups[1]["lr"] == 0.005
+
+
+def check_sparse_gradients(hvd, rank, size):
+    """Sparse embedding gradients reduce both as sparse (allgather) and with sparse_as_dense, and
+    both match single-process training."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 10, (size, 5), generator=g)
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Embedding(10, 3, sparse=True)
+
+    ref = make()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    (ref(ids).sum(dim=(1, 2)).mean()).backward()
+    ref_opt.step()
+    for dense in (False, True):
+        emb = make()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5),
+                                       named_parameters=emb.named_parameters(), sparse_as_dense=dense)
+        emb(ids[rank]).sum().backward()
+        opt.step()
+        close(emb.weight.detach(), ref.weight.detach(), 1e-6, f"sparse_as_dense={dense}")
+
+
+def check_argument_errors(hvd, rank, size):
+    """Duplicate names, unnamed parameters, non-tuple entries, Adasum and predivide with Sum are
+    refused with ValueErrors that name the problem."""
+    model = _model()
+    params = list(model.named_parameters())
+    cases = [
+        ({"named_parameters": [("w", params[0][1]), ("w", params[1][1])] + params[2:]}, "duplicates"),
+        ({"named_parameters": params[:2]}, "not named"),
+        ({"named_parameters": [p for _, p in params]}, "tuples"),
+        ({"op": hvd.Adasum}, "not supported yet"),
+        ({"op": hvd.Sum, "gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
+        ({"backward_passes_per_step": 0}, "backward_passes_per_step"),
+    ]
+    for options, phrase in cases:
+        try:
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **options)
+        except ValueError as exc:
+            assert phrase in str(exc), (phrase, str(exc))
+        else:
+            raise AssertionError(f"{options} did not raise ValueError")
+
+
+ALL = [check_matches_single_process_training, check_backward_passes_per_step, check_fp16_compression,
+       check_allreduce_starts_during_backward, check_unused_parameters, check_clipping_between_synchronize_and_step,
+       check_zero_grad_between_backward_and_step, check_groups_and_predivide, check_wrapping_keeps_optimizer_identity,
+       check_sparse_gradients, check_argument_errors]
+
+
+@pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"np{n}")
+def world(request):
+    """One world per size runs every optimizer check."""
+    return launch(ALL, np=request.param)
+
+
+@pytest.mark.parametrize("check", ALL, ids=lambda c: c.__name__[len("check_"):])
+def test_distributed_optimizer(world, check):
+    """The optimizer check (its docstring says what it asserts) passed on every rank."""
+    assert_passed(world, check)

@@ -1,0 +1,145 @@
+"""broadcast_parameters, broadcast_optimizer_state, broadcast_object and allgather_object at world
+sizes 1, 2 and 3."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torch_world import SIZES, assert_passed, close, launch
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+
+
+def _train(model, opt, steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        opt.zero_grad()
+        F.mse_loss(model(torch.randn(6, 5, generator=g)), torch.randn(6, 2, generator=g)).backward()
+        opt.step()
+
+
+def _same_state(a, b, what):
+    """Two optimizer state_dicts are equal: tensors exactly, everything else by ==."""
+    assert a["param_groups"] == b["param_groups"], f"{what}: param groups differ"
+    assert a["state"].keys() == b["state"].keys(), f"{what}: state keys differ"
+    for key, state in a["state"].items():
+        assert state.keys() == b["state"][key].keys(), what
+        for name, value in state.items():
+            other = b["state"][key][name]
+            if isinstance(value, torch.Tensor):
+                close(other, value, 0.0, f"{what}: state[{key}][{name}]")
+            else:
+                assert type(other) is type(value) and other == value, f"{what}: state[{key}][{name}]"
+
+
+def check_broadcast_parameters_forms(hvd, rank, size):
+    """state_dict (buffers included), named_parameters() generators and parameters() lists all end
+    up equal to the root's values on every rank."""
+    root = size - 1
+    for form in ("state_dict", "named_parameters", "parameters"):
+        model = _model(seed=rank)
+        model[1].running_mean.fill_(float(rank))
+        params = {"state_dict": lambda: model.state_dict(), "named_parameters": lambda: model.named_parameters(),
+                  "parameters": lambda: list(model.parameters())}[form]()
+        hvd.broadcast_parameters(params, root_rank=root)
+        want = _model(seed=root)
+        for p, q in zip(model.parameters(), want.parameters()):
+            close(p.detach(), q.detach(), what=form)
+        if form == "state_dict":
+            close(model[1].running_mean, torch.full((4,), float(root)), what="buffer")
+    try:
+        hvd.broadcast_parameters({"a": torch.zeros(1), "b": 3}, root_rank=0)
+    except ValueError as exc:
+        assert "'b'" in str(exc)
+    else:
+        raise AssertionError("a non-tensor value did not raise ValueError")
+
+
+def _make(kind, model):
+    if kind == "SGD":
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+    if kind == "Adam":
+        return torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.8, 0.95), amsgrad=True)
+    return torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
+
+
+def check_optimizer_state_round_trip(hvd, rank, size):
+    """After the root trained a few steps (and changed its learning rate), broadcast_optimizer_state
+    gives every rank the root's exact state (moments, step, lr, betas, amsgrad) for SGD, Adam and
+    AdamW, whether the others had no state or different state; training on then stays identical."""
+    root = 0
+    for kind in ("SGD", "Adam", "AdamW"):
+        model = _model(seed=0)
+        opt = _make(kind, model)
+        if rank == root:
+            _train(model, opt, steps=3, seed=7)
+            opt.param_groups[0]["lr"] *= 0.5
+        elif rank == 2:
+            _train(model, opt, steps=1, seed=99)  # stale state, to be replaced
+        hvd.broadcast_parameters(model.state_dict(), root_rank=root)
+        hvd.broadcast_optimizer_state(opt, root_rank=root)
+        mine = opt.state_dict()
+        theirs = hvd.broadcast_object(mine, root_rank=root)
+        _same_state(theirs, mine, kind)
+        if kind != "SGD":
+            step = next(iter(mine["state"].values()))["step"]
+            assert float(step) == 3.0, f"{kind}: step {step}"
+        _train(model, opt, steps=2, seed=11)
+        for name, p in model.named_parameters():
+            gathered = hvd.allgather(p.detach().unsqueeze(0))
+            assert all(torch.equal(gathered[0], g) for g in gathered), f"{kind}: {name} diverged"
+
+
+def check_optimizer_state_fresh_root(hvd, rank, size):
+    """A root optimizer that never stepped leaves every rank with empty state (no spurious step),
+    while learning rates still come from the root."""
+    model = _model(seed=0)
+    opt = torch.optim.Adam(model.parameters(), lr=0.001 * (rank + 1))
+    if rank != 0:
+        _train(model, opt, steps=1, seed=5)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert len(opt.state_dict()["state"]) == 0
+    assert opt.param_groups[0]["lr"] == 0.001
+
+
+def check_optimizer_state_with_distributed_optimizer(hvd, rank, size):
+    """broadcast_optimizer_state accepts a DistributedOptimizer and leaves it usable."""
+    model = _model(seed=0)
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01 * (rank + 1)),
+                                   named_parameters=model.named_parameters())
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert opt.param_groups[0]["lr"] == 0.01
+    _train(model, opt, steps=2, seed=1)
+
+
+def check_broadcast_object_any_types(hvd, rank, size):
+    """broadcast_object returns the root's object on every rank even when the other ranks pass
+    objects of other types (the default name does not depend on the object); allgather_object
+    returns every rank's object in rank order."""
+    obj = {"rank": rank, "payload": list(range(rank))} if rank == 0 else ("not", "a", "dict", rank)
+    assert hvd.broadcast_object(obj, root_rank=0) == {"rank": 0, "payload": []}
+    got = hvd.broadcast_object(torch.full((2,), float(rank)) if rank == size - 1 else None, root_rank=size - 1)
+    close(got, torch.full((2,), float(size - 1)))
+    assert hvd.broadcast_object(lambda v: v + rank, root_rank=0)(1) == 1
+    gathered = hvd.allgather_object({"r": rank} if rank % 2 else [rank])
+    assert gathered == [({"r": r} if r % 2 else [r]) for r in range(size)]
+    assert hvd.allgather_object(rank, name="named.gather") == list(range(size))
+
+
+ALL = [check_broadcast_parameters_forms, check_optimizer_state_round_trip, check_optimizer_state_fresh_root,
+       check_optimizer_state_with_distributed_optimizer, check_broadcast_object_any_types]
+
+
+@pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"np{n}")
+def world(request):
+    """One world per size runs every check of this module."""
+    return launch(ALL, np=request.param)
+
+
+@pytest.mark.parametrize("check", ALL, ids=lambda c: c.__name__[len("check_"):])
+def test_state_broadcast(world, check):
+    """The check (its docstring says what it asserts) passed on every rank."""
+    assert_passed(world, check)
