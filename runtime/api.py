@@ -195,12 +195,15 @@ def _ps_id(process_set: Optional[ProcessSet]) -> int:
     return process_set.process_set_id
 
 
+_RAW16 = (np.dtype(np.uint16), np.dtype(np.int16))
+
+
 def _prepare(array: Any, dtype: Optional[str]) -> Tuple[np.ndarray, str]:
     if not isinstance(array, np.ndarray):
         raise TypeError(f"expected a numpy array, got {type(array).__name__}")
     wire = wire_dtype(array, dtype)
-    if array.dtype.name == "bfloat16":
-        array = array.view(np.uint16)
+    if wire == "bfloat16" and array.dtype not in _RAW16:
+        array = array.view(np.uint16)  # an ml_dtypes bfloat16 array: travel as its raw bits
     if not array.flags.c_contiguous:
         array = np.ascontiguousarray(array)
     return array, wire
@@ -253,7 +256,7 @@ def _reduce_entries(kind: str, arrays: Sequence[np.ndarray], op: int, name: Opti
         meta = Meta(kind, wire, tuple(array.shape), int(reduce_op), -1, pre, post, ps, group)
         entries.append(Entry(entry_name, meta, array, out, handle, i))
     if not entries:
-        handle._event.set()
+        handle._finish()
         return handle
     engine.submit(entries)
     return handle
@@ -333,7 +336,7 @@ def _gather_entries(arrays: Sequence[np.ndarray], name: Optional[str], dtype: Op
         meta = Meta("allgather", wire, tuple(array.shape), 0, -1, 1.0, 1.0, ps, group)
         entries.append(Entry(f"{base}.{i}" if grouped else base, meta, array, None, handle, i))
     if not entries:
-        handle._event.set()
+        handle._finish()
         return handle
     _submit(entries)
     return handle

@@ -43,39 +43,50 @@ BYE = b"X"
 class Handle:
     """An asynchronous operation's handle: ``done()`` polls, ``wait()`` blocks for the result."""
 
-    __slots__ = ("name", "_event", "_results", "_remaining", "_error", "_single", "_lock")
+    __slots__ = ("name", "_gate", "_done", "_results", "_remaining", "_error", "_single")
 
     def __init__(self, name: str, parts: int = 1, single: bool = True) -> None:
         self.name = name
-        self._event = threading.Event()
+        # A held lock is the cheapest thing to block on; completion releases it.
+        self._gate = threading.Lock()
+        self._gate.acquire()
+        self._done = False
         self._results: List[Any] = [None] * parts
         self._remaining = parts
         self._error: Optional[BaseException] = None
         self._single = single
-        self._lock = threading.Lock()
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._done
+
+    def _finish(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._gate.release()
+        except RuntimeError:  # finished concurrently by a failure on another thread
+            pass
 
     def _set(self, index: int, value: Any) -> None:
-        with self._lock:
-            self._results[index] = value
-            self._remaining -= 1
-            finished = self._remaining <= 0
-        if finished:
-            self._event.set()
+        self._results[index] = value
+        self._remaining -= 1
+        if self._remaining <= 0:
+            self._finish()
 
     def _fail(self, error: BaseException) -> None:
         if self._error is None:
             self._error = error
-        self._event.set()
+        self._finish()
 
     def wait(self, timeout: Optional[float] = None) -> Any:
-        if not self._event.wait(timeout):
-            raise TimeoutError(
-                f"operation {self.name!r} did not complete within {timeout} s; other ranks may not have "
-                "submitted it yet (the stall warning names them)"
-            )
+        if not self._done:
+            if not self._gate.acquire(timeout=-1 if timeout is None else timeout):
+                raise TimeoutError(
+                    f"operation {self.name!r} did not complete within {timeout} s; other ranks may not have "
+                    "submitted it yet (the stall warning names them)"
+                )
+            self._gate.release()  # let any other waiter through
         if self._error is not None:
             error = copy.copy(self._error)
             raise error.with_traceback(None)
@@ -133,8 +144,12 @@ class Engine:
         self._readers: Dict[int, FrameReader] = {peer: FrameReader(sock) for peer, sock in world.control.items()}
         if config.timeline and self.rank == 0:
             self.start_timeline(config.timeline, config.timeline_mark_cycles)
-        self._thread = threading.Thread(target=self._run, name="spark-hvd-engine", daemon=True)
-        self._thread.start()
+        # A world of one has nobody to wait for: requests complete on the caller's thread.
+        self._inline_lock: Optional[threading.Lock] = threading.Lock() if self.size == 1 else None
+        self._thread: Optional[threading.Thread] = None
+        if self._inline_lock is None:
+            self._thread = threading.Thread(target=self._run, name="spark-hvd-engine", daemon=True)
+            self._thread.start()
 
     # -- caller side ------------------------------------------------------------------------------
     def submit(self, entries: Sequence[Entry]) -> None:
@@ -145,6 +160,14 @@ class Engine:
         now = time.perf_counter()
         for entry in entries:
             entry.submitted = now
+        if self._inline_lock is not None:
+            with self._inline_lock:
+                self._queue.extend(entries)
+                try:
+                    self._coordinator_cycle()
+                except CollectiveError as exc:
+                    self._abort(exc)
+            return
         self._queue.extend(entries)
         if not self._wake_pending:
             self._wake_pending = True
@@ -173,7 +196,7 @@ class Engine:
             os.write(self._wake_w, b"x")
         except OSError:
             pass
-        if threading.current_thread() is not self._thread:
+        if self._thread is not None and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
         self.stop_timeline()
         self._fail_all(CollectiveError("spark-hvd has been shut down on this rank"))
@@ -611,7 +634,7 @@ class Engine:
             self._span(entry.name, MEMCPY_OUT, t1)
             entry.handle._set(entry.index, entry.out)
             return
-        counts = [int(np.prod(m.shape, dtype=np.int64)) for m in metas]
+        counts = [m.count() for m in metas]
         total = sum(counts)
         fused = self._fusion_view(dtype, total)
         offsets = alg.offsets(counts)

@@ -14,6 +14,7 @@ ids are evicted, and capacity 0 turns it off.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -42,9 +43,12 @@ class Meta(NamedTuple):
     group: Optional[Tuple[str, int]] = None  # (group name, number of members)
     extra: Optional[Tuple[int, ...]] = None  # alltoall splits; process-set ranks
 
+    def count(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * storage_dtype(self.dtype).itemsize if self.shape else (
-            storage_dtype(self.dtype).itemsize if self.dtype else 0)
+        return math.prod(self.shape) * storage_dtype(self.dtype).itemsize if self.dtype else 0
 
 
 # A response, identical on every rank: kind, names, process set, and per-name signature ids
@@ -152,6 +156,7 @@ class Coordinator:
         self.sigs = _Signatures(cache_capacity, list(range(1, size)))
         self.pending: "OrderedDict[Tuple[int, str], _Pending]" = OrderedDict()
         self.ready: List[Tuple[int, str]] = []
+        self._ready_set: Set[Tuple[int, str]] = set()
         self.process_sets: Dict[int, Tuple[int, ...]] = {0: tuple(range(size))}
         self.next_ps = 1
         self.joined: List[int] = []
@@ -183,11 +188,16 @@ class Coordinator:
         return self.process_sets[ps]
 
     def _check_ready(self, key: Tuple[int, str], entry: _Pending) -> None:
-        if key in self.ready:
+        if key in self._ready_set:
             return
-        joined = set(self.joined) if entry.ps == 0 else set()
-        if all(r in entry.ids or r in joined for r in self._members(entry.ps)):
-            self.ready.append(key)
+        members = self._members(entry.ps)
+        if len(entry.ids) < len(members):
+            if entry.ps != 0 or not self.joined:
+                return
+            if not all(r in entry.ids or r in self.joined for r in members):
+                return
+        self.ready.append(key)
+        self._ready_set.add(key)
 
     def _recheck_all(self) -> None:
         for key, entry in self.pending.items():
@@ -206,8 +216,14 @@ class Coordinator:
         for key in self.ready:
             entry = self.pending[key]
             ps, name = key
-            metas = {r: self.sigs.lookup(sid) for r, sid in entry.ids.items()}
-            error = self._mismatch(name, entry, metas)
+            ids = set(entry.ids.values())
+            if len(ids) == 1 and entry.kind not in ("broadcast", "alltoall"):
+                # One signature on every rank: nothing can disagree.
+                metas = {self._any_rank(entry): self.sigs.lookup(next(iter(ids)))}
+                error = None
+            else:
+                metas = {r: self.sigs.lookup(sid) for r, sid in entry.ids.items()}
+                error = self._mismatch(name, entry, metas)
             if error is not None:
                 responses.append(("error", (name,), ps, error))
                 del self.pending[key]
@@ -243,6 +259,7 @@ class Coordinator:
             responses.append(self._single_response(name, entry, sample, metas))
         # Group members still waiting for their siblings stay ready for the next decision.
         self.ready = [(ps, name) for (ps, _), members in groups.items() for name, _, _ in members]
+        self._ready_set = set(self.ready)
         responses = [tuple(tuple(x) if isinstance(x, list) else x for x in r) for r in responses]
         if self.joined and len(self.joined) == self.size:
             responses.append(("join", (), 0, self.joined[-1]))

@@ -68,6 +68,9 @@ def wire_dtype(array: np.ndarray, dtype: Optional[str] = None) -> str:
                 f"{array.dtype} ({array.dtype.itemsize} bytes); pass a view of the raw storage"
             )
         return dtype
+    known = _WIRE_BY_DTYPE.get(array.dtype)
+    if known is not None:
+        return known
     name = array.dtype.name
     if name == "bfloat16":  # ml_dtypes arrays
         return "bfloat16"
@@ -83,8 +86,16 @@ def storage_dtype(wire: str) -> np.dtype:
     return DTYPES[wire]
 
 
+_VALID = {(int(op), wire): op for op in ReduceOp for wire in DTYPES
+          if op != ReduceOp.Adasum and not (wire == "bool" and op in (ReduceOp.Average, ReduceOp.Product))}
+_WIRE_BY_DTYPE = {dtype: name for name, dtype in DTYPES.items() if name != "bfloat16"}
+
+
 def check_op(op: int, wire: str) -> ReduceOp:
     """Validate a reduction for a dtype before any communication starts."""
+    valid = _VALID.get((op, wire)) if isinstance(op, int) else None
+    if valid is not None:
+        return valid
     try:
         op = ReduceOp(op)
     except ValueError:
