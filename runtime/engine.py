@@ -397,6 +397,9 @@ class Engine:
                 out.append(response)
                 continue
             names, ps, ids = response[1], response[2], response[3]
+            if resolve(ids[0]).nbytes() > self.config.eager_threshold:
+                out.append(response)  # fused responses hold only small or only large requests
+                continue
             results = self._eager_results(names, ps, [resolve(s) for s in ids])
             out.append(response if results is None else ("allreduce_eager", names, ps, ids, results))
         for response in responses:
@@ -638,12 +641,14 @@ class Engine:
         total = sum(counts)
         fused = self._fusion_view(dtype, total)
         offsets = alg.offsets(counts)
-        for entry, meta, lo, hi in zip(entries, metas, offsets, offsets[1:]):
-            target = fused[lo:hi]
-            if entry is None:
-                target.fill(0)
-            else:
-                np.copyto(target, entry.array.reshape(-1))
+        if all(entry is not None for entry in entries):
+            np.concatenate([entry.array.reshape(-1) for entry in entries], out=fused)  # type: ignore[union-attr]
+        else:
+            for entry, lo, hi in zip(entries, offsets, offsets[1:]):
+                if entry is None:
+                    fused[lo:hi] = 0
+                else:
+                    fused[lo:hi] = entry.array.reshape(-1)
         scale_inplace(fused, meta0.prescale, meta0.dtype)
         t0 = time.perf_counter()
         alg.ring_allreduce(t, fused, reducer)
@@ -653,7 +658,7 @@ class Engine:
             if entry is None:
                 continue
             out = entry.out if entry.out is not None else np.empty(meta.shape, dtype=dtype)
-            np.copyto(out.reshape(-1), fused[lo:hi])
+            out.reshape(-1)[...] = fused[lo:hi]
             entry.handle._set(entry.index, out)
         t2 = time.perf_counter()
         if self._timeline is not None:
