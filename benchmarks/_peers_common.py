@@ -12,9 +12,9 @@ import os
 import platform
 import sys
 import time
-from typing import Any, Dict, List, Protocol, Sequence
+from typing import Any, Dict, List, Optional, Protocol, Sequence
 
-__all__ = ["Collectives", "measure", "iterations_for", "warmup_for", "write_rank_result", "read_plan", "MiB"]
+__all__ = ["Collectives", "measure", "iterations_for", "warmup_for", "write_rank_result", "read_plan", "pin_to_cpu", "MiB"]
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -79,7 +79,7 @@ def _agreed_iterations(c: Collectives, warm_times: List[float], plan: Dict[str, 
     return iterations_for(estimate, plan["budget_s"], plan["min_iters"], plan["max_iters"])
 
 
-def _sweep_size(c: Collectives, nbytes: int, plan: Dict[str, Any]) -> Dict[str, Any]:
+def _check(c: Collectives, nbytes: int) -> Any:
     buf = c.buffer(nbytes)
     # One checked call first: a benchmark of a wrong answer is worthless.
     c.fill(buf, float(c.rank + 1))
@@ -89,12 +89,31 @@ def _sweep_size(c: Collectives, nbytes: int, plan: Dict[str, Any]) -> Dict[str, 
         raise RuntimeError(f"allreduce of {nbytes} bytes gave a wrong result on rank {c.rank}; expected {expected}")
     # Zeros keep repeated in-place sums finite (and free of denormals) for any iteration count.
     c.fill(buf, 0.0)
-    warm = _timed(c.allreduce, buf, warmup_for(nbytes, plan["quick"]))
-    iters = _agreed_iterations(c, warm, plan)
+    return buf
+
+
+def _time_size(c: Collectives, buf: Any, nbytes: int, plan: Dict[str, Any], first: bool) -> Dict[str, Any]:
+    warm = _timed(c.allreduce, buf, warmup_for(nbytes, plan["quick"]) if first else 2)
+    passes = plan["passes"]
+    iters = _agreed_iterations(c, warm, {**plan, "budget_s": plan["budget_s"] / passes,
+                                         "min_iters": -(-plan["min_iters"] // passes),
+                                         "max_iters": -(-plan["max_iters"] // passes)})
     c.barrier()
-    times = _timed(c.allreduce, buf, iters)
-    del buf
-    return {"iters": iters, "times_s": times}
+    return {"iters": iters, "times_s": _timed(c.allreduce, buf, iters)}
+
+
+def _sweep(c: Collectives, sizes: Sequence[int], plan: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """Every size, in ``passes`` rounds over the whole list, so a passing burst of load on a shared
+    machine spreads over all sizes instead of spoiling one."""
+    out: Dict[str, Dict[str, Any]] = {str(n): {"iters": 0, "times_s": []} for n in sizes}
+    for index in range(plan["passes"]):
+        for nbytes in sizes:
+            buf = _check(c, nbytes) if index == 0 else c.buffer(nbytes)
+            timed = _time_size(c, buf, nbytes, plan, first=index == 0)
+            del buf
+            out[str(nbytes)]["iters"] += timed["iters"]
+            out[str(nbytes)]["times_s"] += timed["times_s"]
+    return out
 
 
 def _async_case(c: Collectives, plan: Dict[str, Any]) -> Dict[str, Any]:
@@ -114,7 +133,7 @@ def _async_case(c: Collectives, plan: Dict[str, Any]) -> Dict[str, Any]:
                                           "max_iters": plan["async_max_rounds"]})
     c.barrier()
     batched = _timed(c.allreduce_many, grads, rounds)
-    single = _sweep_size(c, count * each, plan)
+    single = _sweep(c, [count * each], plan)[str(count * each)]
     return {"count": count, "bytes_each": each, "rounds": rounds, "times_s": batched,
             "single_bytes": count * each, "single": single}
 
@@ -122,16 +141,24 @@ def _async_case(c: Collectives, plan: Dict[str, Any]) -> Dict[str, Any]:
 def measure(c: Collectives, plan: Dict[str, Any]) -> Dict[str, Any]:
     """Run the size sweep and (if planned) the asynchronous case; this rank's raw times."""
     started = time.perf_counter()
-    sizes = {}
-    for nbytes in plan["sizes"]:
-        sizes[str(nbytes)] = _sweep_size(c, nbytes, plan)
-    result: Dict[str, Any] = {"rank": c.rank, "size": c.size, "sizes": sizes}
+    result: Dict[str, Any] = {"rank": c.rank, "size": c.size, "sizes": _sweep(c, plan["sizes"], plan)}
     if plan["async_count"]:
         result["async"] = _async_case(c, plan)
     result["wall_s"] = time.perf_counter() - started
     result["pid"] = os.getpid()
     result["python"] = platform.python_version()
     return result
+
+
+def pin_to_cpu(local_rank: int, enabled: bool) -> Optional[int]:
+    """With ``enabled``, bind this process (and threads it starts later) to one usable CPU, chosen by
+    local rank; the CPU, or None. Every framework gets the same placement, so comparisons stay fair."""
+    if not enabled or not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    cpu = cpus[local_rank % len(cpus)]
+    os.sched_setaffinity(0, {cpu})
+    return cpu
 
 
 def write_rank_result(out_dir: str, rank: int, result: Dict[str, Any]) -> None:

@@ -6,13 +6,14 @@ The launcher sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and GLOO_SOCKET_IFN
 from __future__ import annotations
 
 import datetime
+import os
 import sys
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from _peers_common import measure, read_plan, write_rank_result
+from _peers_common import measure, pin_to_cpu, read_plan, write_rank_result
 
 __all__ = ["main"]
 
@@ -52,12 +53,15 @@ class _Gloo:
 
 def main(argv: Sequence[str]) -> int:
     plan = read_plan(argv)
+    # Before gloo starts its threads, so they inherit the placement.
+    cpu = pin_to_cpu(int(os.environ.get("LOCAL_RANK", "0")), plan["pin"])
     # One core per rank, as for the other frameworks: no intra-op thread pool competing with peers.
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=plan["world_timeout_s"]))
     try:
         result: Any = measure(_Gloo(), plan)
         result["version"] = torch.__version__
+        result["cpu"] = cpu
         write_rank_result(argv[1], result["rank"], result)
     finally:
         dist.destroy_process_group()

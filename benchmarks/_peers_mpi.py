@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from _peers_common import measure, read_plan, write_rank_result
+from _peers_common import measure, pin_to_cpu, read_plan, write_rank_result
 
 __all__ = ["main"]
 
@@ -47,7 +47,10 @@ class _Mpi:
 def main(argv: Sequence[str]) -> int:
     plan = read_plan(argv)
     comm = MPI.COMM_WORLD
+    # All ranks run on this host, so the world rank is the local rank.
+    cpu = pin_to_cpu(comm.Get_rank(), plan["pin"])
     result: Any = measure(_Mpi(comm), plan)
+    result["cpu"] = cpu
     result["version"] = f"mpi4py {__import__('mpi4py').__version__}; " + MPI.Get_library_version().splitlines()[0].strip()
     write_rank_result(argv[1], result["rank"], result)
     return 0

@@ -6,7 +6,7 @@ from typing import Any, Dict, Sequence
 
 import numpy as np
 
-from _peers_common import measure
+from _peers_common import measure, pin_to_cpu
 
 __all__ = ["run_rank"]
 
@@ -48,10 +48,14 @@ class _SparkHvd:
 def run_rank(plan: Dict[str, Any]) -> Dict[str, Any]:
     import spark_hvd
     import spark_hvd.runtime as hvd
+    from spark_hvd.runtime.config import read_setting
 
+    # Before init(), so the engine thread inherits the placement.
+    cpu = pin_to_cpu(read_setting("local_rank") or 0, plan["pin"])
     hvd.init()
     try:
         result = measure(_SparkHvd(hvd), plan)
+        result["cpu"] = cpu
         result["version"] = getattr(spark_hvd, "__version__", "unknown")
         return result
     finally:

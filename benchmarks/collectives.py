@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-async", action="store_true", help="skip the 200 x 16 KiB asynchronous case")
     parser.add_argument("--hvd-setting", type=_setting, action="append", default=[], metavar="KEY=VALUE",
                         help="a spark-hvd runtime setting for its world, e.g. fusion_threshold=0 (repeatable)")
+    parser.add_argument("--pin", action="store_true",
+                        help="bind each rank of every framework to one CPU (local rank modulo the usable CPUs)")
     parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                         help="limit for one framework's world (default: 120 with --quick, else 600)")
     return parser
@@ -111,12 +113,15 @@ def build_plan(args: argparse.Namespace) -> Dict[str, Any]:
         "budget_s": 0.1 if quick else 0.5,
         "min_iters": 3 if quick else 5,
         "max_iters": 300 if quick else 2000,
+        # Rounds over the whole size list; each gets 1/passes of the budget.
+        "passes": 1 if quick else 3,
         "async_count": 0 if args.no_async else ASYNC_COUNT,
         "async_bytes": ASYNC_BYTES,
         "async_budget_s": 0.5 if quick else 2.0,
         "async_min_rounds": 3 if quick else 5,
         "async_max_rounds": 10 if quick else 50,
         "world_timeout_s": timeout,
+        "pin": bool(args.pin),
     }
     return plan
 
@@ -186,13 +191,12 @@ def _run_processes(commands: List[Tuple[List[str], Dict[str, str]]], out_dir: Pa
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 i, code = failed[0]
-                raise WorldFailed(f"process {i} ({' '.join(commands[i][0][-3:-2])}) exited with code {code}:\n"
-                                  + _tail(logs[i]))
+                what = " ".join(Path(part).name for part in commands[i][0][:1] + commands[i][0][-3:-2])
+                raise WorldFailed(f"process {i} ({what}) exited with code {code}; its last output:\n" + _tail(logs[i]))
             if all(c == 0 for c in codes):
                 break
             if time.monotonic() > deadline:
-                raise WorldFailed(f"did not finish within {timeout:.0f} s (raise --timeout); last output:\n"
-                                  + _tail(logs[0]))
+                raise WorldFailed(f"did not finish within {timeout:.0f} s (raise --timeout)\n" + _tail(logs[0]))
             time.sleep(0.05)
     finally:
         _stop(procs)
@@ -302,7 +306,8 @@ def combine(rank_results: List[Dict[str, Any]], size: int) -> Dict[str, Any]:
         summary["algbw_GBps"], summary["busbw_GBps"] = bandwidths(nbytes, summary["median_s"], size)
         sizes[key] = summary
     combined: Dict[str, Any] = {"status": "ok", "version": rank_results[0].get("version"),
-                                "wall_s": max(r["wall_s"] for r in rank_results), "sizes": sizes}
+                                "wall_s": max(r["wall_s"] for r in rank_results),
+                                "cpus": [r.get("cpu") for r in rank_results], "sizes": sizes}
     if "async" in rank_results[0]:
         first = rank_results[0]["async"]
         batched = summarize_times([r["async"]["times_s"] for r in rank_results])
@@ -350,6 +355,9 @@ def print_table(np_: int, fws: Dict[str, Dict[str, Any]], sizes: Sequence[int], 
         status = fws.get(name, {})
         if status.get("status") != "ok":
             out(f"  {name}: {status.get('status', 'not run')}: {status.get('note', '')}".rstrip())
+    if not names:
+        out("  (no framework produced results)")
+        return
     header = ["size"]
     for name in names:
         header += [f"{name} us", "algbw", "busbw"]
@@ -462,6 +470,11 @@ def machine_info() -> Dict[str, Any]:
     }
 
 
+def _load() -> float:
+    """The 1-minute load average: other work on a shared machine shows up here (and in the numbers)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     plan = build_plan(args)
@@ -476,6 +489,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out(f"collectives benchmark: np={nps}, {len(plan['sizes'])} sizes "
         f"({size_label(plan['sizes'][0])} .. {size_label(plan['sizes'][-1])}), "
         f"{'quick' if plan['quick'] else 'full'} plan, {info['cpus_usable']} usable cores, "
+        f"{'ranks pinned to CPUs' if plan['pin'] else 'ranks not pinned'}, "
         f"load average {info['loadavg_start'][0] if info['loadavg_start'] else '?'}")
     notes = {name: availability(name) for name in FRAMEWORKS}
     results: Dict[str, Dict[str, Dict[str, Any]]] = {}
@@ -490,9 +504,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 out(f"np={np_} {name}: skipped, {notes[name]}")
                 continue
             t0 = time.monotonic()
+            load = _load()
             try:
                 fws[name] = combine(run_world(name, np_, plan, settings), np_)
-                out(f"np={np_} {name}: done in {time.monotonic() - t0:.1f} s")
+                fws[name]["load_before"], fws[name]["load_after"] = load, _load()
+                out(f"np={np_} {name}: done in {time.monotonic() - t0:.1f} s "
+                    f"(1-minute load average {load:.2f} before, {fws[name]['load_after']:.2f} after)")
             except WorldFailed as exc:
                 fws[name] = {"status": "failed", "note": str(exc).splitlines()[0], "detail": str(exc)}
                 out(f"np={np_} {name}: FAILED after {time.monotonic() - t0:.1f} s: {exc}")
