@@ -105,13 +105,14 @@ def _time_size(c: Collectives, buf: Any, nbytes: int, plan: Dict[str, Any], firs
 def _sweep(c: Collectives, sizes: Sequence[int], plan: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
     """Every size, in ``passes`` rounds over the whole list, so a passing burst of load on a shared
     machine spreads over all sizes instead of spoiling one."""
-    out: Dict[str, Dict[str, Any]] = {str(n): {"iters": 0, "times_s": []} for n in sizes}
+    out: Dict[str, Dict[str, Any]] = {str(n): {"iters": 0, "pass_iters": [], "times_s": []} for n in sizes}
     for index in range(plan["passes"]):
         for nbytes in sizes:
             buf = _check(c, nbytes) if index == 0 else c.buffer(nbytes)
             timed = _time_size(c, buf, nbytes, plan, first=index == 0)
             del buf
             out[str(nbytes)]["iters"] += timed["iters"]
+            out[str(nbytes)]["pass_iters"].append(timed["iters"])
             out[str(nbytes)]["times_s"] += timed["times_s"]
     return out
 

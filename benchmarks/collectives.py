@@ -276,18 +276,24 @@ def run_world(name: str, np_: int, plan: Dict[str, Any], settings: Dict[str, str
 
 
 # -- combining ranks ---------------------------------------------------------------------------
-def summarize_times(per_rank: Sequence[Sequence[float]]) -> Dict[str, Any]:
-    """Per iteration the slowest rank's time; then median, min and 90th percentile of those."""
+def summarize_times(per_rank: Sequence[Sequence[float]], passes: Sequence[int] = ()) -> Dict[str, Any]:
+    """Per iteration the slowest rank's time; then median, min and 90th percentile of those, and the
+    median of each pass (``passes`` gives their iteration counts) to show how steady the run was."""
     counts = {len(t) for t in per_rank}
     if len(counts) != 1:
         raise ValueError(f"ranks timed different numbers of iterations: {sorted(counts)}; expected one count")
     slowest = [max(column) for column in zip(*per_rank)]
     ordered = sorted(slowest)
+    bounds = [0]
+    for count in passes:
+        bounds.append(bounds[-1] + count)
+    pass_medians = [statistics.median(slowest[a:b]) * 1e6 for a, b in zip(bounds, bounds[1:]) if b > a]
     return {
         "iters": len(slowest),
         "median_s": statistics.median(slowest),
         "min_s": ordered[0],
         "p90_s": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+        "pass_medians_us": [round(m, 2) for m in pass_medians],
         "times_us": [round(t * 1e6, 2) for t in slowest],
     }
 
@@ -302,7 +308,8 @@ def combine(rank_results: List[Dict[str, Any]], size: int) -> Dict[str, Any]:
     sizes = {}
     for key in rank_results[0]["sizes"]:
         nbytes = int(key)
-        summary = summarize_times([r["sizes"][key]["times_s"] for r in rank_results])
+        summary = summarize_times([r["sizes"][key]["times_s"] for r in rank_results],
+                                  rank_results[0]["sizes"][key].get("pass_iters", ()))
         summary["algbw_GBps"], summary["busbw_GBps"] = bandwidths(nbytes, summary["median_s"], size)
         sizes[key] = summary
     combined: Dict[str, Any] = {"status": "ok", "version": rank_results[0].get("version"),
@@ -311,7 +318,8 @@ def combine(rank_results: List[Dict[str, Any]], size: int) -> Dict[str, Any]:
     if "async" in rank_results[0]:
         first = rank_results[0]["async"]
         batched = summarize_times([r["async"]["times_s"] for r in rank_results])
-        single = summarize_times([r["async"]["single"]["times_s"] for r in rank_results])
+        single = summarize_times([r["async"]["single"]["times_s"] for r in rank_results],
+                                 first["single"].get("pass_iters", ()))
         combined["async"] = {
             "count": first["count"], "bytes_each": first["bytes_each"], "batched": batched,
             "single_bytes": first["single_bytes"], "single": single,
