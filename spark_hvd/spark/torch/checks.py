@@ -1,0 +1,204 @@
+"""Checks TorchEstimator and TorchModel make on the driver before any Spark job runs.
+
+Each failure is a ValueError that names the parameter or column, the value seen, what was
+expected and how to fix it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import shutil
+import sys
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from spark_hvd.spark.torch.batches import outputs_list, resolve_shape
+
+__all__ = [
+    "require",
+    "check_losses",
+    "check_metrics",
+    "check_compression",
+    "forward_arity",
+    "check_feature_count",
+    "schema_row_sizes",
+    "dry_run",
+    "ensure_executor_python",
+    "check_slots",
+]
+
+log = logging.getLogger("spark_hvd.spark")
+
+
+def require(name: str, value: Any, expected: str, example: str) -> None:
+    """ValueError when a required Param is unset."""
+    if value is None:
+        raise ValueError(f"{name}=None is not valid: expected {expected}; pass e.g. {name}={example}")
+
+
+def check_losses(loss: Any, loss_weights: Optional[Sequence[float]], label_cols: Sequence[str]) -> Tuple[List[Callable[..., Any]], List[float]]:
+    """One loss and one weight per label column, from the ``loss`` and ``loss_weights`` Params."""
+    require("loss", loss, "a loss function or torch.nn loss module (or one per label column)",
+            "torch.nn.BCEWithLogitsLoss()")
+    losses = list(loss) if isinstance(loss, (list, tuple)) else [loss] * len(label_cols)
+    if len(losses) != len(label_cols):
+        raise ValueError(f"loss has {len(losses)} entries for {len(label_cols)} label column(s) {list(label_cols)}: "
+                         "expected one loss per label column, or a single loss for all of them")
+    for i, fn in enumerate(losses):
+        if not callable(fn):
+            raise ValueError(f"loss[{i}]={fn!r} is not callable: expected a function (output, label) -> tensor "
+                             "or a torch.nn loss module such as torch.nn.MSELoss()")
+    weights = [1.0] * len(label_cols) if loss_weights is None else list(loss_weights)
+    if len(weights) != len(label_cols):
+        raise ValueError(f"loss_weights={list(weights)} has {len(weights)} entries for {len(label_cols)} label "
+                         f"column(s) {list(label_cols)}: expected one weight per label column")
+    return losses, weights
+
+
+def check_metrics(metrics: Optional[Sequence[Any]]) -> List[Callable[..., Any]]:
+    """The metric functions; each must be callable as ``metric(outputs, labels)``."""
+    for i, fn in enumerate(metrics or []):
+        if not callable(fn):
+            raise ValueError(f"metrics[{i}]={fn!r} is not callable: expected functions (outputs, labels) -> tensor")
+    return list(metrics or [])
+
+
+def check_compression(compression: Any) -> None:
+    """A gradient compression must offer ``compress`` and ``decompress`` (spark_hvd.torch.Compression)."""
+    if compression is not None and not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
+        raise ValueError(f"gradient_compression={compression!r} is not valid: expected a compressor such as "
+                         "spark_hvd.torch.Compression.fp16")
+
+
+def forward_arity(model: torch.nn.Module) -> Tuple[int, Optional[int]]:
+    """(required, maximum) positional arguments of ``model.forward``; maximum None for ``*args``."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return 0, None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return sum(p.default is p.empty for p in positional), None
+    return sum(p.default is p.empty for p in positional), len(positional)
+
+
+def check_feature_count(model: torch.nn.Module, feature_cols: Sequence[str]) -> None:
+    """Every feature column is one positional argument of ``model.forward``."""
+    required, maximum = forward_arity(model)
+    count = len(feature_cols)
+    if count < required or (maximum is not None and count > maximum):
+        takes = f"{required}" if maximum == required else f"{required} to {maximum if maximum is not None else 'any'}"
+        raise ValueError(
+            f"feature_cols={list(feature_cols)} gives {count} input(s) but {type(model).__name__}.forward takes {takes}: "
+            "each feature column is one argument of forward(); fix: assemble the columns into one vector "
+            "column (pyspark.ml.feature.VectorAssembler) or list one column per forward() argument")
+
+
+def schema_row_sizes(schema: Any, cols: Sequence[str]) -> List[Optional[int]]:
+    """Values per row of each column where the schema tells: 1 for scalars, the ``ml_attr``
+    size for Vectors made by Spark ML feature transformers; None where only the data knows."""
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql import types as T
+
+    fields = {f.name: f for f in schema.fields}
+    sizes: List[Optional[int]] = []
+    for col in cols:
+        field = fields.get(col)
+        if field is None:
+            sizes.append(None)
+        elif isinstance(field.dataType, (T.NumericType, T.BooleanType)):
+            sizes.append(1)
+        elif isinstance(field.dataType, VectorUDT):
+            num = (field.metadata or {}).get("ml_attr", {}).get("num_attrs")
+            sizes.append(int(num) if isinstance(num, int) and num > 0 else None)
+        else:
+            sizes.append(None)
+    return sizes
+
+
+def default_shape(numel: Optional[int], kind_scalar: bool) -> Tuple[int, ...]:
+    """Per-row input shape without input_shapes: (1,) for scalars, (n,) for arrays and Vectors."""
+    if kind_scalar:
+        return (1,)
+    return (numel,) if numel is not None else (-1,)
+
+
+def feature_shapes(input_shapes: Optional[Sequence[Sequence[int]]], feature_cols: Sequence[str],
+                   sizes: Sequence[Optional[int]]) -> Optional[List[Tuple[int, ...]]]:
+    """Concrete per-row shapes of the features, or None while a size is still unknown."""
+    if input_shapes is not None and len(input_shapes) != len(feature_cols):
+        raise ValueError(f"input_shapes has {len(input_shapes)} shape(s) for {len(feature_cols)} feature column(s) "
+                         f"{list(feature_cols)}: expected one shape per feature column, e.g. input_shapes=[[1, 28, 28]]")
+    if any(size is None for size in sizes):
+        return None
+    if input_shapes is None:
+        return [(1,) if size == 1 else (int(size),) for size in sizes]  # type: ignore[arg-type]
+    return [resolve_shape(shape, int(size), col)  # type: ignore[arg-type]
+            for shape, size, col in zip(input_shapes, sizes, feature_cols)]
+
+
+def dry_run(model: torch.nn.Module, shapes: Sequence[Tuple[int, ...]], num_labels: Optional[int],
+            dtype: torch.dtype) -> List[Tuple[int, ...]]:
+    """Call the model on two rows of zeros of ``shapes``; returns each output's per-row shape.
+
+    Catches inputs of the wrong size and a wrong number of outputs on the driver, with a clear
+    message, instead of in a traceback from every rank. The model's parameters are not changed.
+    """
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    inputs = [torch.zeros((2,) + tuple(shape), dtype=dtype, device=device) for shape in shapes]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            outputs = model(*inputs)
+    except Exception as exc:
+        described = ", ".join(str(tuple(t.shape)) for t in inputs)
+        raise ValueError(
+            f"the model cannot take the features: {type(model).__name__}({described}) raised "
+            f"{type(exc).__name__}: {exc}; expected inputs of these shapes (rows first); fix: match the model's "
+            "input size to the feature columns, or set input_shapes") from None
+    finally:
+        model.train(was_training)
+    outs = outputs_list(outputs, num_labels if num_labels is not None else
+                        (len(outputs) if isinstance(outputs, (list, tuple)) else 1))
+    return [tuple(out.shape[1:]) for out in outs]
+
+
+def ensure_executor_python(sc: Any) -> None:
+    """Make Spark's Python workers able to import spark_hvd, or fail naming PYSPARK_PYTHON.
+
+    On a local master the workers run on this machine: when the configured Python (PYSPARK_PYTHON,
+    else ``python3`` on PATH, which need not be this virtualenv's) cannot import spark_hvd, this
+    process's own interpreter is used instead, with a warning. On a cluster, a missing package
+    fails the job with the same advice.
+    """
+    from spark_hvd.runtime import config
+    from spark_hvd.spark.runner import check_executor_python
+
+    python_exec = str(getattr(sc, "pythonExec", None) or sys.executable)
+    master = str(sc.master)
+    try:
+        check_executor_python(python_exec, master, config.environ_snapshot())
+    except ValueError:
+        if not master.startswith("local"):
+            raise
+        resolved = shutil.which(python_exec) or python_exec
+        log.warning("Spark's Python workers would run %s, which cannot import spark_hvd; using this driver's "
+                    "interpreter %s instead (set PYSPARK_PYTHON=%s to choose it yourself)",
+                    resolved, sys.executable, sys.executable)
+        sc.pythonExec = sys.executable
+
+
+def check_slots(sc: Any, num_proc: int) -> None:
+    """ValueError naming both numbers when the cluster cannot run ``num_proc`` barrier tasks at once."""
+    from spark_hvd.spark import runner
+
+    # The same check run() makes, done before the data is materialized rather than after.
+    runner._wait_for_slots(sc, num_proc)
+
+
+def _product(shape: Sequence[int]) -> int:
+    return math.prod(int(d) for d in shape)

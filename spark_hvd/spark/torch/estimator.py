@@ -1,0 +1,269 @@
+"""TorchEstimator: data-parallel training of a torch model on a DataFrame, as a Spark ML Estimator."""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import logging
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+from pyspark.ml import Estimator
+from pyspark.ml.util import MLReadable, MLWritable
+
+from spark_hvd.spark.data import PreparedData, prepare_data
+from spark_hvd.spark.params import EstimatorParams
+from spark_hvd.spark.reader import steps_for
+from spark_hvd.spark.runner import run
+from spark_hvd.spark.store import Store
+from spark_hvd.spark.torch import checks
+from spark_hvd.spark.torch.batches import metric_names, model_dtype
+from spark_hvd.spark.torch.model import TorchModel
+from spark_hvd.spark.torch.persistence import ParamsReader, ParamsWriter
+from spark_hvd.spark.torch.progress import ProgressPrinter
+from spark_hvd.spark.torch.training import OptimizerSpec, TrainingSpec, load_checkpoint, train_on_rank
+
+__all__ = ["TorchEstimator"]
+
+log = logging.getLogger("spark_hvd.spark")
+
+_default_store: Optional[Store] = None
+_prepare_lock = threading.Lock()
+"""Serializes materialization: concurrent fits of one DataFrame (CrossValidator with parallelism
+> 1) would otherwise write the same cached dataset at once."""
+
+
+def _local_default_store() -> Store:
+    """A store in a temporary directory of this process, removed when it exits (local masters only)."""
+    global _default_store
+    if _default_store is None:
+        path = tempfile.mkdtemp(prefix="spark-hvd-store-")
+        atexit.register(shutil.rmtree, path, True)
+        _default_store = Store.create(path)
+    return _default_store
+
+
+@dataclass
+class _Checked:
+    """The Params of one fit after the driver-side checks."""
+
+    model: torch.nn.Module
+    optimizer: OptimizerSpec
+    losses: List[Any]
+    loss_weights: List[float]
+    metrics: List[Any]
+    feature_cols: List[str]
+    label_cols: List[str]
+    num_proc: int
+    store: Store
+    run_id: str
+
+
+class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
+    """Trains a torch model on a Spark DataFrame with data-parallel ranks on barrier tasks.
+
+    Construct with keyword arguments (``TorchEstimator(model=..., optimizer=..., loss=...,
+    feature_cols=[...], label_cols=[...], num_proc=2, ...)``) or the generated setters; every
+    Param is listed by ``explainParams()``. Horovod's TorchEstimator names and meanings apply.
+
+    ``fit(df)``:
+
+    1. checks the Params, the columns and their types, the model's inputs, and the cluster's task
+       slots (errors name the value and the fix; nothing runs on Spark before they pass);
+    2. materializes the needed columns as Parquet in ``store`` (reused for the same DataFrame);
+    3. trains on ``num_proc`` barrier tasks: each rank reads its shard, wraps a copy of the
+       optimizer in ``spark_hvd.torch.DistributedOptimizer``, and averages gradients each step.
+       With ``scale_lr`` (default True), the learning rate is multiplied by ``num_proc``, as
+       Horovod recommends for a global batch ``num_proc`` times larger; pass ``scale_lr=False``
+       to keep it as given;
+    4. after each epoch, validates (``validation``), averages loss and metrics over the ranks,
+       and rank 0 checkpoints model, optimizer and epoch to ``store`` under ``run_id``. A fit
+       with the ``run_id`` of an interrupted one resumes after its last completed epoch:
+       ``epochs`` is the run's total, so a completed run is not trained again;
+    5. prints a line per epoch (loss, metrics, rows per second) and a progress bar, per
+       ``verbose``, and returns a :class:`TorchModel` with the trained model and ``history``.
+
+    Metrics are callables ``(outputs, labels) -> tensor``; losses are callables ``(output,
+    label) -> tensor`` or torch.nn loss modules, one for all labels or one per label. The
+    driver's model and optimizer are never modified. The estimator saves and loads with Spark
+    ML persistence (``write().save(path)``, ``TorchEstimator.load(path)``), also in a Pipeline.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+
+    # ---- checks before any Spark job --------------------------------------------------------
+    def _check(self, df: Any) -> _Checked:
+        model = self.getModel()
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"model={model!r} is not valid: expected a torch.nn.Module; pass e.g. "
+                             "model=torch.nn.Sequential(torch.nn.Linear(30, 1))")
+        optimizer = self.getOptimizer()
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optimizer={optimizer!r} is not valid: expected a torch.optim.Optimizer over the "
+                             "model's parameters; pass e.g. optimizer=torch.optim.Adam(model.parameters(), lr=1e-3)")
+        feature_cols = self.getFeatureCols()
+        checks.require("feature_cols", feature_cols, "the list of input columns", "['features']")
+        label_cols = self.getLabelCols()
+        checks.require("label_cols", label_cols, "the list of target columns", "['label']")
+        losses, weights = checks.check_losses(self.getLoss(), self.getLossWeights(), label_cols)
+        metrics = checks.check_metrics(self.getMetrics())
+        checks.check_compression(self.getGradientCompression())
+        checks.check_feature_count(model, feature_cols)
+        checks.feature_shapes(self.getInputShapes(), feature_cols, [None] * len(feature_cols))
+        weight_col = self.getSampleWeightCol()
+        if weight_col is not None and weight_col in list(feature_cols) + list(label_cols):
+            raise ValueError(f"sample_weight_col={weight_col!r} is also a feature or label column: expected a "
+                             "separate column of per-row weights")
+        optimizer_spec = OptimizerSpec.of(optimizer, model)
+
+        sc = df.sparkSession.sparkContext
+        local = str(sc.master).startswith("local")
+        store = self.getStore()
+        if store is None:
+            if not local:
+                raise ValueError("store=None is not valid on a cluster: expected storage every executor can read; "
+                                 "pass e.g. store=Store.create('hdfs:///user/me/spark-hvd')")
+            store = _local_default_store()
+        num_proc = self.getNumProc() or int(sc.defaultParallelism)
+        checks.check_slots(sc, num_proc)
+        checks.ensure_executor_python(sc)
+        run_id = self.getRunId() or f"torch-{uuid.uuid4().hex[:12]}"
+        store.get_run_path(run_id)  # checks the name
+        return _Checked(model, optimizer_spec, losses, weights, metrics, list(feature_cols), list(label_cols),
+                        num_proc, store, run_id)
+
+    def _check_early_dry_run(self, df: Any, c: _Checked) -> None:
+        """When the schema tells every feature's size, try the model before materializing."""
+        sizes = checks.schema_row_sizes(df.schema, c.feature_cols)
+        shapes = checks.feature_shapes(self.getInputShapes(), c.feature_cols, sizes)
+        if shapes is not None:
+            checks.dry_run(c.model, shapes, len(c.label_cols), model_dtype(c.model))
+
+    # ---- resume --------------------------------------------------------------------------------
+    def _resume_state(self, c: _Checked, model_copy: torch.nn.Module) -> Optional[Dict[str, Any]]:
+        path = c.store.get_checkpoint_path(c.run_id)
+        if not c.store.exists(path):
+            return None
+        try:
+            state = load_checkpoint(c.store.read(path))
+            model_copy.load_state_dict(state["model"])
+        except Exception as exc:
+            raise ValueError(
+                f"run_id={c.run_id!r} has a checkpoint at {path} that does not fit this model ({exc}); expected a "
+                "checkpoint of the same model class and shapes; fix: use a new run_id, or delete "
+                f"{c.store.get_run_path(c.run_id)} to start this run over") from None
+        return state
+
+    # ---- fit -----------------------------------------------------------------------------------
+    def _fit(self, dataset: Any) -> TorchModel:
+        timings: Dict[str, float] = {}
+        started = time.monotonic()
+        c = self._check(dataset)
+        self._check_early_dry_run(dataset, c)
+        timings["validation"] = time.monotonic() - started
+
+        mark = time.monotonic()
+        dtype = model_dtype(c.model)
+        seed = self.getRandomSeed()
+        with _prepare_lock:
+            prepared = prepare_data(
+                dataset, c.store, c.feature_cols, c.label_cols, self.getSampleWeightCol(), self.getValidation(),
+                c.num_proc, seed=seed if seed is not None else 0,
+                vector_dtype="float64" if dtype == torch.float64 else "float32")
+        shapes = self._feature_shapes(prepared, c.feature_cols)
+        checks.dry_run(c.model, shapes, len(c.label_cols), dtype)
+        timings["materialization"] = time.monotonic() - mark
+
+        trained = copy.deepcopy(c.model).cpu()
+        resume = self._resume_state(c, trained)
+        epochs = self.getEpochs()
+        start_epoch = int(resume["epoch"]) if resume else 0
+        history: List[Dict[str, Any]] = list(resume["history"]) if resume else []
+        verbose = self.getVerbose()
+        if start_epoch >= epochs:
+            if verbose:
+                print(f"run {c.run_id!r} has already trained {start_epoch} of epochs={epochs}; nothing to train "
+                      "(raise epochs to continue it)")
+            return self._model(trained, c, shapes, history, timings)
+
+        spec = self._spec(c, prepared, shapes, start_epoch, history, resume, seed)
+        printer = ProgressPrinter(verbose)
+        mark = time.monotonic()
+        try:
+            results = run(train_on_rank, args=(spec,), num_proc=c.num_proc, stdout=printer.stdout,  # type: ignore[arg-type]
+                          stderr=printer.stderr, verbose=1, use_gpu=self.getUseGpu())
+        finally:
+            printer.close()
+        done = time.monotonic()
+        launched = printer.started_at or done
+        last_epoch = printer.last_epoch_at or done
+        timings["launch"] = launched - mark
+        timings["training"] = last_epoch - launched
+        result = results[0]
+        trained.load_state_dict(result["model"])
+        model = self._model(trained, c, shapes, list(result["history"]), timings)
+        timings["collection"] = time.monotonic() - last_epoch
+        model.fit_timings = timings
+        return model
+
+    def _feature_shapes(self, prepared: PreparedData, feature_cols: List[str]) -> List[Tuple[int, ...]]:
+        sizes = [max(1, int(np.prod(prepared.column(col).shape))) for col in feature_cols]
+        shapes = checks.feature_shapes(self.getInputShapes(), feature_cols, sizes)
+        assert shapes is not None, "prepared data knows every size"
+        return shapes
+
+    def _spec(self, c: _Checked, prepared: PreparedData, shapes: List[Tuple[int, ...]], start_epoch: int,
+              history: List[Dict[str, Any]], resume: Optional[Dict[str, Any]], seed: Optional[int]) -> TrainingSpec:
+        batch_size = self.getBatchSize()
+        val_batch_size = self.getValBatchSize() or batch_size
+        passes = self.getBackwardPassesPerStep()
+        train_steps = self.getTrainStepsPerEpoch() or steps_for(prepared.train_rows, c.num_proc, batch_size)
+        # Whole optimizer steps only: every epoch ends with the accumulated gradients applied.
+        train_steps = -(-train_steps // passes) * passes
+        val_steps = 0
+        if prepared.val_path is not None:
+            val_steps = self.getValidationStepsPerEpoch() or steps_for(prepared.val_rows, c.num_proc, val_batch_size)
+        store = c.store
+        return TrainingSpec(
+            model=copy.deepcopy(c.model).cpu(), optimizer=c.optimizer, losses=c.losses, loss_weights=c.loss_weights,
+            metrics=c.metrics, metric_names=metric_names(c.metrics, c.label_cols),
+            feature_cols=c.feature_cols, label_cols=c.label_cols, sample_weight_col=self.getSampleWeightCol(),
+            feature_shapes=shapes, column_shapes=dict(prepared.shapes),
+            train_url=store.url(prepared.train_path),
+            val_url=store.url(prepared.val_path) if prepared.val_path else None,
+            storage_options=store.storage_options, reader=self.getReader(),
+            batch_size=batch_size, val_batch_size=val_batch_size, epochs=self.getEpochs(), start_epoch=start_epoch,
+            train_steps=train_steps, val_steps=val_steps, shuffle=self.getShuffle(),
+            seed=seed if seed is not None else int(np.random.SeedSequence().entropy % (2 ** 31)),
+            torch_seed=seed, store=store, checkpoint_path=store.get_checkpoint_path(c.run_id), history=history,
+            resume_model=resume["model"] if resume else None,
+            resume_optimizer=resume["optimizer"] if resume else None,
+            backward_passes_per_step=passes, compression=self.getGradientCompression(),
+            scale_lr=self.getScaleLr(), use_gpu=self.getUseGpu(),
+            transformation_fn=self.getTransformationFn(), train_minibatch_fn=self.getTrainMinibatchFn(),
+            callbacks=list(self.getCallbacks() or []), progress=self.getVerbose() > 0)
+
+    def _model(self, trained: torch.nn.Module, c: _Checked, shapes: List[Tuple[int, ...]],
+               history: List[Dict[str, Any]], timings: Dict[str, float]) -> TorchModel:
+        model = TorchModel(model=trained, feature_cols=c.feature_cols, label_cols=c.label_cols,
+                           input_shapes=[list(s) for s in shapes], run_id=c.run_id, history=history)
+        model.fit_timings = timings
+        return model
+
+    # ---- persistence ---------------------------------------------------------------------------
+    def write(self) -> ParamsWriter:
+        """A writer saving this estimator and its Params (``.save(path)``)."""
+        return ParamsWriter(self)
+
+    @classmethod
+    def read(cls) -> ParamsReader["TorchEstimator"]:
+        """A reader loading a saved TorchEstimator (``TorchEstimator.load(path)``)."""
+        return ParamsReader(cls)

@@ -1,0 +1,182 @@
+"""TorchModel: a trained torch model as a Spark ML Model with batched Arrow inference."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import sys
+from typing import Any, Dict, List, Optional, Tuple
+
+import cloudpickle
+import torch
+from pyspark.ml import Model
+from pyspark.ml.util import MLReadable, MLWritable
+
+from spark_hvd.spark.params import ModelParams
+from spark_hvd.spark.torch import checks
+from spark_hvd.spark.torch.batches import model_dtype
+from spark_hvd.spark.torch.persistence import ParamsReader, ParamsWriter
+from spark_hvd.spark.torch.transform import InferencePlan, output_is_scalar, plan_inputs, predict_partition
+
+__all__ = ["TorchModel"]
+
+
+def _cpu_model(model: torch.nn.Module) -> torch.nn.Module:
+    if all(t.device.type == "cpu" for t in list(model.parameters()) + list(model.buffers())):
+        return model
+    return copy.deepcopy(model).cpu()
+
+
+class TorchModel(Model, ModelParams, MLReadable, MLWritable):
+    """A fitted torch model; ``transform(df)`` adds one prediction column per label column.
+
+    Params (keyword-only constructor, ``getX``/``setX`` accessors): ``model``, ``feature_cols``,
+    ``label_cols``, ``output_cols`` (default ``<label>__output``), ``input_shapes``,
+    ``batch_size`` (rows per forward pass, default 1024), ``run_id``, ``history`` (one dict per
+    epoch: loss, metrics, ``val_`` metrics, rows_per_s, seconds).
+
+    ``transform`` feeds the feature columns (numeric scalars, arrays or Spark ML Vectors) to the
+    model through ``mapInArrow``, cast to the model's dtype, in batches of ``batch_size`` rows;
+    the model is broadcast once and loaded once per Python worker, on the task's GPU when Spark
+    assigned one. An output with one value per row becomes a double column; a larger output
+    becomes a dense Vector. Saved with ``write().save(path)`` / loaded with
+    ``TorchModel.load(path)``, also inside a ``PipelineModel``. Loading unpickles the model:
+    load only what you trust, as with ``torch.load``.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fit_timings: Dict[str, float] = {}
+        """Seconds fit() spent per phase (validation, materialization, launch, training,
+        collection); empty for a model that was loaded or built by hand."""
+        self._broadcast: Optional[Tuple[str, Any]] = None
+
+    def getOutputCols(self) -> List[str]:
+        """Prediction column of each label: ``output_cols`` when set, else ``<label>__output``."""
+        cols = self.getOrDefault(self.output_cols)
+        if cols:
+            return list(cols)
+        return [f"{label}__output" for label in (self.getLabelCols() or [])]
+
+    # ---- checks ---------------------------------------------------------------------------
+    def _check(self, df: Any) -> Tuple[torch.nn.Module, List[str], List[str]]:
+        from spark_hvd.spark.data import _inspect_column
+
+        model = self.getModel()
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"model={model!r} is not valid: expected a torch.nn.Module; set it with setModel()")
+        feature_cols = self.getFeatureCols()
+        checks.require("feature_cols", feature_cols, "the model's input columns", "['features']")
+        output_cols = self.getOutputCols()
+        if not output_cols:
+            raise ValueError("output_cols and label_cols are both unset: expected the name of each prediction "
+                             "column; fix: setOutputCols(['prediction']) or set label_cols")
+        labels = self.getLabelCols()
+        if labels and len(output_cols) != len(labels):
+            raise ValueError(f"output_cols={output_cols} has {len(output_cols)} names for {len(labels)} label "
+                             f"column(s) {labels}: expected one output column per label column")
+        fields = {f.name: f.dataType for f in df.schema.fields}
+        for col in feature_cols:
+            if col not in fields:
+                raise ValueError(f"feature column {col!r} is not in the DataFrame; available columns: "
+                                 f"{', '.join(fields) or '(none)'}; fix: add it or set feature_cols")
+            _inspect_column(col, fields[col], "float32")  # raises for strings, structs, nested arrays
+        clash = [c for c in output_cols if c in fields]
+        if clash:
+            raise ValueError(f"output column(s) {clash} already exist in the DataFrame: expected new names; fix: "
+                             "setOutputCols([...]) with other names, or drop those columns first")
+        return model, feature_cols, output_cols
+
+    def _input_shapes(self, df: Any, feature_cols: List[str]) -> List[Tuple[int, ...]]:
+        shapes = self.getInputShapes()
+        sizes = checks.schema_row_sizes(df.schema, feature_cols)
+        if shapes is not None and all(-1 not in s for s in shapes):
+            sizes = [max(1, _size(s)) if z is None else z for s, z in zip(shapes, sizes)]
+        if any(z is None for z in sizes):
+            sizes = _sizes_from_data(df, feature_cols, sizes)
+        resolved = checks.feature_shapes(shapes, feature_cols, sizes)
+        assert resolved is not None, "all sizes are known here"
+        return resolved
+
+    def _payload(self, sc: Any, model: torch.nn.Module) -> Tuple[str, Any]:
+        data = cloudpickle.dumps(_cpu_model(model))
+        key = hashlib.blake2b(data, digest_size=16).hexdigest()
+        if self._broadcast is None or self._broadcast[0] != key:
+            self._broadcast = (key, sc.broadcast(data))
+        return self._broadcast
+
+    # ---- Spark ML -------------------------------------------------------------------------
+    def _transform(self, dataset: Any) -> Any:
+        from pyspark.ml.functions import array_to_vector
+        from pyspark.sql import functions as F
+        from pyspark.sql.types import ArrayType, DoubleType, StructField, StructType
+
+        model, feature_cols, output_cols = self._check(dataset)
+        sc = dataset.sparkSession.sparkContext
+        checks.ensure_executor_python(sc)
+        shapes = self._input_shapes(dataset, feature_cols)
+        dtype = model_dtype(model)
+        row_shapes = checks.dry_run(model, shapes, len(output_cols), dtype)
+        scalar = tuple(output_is_scalar(s) for s in row_shapes)
+        key, payload = self._payload(sc, model)
+        dtype_name = str(dtype).replace("torch.", "")
+        helpers, input_cols = plan_inputs(dataset.schema, feature_cols, dtype_name)
+        plan = InferencePlan(
+            key=key, input_cols=tuple(input_cols), input_shapes=tuple(tuple(s) for s in shapes),
+            drop_cols=tuple(helpers), output_cols=tuple(output_cols), scalar_outputs=scalar,
+            batch_size=self.getBatchSize(), dtype=dtype_name,
+            sys_path=tuple(p for p in sys.path if isinstance(p, str)))
+        frame = dataset.select("*", *[expr.alias(name) for name, expr in helpers.items()]) if helpers else dataset
+        fields = list(dataset.schema.fields) + [
+            StructField(c, DoubleType() if s else ArrayType(DoubleType(), False), False)
+            for c, s in zip(output_cols, scalar)]
+        result = frame.mapInArrow(functools.partial(predict_partition, plan, payload), StructType(fields))
+        for col, is_scalar in zip(output_cols, scalar):
+            if not is_scalar:
+                result = result.withColumn(col, array_to_vector(F.col(f"`{col}`")))
+        return result
+
+    def write(self) -> ParamsWriter:
+        """A writer saving this model (``.save(path)``; ``.overwrite()`` to replace)."""
+        return ParamsWriter(self)
+
+    @classmethod
+    def read(cls) -> ParamsReader["TorchModel"]:
+        """A reader loading a saved TorchModel (``TorchModel.load(path)`` is the short form)."""
+        return ParamsReader(cls)
+
+    def copy(self, extra: Optional[Dict[Any, Any]] = None) -> "TorchModel":
+        """A copy sharing the torch model object, with ``extra`` Params set."""
+        that = super().copy(extra)
+        that.fit_timings = dict(self.fit_timings)
+        that._broadcast = None
+        return that
+
+
+def _size(shape: Any) -> int:
+    size = 1
+    for d in shape:
+        size *= int(d)
+    return size
+
+
+def _sizes_from_data(df: Any, cols: List[str], sizes: List[Optional[int]]) -> List[Optional[int]]:
+    """Values per row of array and Vector columns whose size the schema does not record (one row read)."""
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql import functions as F
+
+    fields = {f.name: f.dataType for f in df.schema.fields}
+    exprs = []
+    for i, (col, size) in enumerate(zip(cols, sizes)):
+        if size is None:
+            column = F.col("`" + col.replace("`", "``") + "`")
+            if isinstance(fields[col], VectorUDT):
+                column = vector_to_array(column)
+            exprs.append(F.size(column).alias(f"s{i}"))
+    row = df.select(*exprs).first()
+    if row is None:
+        return [1 if s is None else s for s in sizes]  # an empty frame: any shape predicts nothing
+    found = row.asDict()
+    return [int(found[f"s{i}"]) if size is None else size for i, size in enumerate(sizes)]

@@ -1,0 +1,357 @@
+"""The training loop TorchEstimator runs on every rank: read the shard, step, validate, checkpoint.
+
+:func:`train_on_rank` is the function ``run()`` calls on each barrier task. Everything it needs
+arrives in one :class:`TrainingSpec` of plain values and torch objects. Each rank builds its
+optimizer over its own copy of the model, wraps it in ``spark_hvd.torch.DistributedOptimizer``,
+and runs the same number of steps per epoch as every other rank (the readers guarantee it),
+so gradient allreduces always match. After each epoch the metrics are averaged over the ranks
+and rank 0 writes a checkpoint (model, optimizer, completed epochs, history) to the store.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from spark_hvd.spark.torch.batches import (LossFunction, feature_tensors, label_tensors, metric_values,
+                                           model_dtype, transform_outputs, weight_tensor)
+from spark_hvd.spark.torch.callbacks import TrainingState, call_hook
+from spark_hvd.spark.torch.progress import ProgressReporter
+
+__all__ = ["OptimizerSpec", "TrainingSpec", "train_on_rank", "CHECKPOINT_FORMAT", "checkpoint_bytes",
+           "load_checkpoint"]
+
+CHECKPOINT_FORMAT = 1
+"""Version of the checkpoint layout; a checkpoint of another version is not resumed."""
+
+
+@dataclass
+class OptimizerSpec:
+    """An optimizer without its parameters: rebuilt on each rank over that rank's model.
+
+    ``groups`` holds, per param group, the indices of its parameters in
+    ``list(model.parameters())`` and its hyperparameters.
+    """
+
+    cls: type
+    defaults: Dict[str, Any]
+    groups: List[Tuple[List[int], Dict[str, Any]]]
+    state: Optional[Dict[str, Any]] = None
+    """``optimizer.state_dict()`` to restore (moment buffers, step counts), or None."""
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> "OptimizerSpec":
+        """The spec of ``optimizer``, whose parameters must all belong to ``model``."""
+        index = {id(p): i for i, p in enumerate(model.parameters())}
+        groups = []
+        foreign = 0
+        for group in optimizer.param_groups:
+            ids = []
+            for p in group["params"]:
+                if id(p) not in index:
+                    foreign += 1
+                else:
+                    ids.append(index[id(p)])
+            groups.append((ids, {k: v for k, v in group.items() if k != "params"}))
+        if foreign:
+            raise ValueError(f"the optimizer holds {foreign} parameter(s) that are not parameters of the model: "
+                             "expected an optimizer built over the model's parameters; fix: create it as "
+                             "e.g. torch.optim.Adam(model.parameters(), lr=1e-3) with the same model object")
+        state = optimizer.state_dict() if optimizer.state else None
+        return cls(type(optimizer), dict(optimizer.defaults), groups, _to_cpu(state) if state else None)
+
+    def build(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        """A fresh optimizer of the same class and hyperparameters over ``model``'s parameters."""
+        params = list(model.parameters())
+        groups = [{"params": [params[i] for i in ids], **hyper} for ids, hyper in self.groups]
+        try:
+            optimizer = self.cls(groups, **self.defaults)
+        except TypeError:  # optimizers whose defaults are not all constructor arguments
+            optimizer = self.cls(groups)
+        if self.state is not None:
+            optimizer.load_state_dict(self.state)
+        return optimizer
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+@dataclass
+class TrainingSpec:
+    """Everything one fit's ranks need; built by the estimator on the driver."""
+
+    model: torch.nn.Module
+    optimizer: OptimizerSpec
+    losses: List[Callable[..., Any]]
+    loss_weights: List[float]
+    metrics: List[Callable[..., Any]]
+    metric_names: List[str]
+    feature_cols: List[str]
+    label_cols: List[str]
+    sample_weight_col: Optional[str]
+    feature_shapes: List[Tuple[int, ...]]
+    """Per-row shape of each feature column as the model receives it."""
+    column_shapes: Dict[str, Tuple[int, ...]]
+    """Per-row shape of every column as stored (for the reader)."""
+    train_url: str
+    val_url: Optional[str]
+    storage_options: Dict[str, Any]
+    reader: str
+    batch_size: int
+    val_batch_size: int
+    epochs: int
+    start_epoch: int
+    train_steps: int
+    val_steps: int
+    shuffle: bool
+    seed: int
+    torch_seed: Optional[int]
+    store: Any
+    checkpoint_path: str
+    history: List[Dict[str, Any]] = field(default_factory=list)
+    resume_model: Optional[Dict[str, torch.Tensor]] = None
+    resume_optimizer: Optional[Dict[str, Any]] = None
+    backward_passes_per_step: int = 1
+    compression: Any = None
+    scale_lr: bool = True
+    use_gpu: bool = True
+    transformation_fn: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None
+    train_minibatch_fn: Optional[Callable[..., Any]] = None
+    callbacks: List[Any] = field(default_factory=list)
+    progress: bool = True
+    progress_interval_s: float = 0.5
+
+
+def checkpoint_bytes(epoch: int, model: torch.nn.Module, optimizer_state: Dict[str, Any],
+                     history: List[Dict[str, Any]]) -> bytes:
+    """A checkpoint as stored: ``torch.save`` of a dict of plain values and tensors."""
+    buf = io.BytesIO()
+    torch.save({"format": CHECKPOINT_FORMAT, "epoch": epoch, "model": _to_cpu(model.state_dict()),
+                "optimizer": _to_cpu(optimizer_state), "history": history}, buf)
+    return buf.getvalue()
+
+
+def load_checkpoint(data: bytes) -> Dict[str, Any]:
+    """Inverse of :func:`checkpoint_bytes` (tensors only: nothing else is unpickled)."""
+    loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    if not isinstance(loaded, dict) or loaded.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"checkpoint format {loaded.get('format') if isinstance(loaded, dict) else '?'} is "
+                         f"not {CHECKPOINT_FORMAT}")
+    return loaded
+
+
+def _device(use_gpu: bool) -> torch.device:
+    # run() exposes only this rank's GPU through CUDA_VISIBLE_DEVICES, so it is device 0.
+    if use_gpu and torch.cuda.is_available():
+        torch.cuda.set_device(0)
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+class _Trainer:
+    """The loop of one rank; a class only so the pieces of state stay together."""
+
+    def __init__(self, spec: TrainingSpec, hvd: Any) -> None:
+        self.spec = spec
+        self.hvd = hvd
+        self.rank, self.size = hvd.rank(), hvd.size()
+        # Ranks sharing a host share its cores: oversubscribed threads slow every rank down.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, hvd.local_size())))
+        if spec.torch_seed is not None:
+            torch.manual_seed(spec.torch_seed)
+        self.device = _device(spec.use_gpu)
+        self.model = spec.model.to(self.device)
+        if spec.resume_model is not None:
+            self.model.load_state_dict(spec.resume_model)
+        self.dtype = model_dtype(self.model)
+        optimizer = spec.optimizer.build(self.model)
+        if spec.resume_optimizer is not None:
+            optimizer.load_state_dict(spec.resume_optimizer)
+        hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        # Horovod's rule: the batch across ranks is size times larger, so is the learning rate.
+        self.lr_scale = float(self.size) if spec.scale_lr else 1.0
+        if self.lr_scale != 1.0:
+            for group in optimizer.param_groups:
+                group["lr"] = group["lr"] * self.lr_scale
+        kwargs: Dict[str, Any] = {"named_parameters": self.model.named_parameters(),
+                                  "backward_passes_per_step": spec.backward_passes_per_step}
+        if spec.compression is not None:
+            kwargs["compression"] = spec.compression
+        self.optimizer = hvd.DistributedOptimizer(optimizer, **kwargs)
+        self.loss_fn = LossFunction(spec.losses, spec.loss_weights)
+        self.reporter = ProgressReporter(spec.progress and self.rank == 0, spec.progress_interval_s)
+        self.state = TrainingState(model=self.model, optimizer=self.optimizer, rank=self.rank, size=self.size,
+                                   epoch=spec.start_epoch, epochs=spec.epochs, history=list(spec.history))
+
+    # -- readers ---------------------------------------------------------------------------------
+    def _reader(self, url: str, batch_size: int, steps: int, shuffle: bool) -> Any:
+        from spark_hvd.spark.reader import make_reader
+
+        spec = self.spec
+        return make_reader(spec.reader, url, rank=self.rank, size=self.size, batch_size=batch_size,
+                           feature_cols=spec.feature_cols, label_cols=spec.label_cols,
+                           sample_weight_col=spec.sample_weight_col, shuffle=shuffle, seed=spec.seed,
+                           steps_per_epoch=steps, shapes=spec.column_shapes,
+                           storage_options=spec.storage_options)
+
+    def _tensors(self, batch: Dict[str, Any]) -> Tuple[List[torch.Tensor], List[torch.Tensor], Optional[torch.Tensor]]:
+        spec = self.spec
+        if spec.transformation_fn is not None:
+            batch = spec.transformation_fn(batch)
+        inputs = feature_tensors(batch, spec.feature_cols, spec.feature_shapes, self.dtype, self.device)
+        labels = label_tensors(batch, spec.label_cols, self.device)
+        weights = weight_tensor(batch, spec.sample_weight_col, self.dtype, self.device)
+        return inputs, labels, weights
+
+    # -- one step --------------------------------------------------------------------------------
+    def _train_step(self, step: int, inputs: List[torch.Tensor], labels: List[torch.Tensor],
+                    weights: Optional[torch.Tensor]) -> Tuple[List[torch.Tensor], List[torch.Tensor], torch.Tensor]:
+        spec = self.spec
+        if spec.train_minibatch_fn is not None:
+            outputs, loss = spec.train_minibatch_fn(self.model, self.optimizer, transform_outputs, self.loss_fn,
+                                                    inputs, labels, weights)
+            outs, labs = transform_outputs(outputs, labels)
+            return outs, labs, loss
+        passes = spec.backward_passes_per_step
+        if step % passes == 0:
+            self.optimizer.zero_grad()
+        outs, labs = transform_outputs(self.model(*inputs), labels)
+        loss = self.loss_fn(outs, labs, weights)
+        # Scaled so that k accumulated passes give the gradient of one k-times-larger batch.
+        (loss / passes if passes > 1 else loss).backward()
+        if (step + 1) % passes == 0:
+            self.optimizer.step()
+        return outs, labs, loss
+
+    # -- epochs ----------------------------------------------------------------------------------
+    def _run_epoch(self, epoch: int, reader: Any) -> Dict[str, float]:
+        spec = self.spec
+        self.model.train()
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        metric_sums: Dict[str, float] = {name: 0.0 for name in spec.metric_names}
+        steps = 0
+        for step, batch in enumerate(reader.iter_epoch(epoch)):
+            inputs, labels, weights = self._tensors(batch)
+            outs, labs, loss = self._train_step(step, inputs, labels, weights)
+            batch_loss = loss.detach().double().cpu()
+            loss_sum += batch_loss
+            steps += 1
+            if spec.metrics:
+                with torch.no_grad():
+                    for name, value in metric_values(spec.metrics, spec.metric_names, outs, labs).items():
+                        metric_sums[name] += value
+            if spec.callbacks:
+                call_hook(spec.callbacks, "on_batch_end", step, {"loss": float(batch_loss)}, self.state)
+            self.reporter.step(epoch, step + 1, float(loss_sum) / steps, force=step + 1 == reader.steps_per_epoch)
+        steps = max(steps, 1)
+        logs = {"loss": float(loss_sum) / steps}
+        logs.update({name: total / steps for name, total in metric_sums.items()})
+        return logs
+
+    def _validate(self, epoch: int, reader: Any) -> Dict[str, float]:
+        spec = self.spec
+        self.model.eval()
+        loss_sum = 0.0
+        metric_sums: Dict[str, float] = {name: 0.0 for name in spec.metric_names}
+        steps = 0
+        with torch.no_grad():
+            for batch in reader.iter_epoch(epoch):
+                inputs, labels, weights = self._tensors(batch)
+                outs, labs = transform_outputs(self.model(*inputs), labels)
+                loss_sum += float(self.loss_fn(outs, labs, weights))
+                for name, value in metric_values(spec.metrics, spec.metric_names, outs, labs).items():
+                    metric_sums[name] += value
+                steps += 1
+        steps = max(steps, 1)
+        logs = {"val_loss": loss_sum / steps}
+        logs.update({f"val_{name}": total / steps for name, total in metric_sums.items()})
+        return logs
+
+    def _average(self, logs: Dict[str, float], epoch: int) -> Dict[str, float]:
+        """The logs averaged over all ranks (every rank has the same keys in the same order)."""
+        if self.size == 1:
+            return logs
+        values = torch.tensor([logs[k] for k in logs], dtype=torch.float64)
+        averaged = self.hvd.allreduce(values, name=f"spark_hvd.fit.metrics.{epoch}", op=self.hvd.Average)
+        return {k: float(v) for k, v in zip(logs, averaged.tolist())}
+
+    def _checkpoint(self, completed: int) -> None:
+        state = self.optimizer.state_dict()
+        if self.lr_scale != 1.0:
+            # The store keeps the learning rate as the user gave it; a resume scales it again.
+            for group in state["param_groups"]:
+                group["lr"] = group["lr"] / self.lr_scale
+        self.spec.store.write(self.spec.checkpoint_path,
+                              checkpoint_bytes(completed, self.model, state, self.state.history))
+
+    def run(self) -> Optional[Dict[str, Any]]:
+        spec = self.spec
+        train_reader = self._reader(spec.train_url, spec.batch_size, spec.train_steps, spec.shuffle)
+        val_reader = (self._reader(spec.val_url, spec.val_batch_size, spec.val_steps, False)
+                      if spec.val_url else None)
+        self.reporter.start(epochs=spec.epochs, start_epoch=spec.start_epoch, steps=spec.train_steps,
+                            val_steps=spec.val_steps if val_reader else 0, size=self.size,
+                            batch_size=spec.batch_size)
+        call_hook(spec.callbacks, "on_train_begin", self.state)
+        try:
+            for epoch in range(spec.start_epoch, spec.epochs):
+                self.state.epoch = epoch
+                call_hook(spec.callbacks, "on_epoch_begin", epoch, self.state)
+                started = time.monotonic()
+                logs = self._run_epoch(epoch, train_reader)
+                train_seconds = time.monotonic() - started
+                if val_reader is not None:
+                    logs.update(self._validate(epoch, val_reader))
+                logs = self._average(logs, epoch)
+                rows = spec.train_steps * spec.batch_size * self.size
+                logs["rows_per_s"] = rows / train_seconds if train_seconds > 0 else math.inf
+                logs["seconds"] = time.monotonic() - started
+                entry = {"epoch": epoch + 1, **logs}
+                self.state.history.append(entry)
+                if self.rank == 0:
+                    self._checkpoint(epoch + 1)
+                self.reporter.epoch(epoch, logs)
+                call_hook(spec.callbacks, "on_epoch_end", epoch, dict(logs), self.state)
+                if self._stop_requested(epoch):
+                    break
+        finally:
+            train_reader.close()
+            if val_reader is not None:
+                val_reader.close()
+        call_hook(spec.callbacks, "on_train_end", self.state)
+        if self.rank != 0:
+            return None
+        return {"model": _to_cpu(self.model.state_dict()), "history": self.state.history}
+
+    def _stop_requested(self, epoch: int) -> bool:
+        # One rank's callback may ask to stop; all ranks must agree, or the next epoch's
+        # collectives would wait for ranks that left.
+        flag = torch.tensor([1.0 if self.state.stop_training else 0.0])
+        if self.size > 1:
+            flag = self.hvd.allreduce(flag, name=f"spark_hvd.fit.stop.{epoch}", op=self.hvd.Max)
+        return bool(flag.item() > 0)
+
+
+def train_on_rank(spec: TrainingSpec) -> Optional[Dict[str, Any]]:
+    """Train on this rank; rank 0 returns ``{"model": state_dict, "history": [...]}``, others None."""
+    import spark_hvd.torch as hvd
+
+    hvd.init()
+    try:
+        return _Trainer(spec, hvd).run()
+    finally:
+        hvd.shutdown()
