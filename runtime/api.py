@@ -222,17 +222,22 @@ def _scales(prescale_factor: float, postscale_factor: float) -> Tuple[float, flo
     return float(prescale_factor), float(postscale_factor)
 
 
-def _submit(entries: List[Entry]) -> None:
-    _engine().submit(entries)
+def _submit(entries: List[Entry], will_wait: bool = False) -> None:
+    _engine().submit(entries, will_wait)
+
+
+def _handle(name: str, parts: int = 1, single: bool = True) -> Handle:
+    return Handle(name, parts, single, _state.engine)
 
 
 def _reduce_entries(kind: str, arrays: Sequence[np.ndarray], op: int, name: Optional[str],
                     prescale_factor: float, postscale_factor: float, outs: Optional[Sequence[Optional[np.ndarray]]],
-                    dtype: Optional[str], process_set: Optional[ProcessSet], grouped: bool) -> Handle:
+                    dtype: Optional[str], process_set: Optional[ProcessSet], grouped: bool,
+                    will_wait: bool = False) -> Handle:
     engine = _engine(kind)
     ps = _ps_id(process_set)
     base = _name(("grouped_" if grouped else "") + kind, name)
-    handle = Handle(base, parts=len(arrays), single=not grouped)
+    handle = _handle(base, parts=len(arrays), single=not grouped)
     entries = []
     group = (base, len(arrays)) if grouped and len(arrays) > 1 else None
     pre, post = _scales(prescale_factor, postscale_factor)
@@ -258,7 +263,7 @@ def _reduce_entries(kind: str, arrays: Sequence[np.ndarray], op: int, name: Opti
     if not entries:
         handle._finish()
         return handle
-    engine.submit(entries)
+    engine.submit(entries, will_wait)
     return handle
 
 
@@ -275,7 +280,8 @@ def allreduce(array: np.ndarray, op: int = Average, name: Optional[str] = None, 
               postscale_factor: float = 1.0, out: Optional[np.ndarray] = None, dtype: Optional[str] = None,
               process_set: Optional[ProcessSet] = None) -> np.ndarray:
     """Blocking :func:`allreduce_async`."""
-    return allreduce_async(array, op, name, prescale_factor, postscale_factor, out, dtype, process_set).wait()
+    return _reduce_entries("allreduce", [array], op, name, prescale_factor, postscale_factor, [out], dtype,
+                           process_set, grouped=False, will_wait=True).wait()
 
 
 def grouped_allreduce_async(arrays: Sequence[np.ndarray], op: int = Average, name: Optional[str] = None,
@@ -291,8 +297,8 @@ def grouped_allreduce(arrays: Sequence[np.ndarray], op: int = Average, name: Opt
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       outs: Optional[Sequence[Optional[np.ndarray]]] = None, dtype: Optional[str] = None,
                       process_set: Optional[ProcessSet] = None) -> List[np.ndarray]:
-    return grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor, outs, dtype,
-                                   process_set).wait()
+    return _reduce_entries("allreduce", list(arrays), op, name, prescale_factor, postscale_factor, outs, dtype,
+                           process_set, grouped=True, will_wait=True).wait()
 
 
 def reducescatter_async(array: np.ndarray, op: int = Average, name: Optional[str] = None,
@@ -306,7 +312,8 @@ def reducescatter_async(array: np.ndarray, op: int = Average, name: Optional[str
 def reducescatter(array: np.ndarray, op: int = Average, name: Optional[str] = None, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0, dtype: Optional[str] = None,
                   process_set: Optional[ProcessSet] = None) -> np.ndarray:
-    return reducescatter_async(array, op, name, prescale_factor, postscale_factor, dtype, process_set).wait()
+    return _reduce_entries("reducescatter", [array], op, name, prescale_factor, postscale_factor, None, dtype,
+                           process_set, grouped=False, will_wait=True).wait()
 
 
 def grouped_reducescatter_async(arrays: Sequence[np.ndarray], op: int = Average, name: Optional[str] = None,
@@ -324,11 +331,11 @@ def grouped_reducescatter(arrays: Sequence[np.ndarray], op: int = Average, name:
 
 
 def _gather_entries(arrays: Sequence[np.ndarray], name: Optional[str], dtype: Optional[str],
-                    process_set: Optional[ProcessSet], grouped: bool) -> Handle:
+                    process_set: Optional[ProcessSet], grouped: bool, will_wait: bool = False) -> Handle:
     _engine("allgather")
     ps = _ps_id(process_set)
     base = _name("grouped_allgather" if grouped else "allgather", name)
-    handle = Handle(base, parts=len(arrays), single=not grouped)
+    handle = _handle(base, parts=len(arrays), single=not grouped)
     group = (base, len(arrays)) if grouped and len(arrays) > 1 else None
     entries = []
     for i, raw in enumerate(arrays):
@@ -338,7 +345,7 @@ def _gather_entries(arrays: Sequence[np.ndarray], name: Optional[str], dtype: Op
     if not entries:
         handle._finish()
         return handle
-    _submit(entries)
+    _submit(entries, will_wait)
     return handle
 
 
@@ -351,7 +358,7 @@ def allgather_async(array: np.ndarray, name: Optional[str] = None, dtype: Option
 
 def allgather(array: np.ndarray, name: Optional[str] = None, dtype: Optional[str] = None,
               process_set: Optional[ProcessSet] = None) -> np.ndarray:
-    return allgather_async(array, name, dtype, process_set).wait()
+    return _gather_entries([array], name, dtype, process_set, grouped=False, will_wait=True).wait()
 
 
 def grouped_allgather_async(arrays: Sequence[np.ndarray], name: Optional[str] = None, dtype: Optional[str] = None,
@@ -368,6 +375,11 @@ def broadcast_async(array: np.ndarray, root_rank: int, name: Optional[str] = Non
                     dtype: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> Handle:
     """Start a broadcast: afterwards the result equals ``root_rank``'s array on every rank.
     ``out=array`` overwrites the array in place."""
+    return _broadcast(array, root_rank, name, out, dtype, process_set, False)
+
+
+def _broadcast(array: np.ndarray, root_rank: int, name: Optional[str], out: Optional[np.ndarray],
+               dtype: Optional[str], process_set: Optional[ProcessSet], will_wait: bool) -> Handle:
     _engine("broadcast")
     ps = _ps_id(process_set)
     members = _state.process_sets[ps].ranks
@@ -383,15 +395,15 @@ def broadcast_async(array: np.ndarray, root_rank: int, name: Optional[str] = Non
         target = _check_out(out, array_c, "broadcast")
     else:
         target = np.empty_like(array_c)
-    handle = Handle(base)
+    handle = _handle(base)
     meta = Meta("broadcast", wire, tuple(array_c.shape), 0, int(root_rank), 1.0, 1.0, ps)
-    _submit([Entry(base, meta, array_c, target, handle)])
+    _submit([Entry(base, meta, array_c, target, handle)], will_wait)
     return handle
 
 
 def broadcast(array: np.ndarray, root_rank: int, name: Optional[str] = None, out: Optional[np.ndarray] = None,
               dtype: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> np.ndarray:
-    return broadcast_async(array, root_rank, name, out, dtype, process_set).wait()
+    return _broadcast(array, root_rank, name, out, dtype, process_set, True).wait()
 
 
 def alltoall_async(array: np.ndarray, splits: Optional[Sequence[int]] = None, name: Optional[str] = None,
@@ -419,7 +431,7 @@ def alltoall_async(array: np.ndarray, splits: Optional[Sequence[int]] = None, na
                 f"dim 0 of the array ({array_c.shape[0]})"
             )
     base = _name("alltoall", name)
-    handle = Handle(base)
+    handle = _handle(base)
     meta = Meta("alltoall", wire, tuple(array_c.shape), 0, -1, 1.0, 1.0, ps, None, tuple(split_list))
     _submit([Entry(base, meta, array_c, None, handle)])
     return handle
@@ -433,19 +445,23 @@ def alltoall(array: np.ndarray, splits: Optional[Sequence[int]] = None, name: Op
 def barrier_async(process_set: Optional[ProcessSet] = None, name: Optional[str] = None) -> Handle:
     ps = _ps_id(process_set)
     base = _name("barrier", name)
-    handle = Handle(base)
+    handle = _handle(base)
     _submit([Entry(base, Meta("barrier", "", (), 0, -1, 1.0, 1.0, ps), None, None, handle)])
     return handle
 
 
 def barrier(process_set: Optional[ProcessSet] = None, timeout: Optional[float] = None) -> None:
     """Return once every rank of the process set has called barrier()."""
-    barrier_async(process_set).wait(timeout)
+    ps = _ps_id(process_set)
+    base = _name("barrier", None)
+    handle = _handle(base)
+    _submit([Entry(base, Meta("barrier", "", (), 0, -1, 1.0, 1.0, ps), None, None, handle)], will_wait=True)
+    handle.wait(timeout)
 
 
 def join_async() -> Handle:
     base = "join"
-    handle = Handle(base)
+    handle = _handle(base)
     _submit([Entry(f"join.{rank()}", Meta("join", "", (), 0, -1, 1.0, 1.0, 0), None, None, handle)])
     return handle
 
@@ -507,7 +523,7 @@ def add_process_set(ranks: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
         if not 0 <= r < size():
             raise ValueError(f"process set rank {r} is outside the job of size {size()}")
     base = _name("add_process_set", None)
-    handle = Handle(base)
+    handle = _handle(base)
     meta = Meta("add_process_set", "", (), 0, -1, 1.0, 1.0, 0, None, ps.ranks)
     _submit([Entry(base, meta, None, None, handle)])
     ps.process_set_id = handle.wait()

@@ -43,10 +43,11 @@ BYE = b"X"
 class Handle:
     """An asynchronous operation's handle: ``done()`` polls, ``wait()`` blocks for the result."""
 
-    __slots__ = ("name", "_gate", "_done", "_results", "_remaining", "_error", "_single")
+    __slots__ = ("name", "_gate", "_done", "_results", "_remaining", "_error", "_single", "_engine")
 
-    def __init__(self, name: str, parts: int = 1, single: bool = True) -> None:
+    def __init__(self, name: str, parts: int = 1, single: bool = True, engine: Optional["Engine"] = None) -> None:
         self.name = name
+        self._engine = engine
         # A held lock is the cheapest thing to block on; completion releases it.
         self._gate = threading.Lock()
         self._gate.acquire()
@@ -80,6 +81,8 @@ class Handle:
         self._finish()
 
     def wait(self, timeout: Optional[float] = None) -> Any:
+        if not self._done and self._engine is not None:
+            self._engine.drive(self)
         if not self._done:
             if not self._gate.acquire(timeout=-1 if timeout is None else timeout):
                 raise TimeoutError(
@@ -129,6 +132,7 @@ class Engine:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._wake_pending = False
+        self._progress = threading.Lock()  # held by whoever runs a cycle: engine thread or a waiting caller
         self.transports: Dict[int, Transport] = {0: world.transport}
         self.process_sets: Dict[int, Tuple[int, ...]] = {0: tuple(range(self.size))}
         world.transport.check = self._check_while_waiting
@@ -152,7 +156,9 @@ class Engine:
             self._thread.start()
 
     # -- caller side ------------------------------------------------------------------------------
-    def submit(self, entries: Sequence[Entry]) -> None:
+    def submit(self, entries: Sequence[Entry], will_wait: bool = False) -> None:
+        """Queue requests. ``will_wait``: the caller blocks on them next and drives the engine
+        itself (see :meth:`drive`), so the engine thread need not be woken."""
         if self._failure is not None:
             raise copy.copy(self._failure)
         if self._stopping:
@@ -169,12 +175,8 @@ class Engine:
                     self._abort(exc)
             return
         self._queue.extend(entries)
-        if not self._wake_pending:
-            self._wake_pending = True
-            try:
-                os.write(self._wake_w, b"w")
-            except OSError:
-                pass
+        if not will_wait:
+            self._wake()
 
     def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
         if self.rank != 0:
@@ -213,22 +215,63 @@ class Engine:
     # -- engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while not self._stopping:
+            while not self._stopping and self._failure is None:
                 self._wait_for_work()
-                if self._stopping:
+                if self._stopping or self._failure is not None:
                     break
-                if self.coordinator is not None:
-                    self._coordinator_cycle()
-                else:
-                    self._worker_cycle()
-        except CollectiveError as exc:
-            self._abort(exc)
-        except BaseException as exc:  # a bug must not leave callers waiting forever
-            log.exception("spark-hvd engine failed")
-            self._abort(CollectiveError(f"the spark-hvd engine on rank {self.rank} failed: {exc!r}"))
+                with self._progress:
+                    self._cycle()
+        except BaseException as exc:
+            self._abort(self._as_collective_error(exc))
         finally:
             if self._stopping and self._failure is None:
                 self._say_bye()
+
+    def _cycle(self) -> None:
+        if self.coordinator is not None:
+            self._coordinator_cycle()
+        else:
+            self._worker_cycle()
+
+    def _as_collective_error(self, exc: BaseException) -> CollectiveError:
+        if isinstance(exc, CollectiveError):
+            return exc
+        log.exception("spark-hvd engine failed")  # a bug must not leave callers waiting forever
+        return CollectiveError(f"the spark-hvd engine on rank {self.rank} failed: {exc!r}")
+
+    def drive(self, handle: Handle, budget: float = 0.002) -> None:
+        """Make progress on the caller's thread while it waits for ``handle``.
+
+        Handing work to the engine thread and back costs two thread wake-ups (tens of
+        microseconds each); a waiting caller that finds the engine idle runs the cycles itself and
+        polls the sockets, for at most ``budget`` seconds before it blocks.
+        """
+        if self._inline_lock is not None or self._failure is not None or self._stopping:
+            return
+        if not self._progress.acquire(blocking=False):
+            self._wake()  # the engine thread or another caller is busy: make sure work is seen
+            return
+        try:
+            deadline = time.perf_counter() + budget
+            while not handle._done and self._failure is None:
+                self._cycle()
+                if handle._done or time.perf_counter() > deadline:
+                    break
+                os.sched_yield()
+        except BaseException as exc:
+            self._abort(self._as_collective_error(exc))
+        finally:
+            self._progress.release()
+        if not handle._done or self._queue or any(r.frames for r in self._readers.values()):
+            self._wake()  # the engine thread takes over (and recomputes its stall-check timeout)
+
+    def _wake(self) -> None:
+        if not self._wake_pending:
+            self._wake_pending = True
+            try:
+                os.write(self._wake_w, b"w")
+            except OSError:
+                pass
 
     def _wait_for_work(self) -> None:
         if self._queue or any(r.frames for r in self._readers.values()):
@@ -237,8 +280,6 @@ class Engine:
             timeout = 0.0
         else:
             timeout = self._idle_timeout()
-            if self._local and self._spin_for_frames():
-                timeout = 0.0
         fds = [self._wake_r] + [r.sock for r in self._readers.values() if not r.closed]
         try:
             select.select(fds, [], [], timeout)
@@ -250,19 +291,6 @@ class Engine:
                 pass
         except (BlockingIOError, OSError):
             pass
-
-    def _spin_for_frames(self) -> bool:
-        """Poll the control sockets briefly before sleeping: an answer is usually microseconds away."""
-        deadline = time.perf_counter() + 100e-6
-        while time.perf_counter() < deadline:
-            if self._queue or self._stopping:
-                return True
-            for reader in self._readers.values():
-                reader.pump()
-                if reader.frames or reader.closed:
-                    return True
-            os.sched_yield()
-        return False
 
     def _idle_timeout(self) -> Optional[float]:
         if self.coordinator is None:
