@@ -40,6 +40,13 @@ ABORT = b"A"
 BYE = b"X"
 
 
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 class Handle:
     """An asynchronous operation's handle: ``done()`` polls, ``wait()`` blocks for the result."""
 
@@ -133,6 +140,9 @@ class Engine:
         os.set_blocking(self._wake_r, False)
         self._wake_pending = False
         self._progress = threading.Lock()  # held by whoever runs a cycle: engine thread or a waiting caller
+        # Polling for an answer pays off only while every local rank has a core of its own; on an
+        # oversubscribed host it would take the core from the rank that has to answer.
+        self._spin_budget = 0.002 if world.local_size <= _usable_cpus() else 0.0
         self.transports: Dict[int, Transport] = {0: world.transport}
         self.process_sets: Dict[int, Tuple[int, ...]] = {0: tuple(range(self.size))}
         world.transport.check = self._check_while_waiting
@@ -239,7 +249,7 @@ class Engine:
         log.exception("spark-hvd engine failed")  # a bug must not leave callers waiting forever
         return CollectiveError(f"the spark-hvd engine on rank {self.rank} failed: {exc!r}")
 
-    def drive(self, handle: Handle, budget: float = 0.002) -> None:
+    def drive(self, handle: Handle) -> None:
         """Make progress on the caller's thread while it waits for ``handle``.
 
         Handing work to the engine thread and back costs two thread wake-ups (tens of
@@ -252,7 +262,7 @@ class Engine:
             self._wake()  # the engine thread or another caller is busy: make sure work is seen
             return
         try:
-            deadline = time.perf_counter() + budget
+            deadline = time.perf_counter() + self._spin_budget
             while not handle._done and self._failure is None:
                 self._cycle()
                 if handle._done or time.perf_counter() > deadline:
