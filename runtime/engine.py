@@ -447,26 +447,36 @@ class Engine:
 
     def _eager_results(self, names: Sequence[str], ps: int, metas: List[Meta]) -> Optional[tuple]:
         members = self.process_sets.get(ps, ())
-        joined = set(self.coordinator.joined) if (self.coordinator is not None and ps == 0) else set()
+        joined = self.coordinator.joined if (self.coordinator is not None and ps == 0) else ()
         start = time.perf_counter()
         results = []
         for name, meta in zip(names, metas):
-            if meta.nbytes() > self.config.eager_threshold:
-                return None
             got = self._eager.get((ps, name), {})
-            mine = self._local.get((ps, name))
-            if 0 in members and mine is not None and mine.array is not None:
-                got = dict(got)
-                got[0] = self._eager_payload(mine)  # type: ignore[assignment]
-            parts = [got.get(r) for r in members if r not in joined or r in got]
-            if any(p is None for p in parts):
-                return None
             dtype = storage_dtype(meta.dtype)
-            acc = np.frombuffer(parts[0], dtype=dtype).copy() if parts else np.zeros(0, dtype)
-            for part in parts[1:]:
-                reduce_into(acc, np.frombuffer(part, dtype=dtype), ReduceOp(meta.op), meta.dtype)
-            if len(parts) < len(members) and acc.size == 0:
-                acc = np.zeros(int(np.prod(meta.shape, dtype=np.int64)), dtype)
+            op = ReduceOp(meta.op)
+            acc: Optional[np.ndarray] = None
+            for r in members:
+                if r == 0:
+                    mine = self._local.get((ps, name))
+                    if mine is None or mine.array is None:
+                        part = None
+                    else:
+                        part = mine.array.reshape(-1)
+                        if meta.prescale != 1.0:
+                            part = part.copy()
+                            scale_inplace(part, meta.prescale, meta.dtype)
+                else:
+                    payload = got.get(r)
+                    part = None if payload is None else np.frombuffer(payload, dtype=dtype)
+                if part is None:
+                    if r not in joined:
+                        return None  # someone's data did not come along: use the regular path
+                    part = np.zeros(meta.count(), dtype)  # a joined rank contributes zeros
+                if acc is None:
+                    acc = part.copy()
+                else:
+                    reduce_into(acc, part, op, meta.dtype)
+            assert acc is not None
             self._finish_scale(acc, meta, len(members))
             results.append(acc.tobytes())
         if self._timeline is not None:
