@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import atexit
-import io
+import os
 import itertools
 import logging
 import pickle
@@ -16,7 +16,7 @@ from .config import RuntimeConfig
 from .engine import Engine, Entry, Handle
 from .errors import NotInitializedError
 from .negotiation import Meta
-from .ops import Average, ReduceOp, check_op, storage_dtype, wire_dtype
+from .ops import Average, check_op, wire_dtype
 from .world import World, connect_world
 
 __all__ = [
@@ -100,6 +100,8 @@ def init(config: Optional[RuntimeConfig] = None, **overrides: Any) -> None:
         else:
             world = connect_world(cfg)
         _state.world = world
+        if cfg.bind_cpus:
+            _bind_cpus(world.local_rank, world.local_size)
         _state.engine = Engine(world, cfg)
         _state.counters = {}
         global_process_set.ranks = tuple(range(world.size))
@@ -107,6 +109,19 @@ def init(config: Optional[RuntimeConfig] = None, **overrides: Any) -> None:
         if not _state.atexit_registered:
             atexit.register(shutdown)
             _state.atexit_registered = True
+
+
+def _bind_cpus(local_rank: int, local_size: int) -> None:
+    """Give this rank a disjoint share of the usable CPUs; threads started later inherit it."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return
+    share = len(cpus) // local_size
+    if share == 0:
+        log.warning("SPARK_HVD_BIND_CPUS: %d local ranks but %d usable CPUs; not binding", local_size, len(cpus))
+        return
+    os.sched_setaffinity(0, cpus[local_rank * share:(local_rank + 1) * share])
 
 
 def shutdown() -> None:

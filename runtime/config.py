@@ -49,8 +49,6 @@ class Setting:
     """One line saying what the setting does."""
     aliases: Tuple[str, ...] = ()
     """Other environment variables (Horovod's names) read when ``env`` is unset."""
-    scale: float = 1.0
-    """Factor from an alias's unit to ours (Horovod gives some times in other units)."""
 
 
 MiB = 1024 * 1024
@@ -104,6 +102,8 @@ SETTINGS: Tuple[Setting, ...] = (
             "Seconds within which a silent or vanished peer is declared lost."),
     Setting("shm", "SPARK_HVD_SHM", _parse_bool, True,
             "Move data between ranks of one host through shared memory instead of sockets."),
+    Setting("bind_cpus", "SPARK_HVD_BIND_CPUS", _parse_bool, False,
+            "Pin each rank to its own share of the host's CPUs at init() (when there are enough)."),
     Setting("chunk_bytes", "SPARK_HVD_CHUNK_BYTES", int, 512 * 1024,
             "Pipelining unit for large buffers: bytes per shared-memory slot or socket chunk."),
     Setting("log_level", "SPARK_HVD_LOG_LEVEL", str, "WARNING",
@@ -161,6 +161,7 @@ class RuntimeConfig:
     start_timeout: float = 60.0
     peer_timeout: float = 10.0
     shm: bool = True
+    bind_cpus: bool = False
     chunk_bytes: int = 512 * 1024
     log_level: str = "WARNING"
 

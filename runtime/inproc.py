@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Callable, Deque, Dict, List, Optional, Sequence, TypeVar
+from typing import Callable, Deque, Dict, List, Optional, TypeVar
 
 from .transport import Op, Sink, Transport
 
@@ -40,7 +40,6 @@ class _Recv(Op):
         self.done = nbytes == 0
 
     def progress(self) -> bool:
-        moved = False
         if self.done:
             return False
         with self.pipe.lock:

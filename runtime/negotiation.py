@@ -20,7 +20,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
-import numpy as np
 
 from .ops import ReduceOp, storage_dtype
 

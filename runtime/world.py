@@ -16,7 +16,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from .config import RuntimeConfig
 from .errors import AuthenticationError, RendezvousTimeout

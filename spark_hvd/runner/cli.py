@@ -71,6 +71,8 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="seconds init() waits for every rank to arrive")
     parser.add_argument("--output-filename", metavar="DIR",
                         help="also write each rank's output to DIR/rank.<r>/stdout and DIR/rank.<r>/stderr")
+    parser.add_argument("--bind-cpus", action="store_true",
+                        help="pin each rank to its own share of this machine's CPUs (steadier latency)")
     parser.add_argument("--verbose", action="store_true", help="log what is started and stopped")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program to run, e.g. python train.py")
     return parser
@@ -184,6 +186,7 @@ def parse_options(argv: Sequence[str], environ: Optional[Dict[str, str]] = None)
         "cycle_time_ms": args.cycle_time_ms,
         "cache_capacity": args.cache_capacity,
         "start_timeout": args.start_timeout,
+        "bind_cpus": True if args.bind_cpus else None,
         "timeline": None if args.timeline_filename is None
         else _check_writable_file("--timeline-filename", args.timeline_filename),
     }

@@ -123,3 +123,25 @@ def test_stall_shutdown_fails_every_rank(launch):
     assert results[0].startswith("rank0: stalled operations exceeded"), results[0]
     assert "'never.answered'" in results[0]
     assert results[1].startswith("rank1: ") and "no error" not in results[1], results[1]
+
+
+def _affinity():
+    import os
+    rt.init()
+    cpus = sorted(os.sched_getaffinity(0))
+    total = rt.allreduce(np.ones(1), op=rt.Sum)[0]
+    rt.shutdown()
+    return cpus, total
+
+
+def test_bind_cpus_gives_ranks_disjoint_cpus(launch):
+    """With bind_cpus, each local rank runs on its own share of the CPUs and collectives still work."""
+    import os
+
+    usable = len(os.sched_getaffinity(0))
+    results = launch(_affinity, np=2, settings={"bind_cpus": True})
+    (cpus0, total0), (cpus1, total1) = results
+    assert total0 == total1 == 2.0
+    if usable >= 2:
+        assert cpus0 and cpus1 and not set(cpus0) & set(cpus1)
+        assert len(cpus0) == len(cpus1) == usable // 2
