@@ -34,8 +34,8 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_JSON = HERE / "results" / "training_scaling.json"
 FRAMEWORKS = ("spark-hvd", "ddp-gloo")
 MODELS = {
-    "mlp": {"batch": 64, "describe": "MLP 1024-2048-1024-10 (4.2M parameters), batch 64/rank"},
-    "cnn": {"batch": 32, "describe": "CNN 3x32x32: conv32-conv64-pool-conv128-pool-fc256-fc10, batch 32/rank"},
+    "mlp": {"batch": 64, "describe": "MLP 1024-2048-1024-10 (4.2M parameters)"},
+    "cnn": {"batch": 32, "describe": "CNN 3x32x32: conv32-conv64-pool-conv128-pool-fc256-fc10 (2.2M parameters)"},
 }
 TARGET_EFFICIENCY = 0.90
 
@@ -93,6 +93,10 @@ def sparkhvd_rank(config: Dict[str, Any]) -> Dict[str, Any]:
 
     import spark_hvd.torch as hvd
 
+    from spark_hvd.runtime.config import read_setting
+
+    # Before init() starts the engine thread, so it inherits the placement.
+    _pin(config, read_setting("local_rank") or 0)
     torch.set_num_threads(1)
     hvd.init()
     model, shape = _build(config["model"])
@@ -107,6 +111,25 @@ def sparkhvd_rank(config: Dict[str, Any]) -> Dict[str, Any]:
     return result
 
 
+def _pin(config: Dict[str, Any], rank: int) -> None:
+    if config.get("pin") and hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+
+
+def plain_process(config: Dict[str, Any]) -> Dict[str, Any]:
+    """Single-process torch without any distributed framework: the baseline both scale against."""
+    import torch
+
+    _pin(config, 0)
+    torch.set_num_threads(1)
+    model, shape = _build(config["model"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    step = _synthetic_step(model, optimizer, shape, config["batch"])
+    seconds = _time_steps(step, lambda: None, config["warmup"], config["steps"])
+    return {"rank": 0, "size": 1, "seconds": seconds, "slowest": seconds}
+
+
 def ddp_rank(config: Dict[str, Any]) -> Dict[str, Any]:
     """One DDP rank (gloo), timed; the launcher sets RANK, WORLD_SIZE and MASTER_* variables."""
     import datetime
@@ -114,6 +137,9 @@ def ddp_rank(config: Dict[str, Any]) -> Dict[str, Any]:
     import torch
     import torch.distributed as dist
 
+    if config.get("framework") == "torch":
+        return plain_process(config)
+    _pin(config, int(os.environ["RANK"]))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     try:
@@ -164,6 +190,7 @@ def _launch_ddp(config: Dict[str, Any], np: int, timeout: float) -> List[Dict[st
 
 def _launch(framework: str, config: Dict[str, Any], np: int, timeout: float) -> float:
     """Samples per second of one run: all ranks' samples over the slowest rank's time."""
+    config = dict(config, framework=framework)
     if framework == "spark-hvd":
         from spark_hvd.runner import run
 
@@ -177,13 +204,13 @@ def _launch(framework: str, config: Dict[str, Any], np: int, timeout: float) -> 
 # -- report ---------------------------------------------------------------------------------------------
 def _table(rows: List[Dict[str, Any]]) -> str:
     header = (f"{'model':<5} {'framework':<10} {'np=1 samples/s':>15} {'np=2 samples/s':>15} "
-              f"{'efficiency':>11} {'target':>8}")
+              f"{'efficiency':>11} {'vs torch':>9} {'target':>8}")
     lines = [header, "-" * len(header)]
     for row in rows:
         ok = "met" if row["efficiency"] >= row["target"] else "MISSED"
         lines.append(
             f"{row['model']:<5} {row['framework']:<10} {row['np1']:>15.1f} {row['np2']:>15.1f} "
-            f"{row['efficiency'] * 100:>10.1f}% {ok:>8}"
+            f"{row['efficiency'] * 100:>10.1f}% {row['vs_torch'] * 100:>8.1f}% {ok:>8}"
         )
     return "\n".join(lines)
 
@@ -195,12 +222,21 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="runs per configuration; the median counts")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps before timing")
+    parser.add_argument("--batch", action="append", default=[], metavar="MODEL=ROWS",
+                        help="rows per rank per step for a model, e.g. mlp=128 (default: mlp=64, cnn=32)")
+    parser.add_argument("--pin", action="store_true", help="pin rank r to the r-th allowed CPU")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one run may take")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the raw results")
     parser.add_argument("--ddp-rank", nargs=2, metavar=("CONFIG", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.steps < 1 or args.warmup < 0:
         parser.error(f"--repeats {args.repeats} and --steps {args.steps} must be >= 1, --warmup >= 0")
+    args.batches = {m: spec["batch"] for m, spec in MODELS.items()}
+    for item in args.batch:
+        model, _, rows = item.partition("=")
+        if model not in MODELS or not rows.isdigit() or int(rows) < 1:
+            parser.error(f"--batch {item!r} is invalid: expected MODEL=ROWS with MODEL in {sorted(MODELS)}")
+        args.batches[model] = int(rows)
     return args
 
 
@@ -212,23 +248,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     import torch
 
+    runs = [("torch", 1)] + [(f, np) for f in args.frameworks for np in (1, 2)]
     samples: Dict[str, List[float]] = {}
+    loads = []
     for repeat in range(args.repeats):
         for model in args.models:
-            config = {"model": model, "batch": MODELS[model]["batch"], "steps": args.steps, "warmup": args.warmup}
-            for framework in args.frameworks:
-                for np in (1, 2):
-                    key = f"{model}/{framework}/np{np}"
-                    value = _launch(framework, config, np, args.timeout)
-                    samples.setdefault(key, []).append(value)
-                    print(f"run {repeat + 1}/{args.repeats} {key}: {value:.1f} samples/s", file=sys.stderr, flush=True)
+            config = {"model": model, "batch": args.batches[model], "steps": args.steps, "warmup": args.warmup,
+                      "pin": args.pin}
+            for framework, np in runs:
+                key = f"{model}/{framework}/np{np}"
+                value = _launch(framework, config, np, args.timeout)
+                samples.setdefault(key, []).append(value)
+                loads.append(os.getloadavg()[0])
+                print(f"run {repeat + 1}/{args.repeats} {key}: {value:.1f} samples/s (load {loads[-1]:.2f})",
+                      file=sys.stderr, flush=True)
     rows = []
     for model in args.models:
+        base = statistics.median(samples[f"{model}/torch/np1"])
         for framework in args.frameworks:
             np1 = statistics.median(samples[f"{model}/{framework}/np1"])
             np2 = statistics.median(samples[f"{model}/{framework}/np2"])
-            rows.append({"model": model, "framework": framework, "np1": np1, "np2": np2,
-                         "efficiency": np2 / (2 * np1), "target": TARGET_EFFICIENCY})
+            rows.append({"model": model, "framework": framework, "np1": np1, "np2": np2, "torch_np1": base,
+                         "efficiency": np2 / (2 * np1), "vs_torch": np2 / (2 * base), "target": TARGET_EFFICIENCY})
+    print("efficiency = np=2 throughput / (2 x the same framework's np=1); vs torch: over 2 x plain torch np=1")
     print(_table(rows))
     for model in args.models:
         effs = {r["framework"]: r["efficiency"] for r in rows if r["model"] == model}
@@ -240,11 +282,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "rows": rows,
         "samples_per_second": samples,
         "models": {m: MODELS[m]["describe"] for m in args.models},
+        "batch_per_rank": {m: args.batches[m] for m in args.models},
         "steps": args.steps,
         "warmup": args.warmup,
         "repeats": args.repeats,
+        "pinned": args.pin,
+        "load_average_during_runs": loads,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "load_average": os.getloadavg()},
+                    "torch": torch.__version__},
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Iterable, List, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import spark_hvd.runtime as _rt
 from spark_hvd.runtime.errors import CollectiveError, NotInitializedError

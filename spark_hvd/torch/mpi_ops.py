@@ -21,7 +21,7 @@ import torch
 
 import spark_hvd.runtime as _rt
 from spark_hvd.torch.basics import Average, Sum, global_process_set
-from spark_hvd.torch.tensor_bridge import Staged, from_array, stage
+from spark_hvd.torch.tensor_bridge import Staged, stage
 
 __all__ = [
     "Handle",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import numpy as np
 import torch
@@ -194,8 +194,3 @@ def from_array(array: np.ndarray, dtype: torch.dtype, device: torch.device, code
     if device.type != "cpu":
         tensor = tensor.to(device)
     return tensor
-
-
-def describe(tensor: torch.Tensor) -> Dict[str, object]:
-    """Shape, dtype and device of a tensor, for error messages."""
-    return {"shape": tuple(tensor.shape), "dtype": str(tensor.dtype), "device": str(tensor.device)}

@@ -281,7 +281,24 @@ def check_barrier_poll_handles(hvd, rank, size):
         raise AssertionError("synchronize(12345) did not raise ValueError")
 
 
-ALL = [check_topology, check_allreduce_every_dtype_and_op, check_allreduce_variants,
+def check_timeline(hvd, rank, size):
+    """start_timeline/stop_timeline record named collectives in a Chrome trace written by rank 0."""
+    import json
+    import os
+    import tempfile
+
+    directory = hvd.broadcast_object(tempfile.mkdtemp(prefix="hvd-timeline-") if rank == 0 else None, 0)
+    path = os.path.join(directory, "timeline.json")
+    hvd.start_timeline(path)
+    hvd.allreduce(torch.ones(4), name="timeline.probe")
+    hvd.stop_timeline()
+    if rank == 0:
+        with open(path) as trace:
+            events = json.load(trace)
+        assert any("timeline.probe" in json.dumps(event) for event in events), events[:5]
+
+
+ALL = [check_topology, check_timeline, check_allreduce_every_dtype_and_op, check_allreduce_variants,
        check_allreduce_scaling_and_average_flag, check_allreduce_fp16_compression, check_non_contiguous_tensors,
        check_scalar_and_zero_dim, check_grouped_allreduce, check_allgather_uneven, check_broadcast_forms,
        check_alltoall, check_reducescatter, check_other_dtypes_move, check_adasum_and_bool_average_refused,
