@@ -200,7 +200,7 @@ def test_metric_names_are_unique_and_per_label():
 def test_progress_lines_become_epoch_lines_on_the_driver():
     """Rank 0's progress events print one line per epoch; other rank output passes through."""
     rank_out = io.StringIO()
-    reporter = ProgressReporter(True, interval_s=0.0, out=rank_out)
+    reporter = ProgressReporter(True, steps=True, interval_s=0.0, out=rank_out)
     reporter.start(epochs=2, start_epoch=0, steps=3, val_steps=0, size=2, batch_size=4)
     reporter.step(0, 1, 0.9)
     reporter.epoch(0, {"loss": 0.5, "acc": 0.75, "rows_per_s": 1234.0, "seconds": 0.5})

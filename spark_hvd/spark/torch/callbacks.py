@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List
 
-__all__ = ["Callback", "TrainingState"]
+__all__ = ["Callback", "TrainingState", "call_hook"]
 
 
 @dataclass

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 import shutil
 import sys
 from typing import Any, Callable, List, Optional, Sequence, Tuple
@@ -25,6 +24,7 @@ __all__ = [
     "forward_arity",
     "check_feature_count",
     "schema_row_sizes",
+    "feature_shapes",
     "dry_run",
     "ensure_executor_python",
     "check_slots",
@@ -119,13 +119,6 @@ def schema_row_sizes(schema: Any, cols: Sequence[str]) -> List[Optional[int]]:
     return sizes
 
 
-def default_shape(numel: Optional[int], kind_scalar: bool) -> Tuple[int, ...]:
-    """Per-row input shape without input_shapes: (1,) for scalars, (n,) for arrays and Vectors."""
-    if kind_scalar:
-        return (1,)
-    return (numel,) if numel is not None else (-1,)
-
-
 def feature_shapes(input_shapes: Optional[Sequence[Sequence[int]]], feature_cols: Sequence[str],
                    sizes: Sequence[Optional[int]]) -> Optional[List[Tuple[int, ...]]]:
     """Concrete per-row shapes of the features, or None while a size is still unknown."""
@@ -198,7 +191,3 @@ def check_slots(sc: Any, num_proc: int) -> None:
 
     # The same check run() makes, done before the data is materialized rather than after.
     runner._wait_for_slots(sc, num_proc)
-
-
-def _product(shape: Sequence[int]) -> int:
-    return math.prod(int(d) for d in shape)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import functools
 import hashlib
 import sys
 from typing import Any, Dict, List, Optional, Tuple
@@ -17,7 +16,7 @@ from spark_hvd.spark.params import ModelParams
 from spark_hvd.spark.torch import checks
 from spark_hvd.spark.torch.batches import model_dtype
 from spark_hvd.spark.torch.persistence import ParamsReader, ParamsWriter
-from spark_hvd.spark.torch.transform import InferencePlan, output_is_scalar, plan_inputs, predict_partition
+from spark_hvd.spark.torch.transform import InferencePlan, feature_args, output_is_scalar, prediction_udf
 
 __all__ = ["TorchModel"]
 
@@ -37,9 +36,9 @@ class TorchModel(Model, ModelParams, MLReadable, MLWritable):
     epoch: loss, metrics, ``val_`` metrics, rows_per_s, seconds).
 
     ``transform`` feeds the feature columns (numeric scalars, arrays or Spark ML Vectors) to the
-    model through ``mapInArrow``, cast to the model's dtype, in batches of ``batch_size`` rows;
-    the model is broadcast once and loaded once per Python worker, on the task's GPU when Spark
-    assigned one. An output with one value per row becomes a double column; a larger output
+    model over Arrow (a scalar-iterator pandas UDF: only the features leave the JVM), cast to
+    the model's dtype, in batches of ``batch_size`` rows; the model is broadcast once and loaded
+    once per Python worker, on the task's GPU when Spark assigned one. An output with one value per row becomes a double column; a larger output
     becomes a dense Vector. Saved with ``write().save(path)`` / loaded with
     ``TorchModel.load(path)``, also inside a ``PipelineModel``. Loading unpickles the model:
     load only what you trust, as with ``torch.load``.
@@ -110,7 +109,6 @@ class TorchModel(Model, ModelParams, MLReadable, MLWritable):
     def _transform(self, dataset: Any) -> Any:
         from pyspark.ml.functions import array_to_vector
         from pyspark.sql import functions as F
-        from pyspark.sql.types import ArrayType, DoubleType, StructField, StructType
 
         model, feature_cols, output_cols = self._check(dataset)
         sc = dataset.sparkSession.sparkContext
@@ -121,17 +119,18 @@ class TorchModel(Model, ModelParams, MLReadable, MLWritable):
         scalar = tuple(output_is_scalar(s) for s in row_shapes)
         key, payload = self._payload(sc, model)
         dtype_name = str(dtype).replace("torch.", "")
-        helpers, input_cols = plan_inputs(dataset.schema, feature_cols, dtype_name)
         plan = InferencePlan(
-            key=key, input_cols=tuple(input_cols), input_shapes=tuple(tuple(s) for s in shapes),
-            drop_cols=tuple(helpers), output_cols=tuple(output_cols), scalar_outputs=scalar,
-            batch_size=self.getBatchSize(), dtype=dtype_name,
-            sys_path=tuple(p for p in sys.path if isinstance(p, str)))
-        frame = dataset.select("*", *[expr.alias(name) for name, expr in helpers.items()]) if helpers else dataset
-        fields = list(dataset.schema.fields) + [
-            StructField(c, DoubleType() if s else ArrayType(DoubleType(), False), False)
-            for c, s in zip(output_cols, scalar)]
-        result = frame.mapInArrow(functools.partial(predict_partition, plan, payload), StructType(fields))
+            key=key, feature_cols=tuple(feature_cols), input_shapes=tuple(tuple(s) for s in shapes),
+            output_cols=tuple(output_cols), scalar_outputs=scalar, batch_size=self.getBatchSize(),
+            dtype=dtype_name, sys_path=tuple(p for p in sys.path if isinstance(p, str)))
+        predicted = prediction_udf(plan, payload)(*feature_args(dataset.schema, feature_cols, dtype_name))
+        if len(output_cols) == 1:
+            result = dataset.withColumn(output_cols[0], predicted)
+        else:
+            packed = "__spark_hvd_outputs"
+            result = dataset.withColumn(packed, predicted)
+            result = result.select(*[F.col(f"`{c}`") for c in dataset.columns],
+                                   *[F.col(packed)[f"o{i}"].alias(c) for i, c in enumerate(output_cols)])
         for col, is_scalar in zip(output_cols, scalar):
             if not is_scalar:
                 result = result.withColumn(col, array_to_vector(F.col(f"`{col}`")))

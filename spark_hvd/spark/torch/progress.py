@@ -24,10 +24,16 @@ _LINE_HEAD = "[0]<stdout>:" + PROGRESS_PREFIX
 
 
 class ProgressReporter:
-    """Rank side: emits progress events on ``out`` (rank 0's stdout), steps at most every ``interval_s``."""
+    """Rank side: emits progress events on ``out`` (rank 0's stdout).
 
-    def __init__(self, enabled: bool, interval_s: float = 0.5, out: Optional[TextIO] = None) -> None:
+    ``enabled`` is False on the other ranks. Start and epoch events are always sent (the driver
+    times fit() by them); step events, at most one per ``interval_s``, only with ``steps``.
+    """
+
+    def __init__(self, enabled: bool, steps: bool = True, interval_s: float = 0.5,
+                 out: Optional[TextIO] = None) -> None:
         self.enabled = enabled
+        self.steps = steps
         self.interval_s = interval_s
         self._out = out
         self._last_step = 0.0
@@ -46,8 +52,10 @@ class ProgressReporter:
 
     def step(self, epoch: int, step: int, loss: float, force: bool = False) -> None:
         """Step ``step`` (from 1) of epoch ``epoch`` is done; ``loss`` is the epoch's running mean."""
+        if not (self.enabled and self.steps):
+            return
         now = time.monotonic()
-        if self.enabled and (force or now - self._last_step >= self.interval_s):
+        if force or now - self._last_step >= self.interval_s:
             self._last_step = now
             self._emit({"event": "step", "epoch": epoch, "step": step, "loss": loss})
 

@@ -15,7 +15,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -193,7 +193,7 @@ class _Trainer:
             kwargs["compression"] = spec.compression
         self.optimizer = hvd.DistributedOptimizer(optimizer, **kwargs)
         self.loss_fn = LossFunction(spec.losses, spec.loss_weights)
-        self.reporter = ProgressReporter(spec.progress and self.rank == 0, spec.progress_interval_s)
+        self.reporter = ProgressReporter(self.rank == 0, spec.progress, spec.progress_interval_s)
         self.state = TrainingState(model=self.model, optimizer=self.optimizer, rank=self.rank, size=self.size,
                                    epoch=spec.start_epoch, epochs=spec.epochs, history=list(spec.history))
 

@@ -1,0 +1,229 @@
+"""Where TorchEstimator.fit() spends its wall time, and how fast TorchModel.transform() predicts.
+
+    python benchmarks/estimator.py [--fits 3] [--rows 256] [--transform-rows 200000] [--json PATH]
+
+Runs on an embedded local[2] Spark. fit() on a small frame (256 rows by default, as in the
+Horovod measurement of about 80 s) is split into validation, materialization (Parquet in the
+store), launch (barrier tasks until rank 0 starts training), training and collection (from the
+last epoch to the returned model); the first fit pays the cold start of Spark's jobs, the others
+are warm (each on a new DataFrame, so materialization is measured every time). transform() is
+timed on a larger frame against a row-by-row baseline on the same model: an RDD pass that calls
+the model once per row, the way Horovod's TorchModel predicts. Targets: fit() overhead beyond
+the training loop under 10 s; transform at least 100x the row-by-row baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_JSON = HERE / "results" / "estimator.json"
+PHASES = ("validation", "materialization", "launch", "training", "collection")
+FIT_OVERHEAD_TARGET_S = 10.0
+TRANSFORM_SPEEDUP_TARGET = 100.0
+HOROVOD_FIT_S = 80.0
+FEATURES = 16
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fits", type=int, default=3, help="fits to time (the first is cold)")
+    parser.add_argument("--rows", type=int, default=256, help="rows of the fit() frame")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--transform-rows", type=int, default=200_000, help="rows for transform()")
+    parser.add_argument("--baseline-rows", type=int, default=20_000, help="rows for the row-by-row baseline")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where the results go")
+    return parser
+
+
+def make_model() -> Any:
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                               torch.nn.ReLU(), torch.nn.Linear(64, 1))
+
+
+def make_frame(spark: Any, rows: int, seed: int) -> Any:
+    """A DataFrame with a Vector column 'features' and a 0/1 'label'."""
+    import pandas as pd
+    from pyspark.ml.feature import VectorAssembler
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, FEATURES))
+    pdf = pd.DataFrame(x, columns=[f"x{i}" for i in range(FEATURES)])
+    pdf["label"] = (x[:, 0] - x[:, 1] > 0).astype(np.float64)
+    df = spark.createDataFrame(pdf)
+    return VectorAssembler(inputCols=list(pdf.columns[:-1]), outputCol="features").transform(df) \
+        .select("features", "label")
+
+
+def time_fits(spark: Any, args: argparse.Namespace, store_dir: str) -> List[Dict[str, float]]:
+    import torch
+
+    from spark_hvd.spark import Store
+    from spark_hvd.spark.torch import TorchEstimator
+
+    results = []
+    for i in range(args.fits):
+        df = make_frame(spark, args.rows, seed=i)
+        model = make_model()
+        est = TorchEstimator(num_proc=2, model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3),
+                             loss=torch.nn.BCEWithLogitsLoss(), feature_cols=["features"], label_cols=["label"],
+                             batch_size=32, epochs=args.epochs, store=Store.create(store_dir),
+                             run_id=f"bench-{i}-{int(time.time())}", verbose=0)
+        started = time.monotonic()
+        fitted = est.fit(df)
+        total = time.monotonic() - started
+        row = {phase: fitted.fit_timings.get(phase, 0.0) for phase in PHASES}
+        row["total"] = total
+        row["overhead"] = total - row["training"]
+        results.append(row)
+        print(f"fit {i + 1}/{args.fits}: {total:.1f} s ({', '.join(f'{p} {row[p]:.2f}' for p in PHASES)})",
+              flush=True)
+    return results
+
+
+def row_by_row(model_bytes: bytes, rows: Iterator[Any]) -> Iterator[Any]:
+    """Horovod's TorchModel way: the model loaded once per partition, then for each row a dict of
+    its fields, one tensor per feature, one forward pass, and a new Row with the prediction."""
+    import cloudpickle
+    import torch
+    from pyspark.sql import Row
+
+    model = cloudpickle.loads(model_bytes)
+    model.eval()
+    for row in rows:
+        fields = row.asDict().copy()
+        features = torch.tensor([row["features"]]).float().reshape(-1, FEATURES)
+        with torch.no_grad():
+            prediction = model(features)
+        fields["label__output"] = float(prediction.item())
+        yield Row(*fields.values())
+
+
+def time_transform(spark: Any, args: argparse.Namespace) -> Dict[str, Any]:
+    import cloudpickle
+    from pyspark.sql.types import DoubleType, StructField, StructType
+
+    from spark_hvd.spark.torch import TorchModel
+
+    model = make_model()
+    torch_model = TorchModel(model=model, feature_cols=["features"], label_cols=["label"])
+    big = make_frame(spark, args.transform_rows, seed=100).repartition(2).cache()
+    small = make_frame(spark, args.baseline_rows, seed=101).repartition(2).cache()
+    big.count()
+    small.count()
+
+    def run_batched(frame: Any) -> float:
+        started = time.monotonic()
+        torch_model.transform(frame).write.format("noop").mode("overwrite").save()
+        return time.monotonic() - started
+
+    run_batched(small)  # warm-up: Python workers, broadcast, model load
+    batched_s = min(run_batched(big) for _ in range(3))
+    payload = spark.sparkContext.broadcast(cloudpickle.dumps(model))
+    schema = StructType(list(small.schema.fields) + [StructField("label__output", DoubleType())])
+
+    def run_baseline() -> float:
+        started = time.monotonic()
+        predicted = small.rdd.mapPartitions(lambda rows: row_by_row(payload.value, rows))
+        spark.createDataFrame(predicted, schema).write.format("noop").mode("overwrite").save()
+        return time.monotonic() - started
+
+    run_baseline()
+    baseline_s = min(run_baseline() for _ in range(3))
+    batched_rate = args.transform_rows / batched_s
+    baseline_rate = args.baseline_rows / baseline_s
+    return {"batched_rows": args.transform_rows, "batched_s": batched_s, "batched_rows_per_s": batched_rate,
+            "baseline_rows": args.baseline_rows, "baseline_s": baseline_s, "baseline_rows_per_s": baseline_rate,
+            "speedup": batched_rate / baseline_rate}
+
+
+def print_tables(fits: List[Dict[str, float]], transform: Dict[str, Any], rows: int) -> None:
+    warm = fits[1:] or fits
+    print()
+    print(f"fit() on {rows} rows, local[2], num_proc=2 (seconds)")
+    print(f"| {'phase':<30} | {'cold (fit 1)':>12} | {'warm median':>12} |")
+    print(f"|{'-' * 32}|{'-' * 14}|{'-' * 14}|")
+    for key in PHASES + ("total", "overhead"):
+        label = {"overhead": "overhead beyond training", "total": "total wall"}.get(key, key)
+        print(f"| {label:<30} | {fits[0][key]:>12.2f} | {statistics.median(r[key] for r in warm):>12.2f} |")
+    overhead = statistics.median(r["overhead"] for r in warm)
+    verdict = "meets" if overhead < FIT_OVERHEAD_TARGET_S else "MISSES"
+    print(f"warm overhead {overhead:.1f} s {verdict} the target of < {FIT_OVERHEAD_TARGET_S:.0f} s "
+          f"(Horovod 0.28.1: about {HOROVOD_FIT_S:.0f} s for the whole fit here)")
+    print()
+    print(f"transform() of a {FEATURES}-feature MLP (rows per second)")
+    print(f"| {'method':<52} | {'rows':>8} | {'seconds':>8} | {'rows/s':>11} |")
+    print(f"|{'-' * 54}|{'-' * 10}|{'-' * 10}|{'-' * 13}|")
+    print(f"| {'TorchModel.transform (Arrow, batches of 1024)':<52} | {transform['batched_rows']:>8} | "
+          f"{transform['batched_s']:>8.2f} | {transform['batched_rows_per_s']:>11,.0f} |")
+    print(f"| {'row by row (Row in, forward, Row out: Horovod)':<52} | {transform['baseline_rows']:>8} | "
+          f"{transform['baseline_s']:>8.2f} | {transform['baseline_rows_per_s']:>11,.0f} |")
+    verdict = "meets" if transform["speedup"] >= TRANSFORM_SPEEDUP_TARGET else "MISSES"
+    print(f"speedup {transform['speedup']:.0f}x {verdict} the target of >= {TRANSFORM_SPEEDUP_TARGET:.0f}x")
+
+
+def _versions() -> Dict[str, Optional[str]]:
+    found: Dict[str, Optional[str]] = {}
+    for name in ("spark-hvd", "torch", "pyspark", "pyarrow", "numpy"):
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.fits < 1:
+        raise SystemExit("--fits must be at least 1")
+    from spark_hvd.spark._session import LOCAL_ENVIRONMENT, build_local_session
+
+    os.environ.update(LOCAL_ENVIRONMENT)  # read by the Spark JVM when it starts
+    spark = build_local_session("spark-hvd-benchmark-estimator")
+    spark.sparkContext.setLogLevel("ERROR")
+    try:
+        with tempfile.TemporaryDirectory(prefix="spark-hvd-bench-") as store_dir:
+            fits = time_fits(spark, args, store_dir)
+        transform = time_transform(spark, args)
+    finally:
+        spark.stop()
+    print_tables(fits, transform, args.rows)
+    warm = fits[1:] or fits
+    result = {
+        "benchmark": "estimator",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                    "cpus": os.cpu_count(), "load_average": list(os.getloadavg())},
+        "versions": _versions(),
+        "settings": {"rows": args.rows, "epochs": args.epochs, "num_proc": 2, "master": "local[2]",
+                     "transform_rows": args.transform_rows, "baseline_rows": args.baseline_rows},
+        "fits": fits,
+        "fit_warm_median": {k: statistics.median(r[k] for r in warm) for k in fits[0]},
+        "transform": transform,
+        "targets": {"fit_overhead_s": FIT_OVERHEAD_TARGET_S, "transform_speedup": TRANSFORM_SPEEDUP_TARGET,
+                    "horovod_fit_s": HOROVOD_FIT_S},
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=1))
+    print(f"\nresults written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
