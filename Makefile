@@ -24,8 +24,9 @@ $(PETASTORM_STAMP): pyproject.toml constraints/petastorm.txt
 	$(PETASTORM_VENV)/bin/python -m pip install -q -c constraints/petastorm.txt -e ".[dev,torch,spark,petastorm]"
 	touch $(PETASTORM_STAMP)
 
+# The main job: the fraud-detection Spark ML pipeline with TorchEstimator on local[2].
 demo: $(STAMP)
-	$(VENV)/bin/spark-hvd-run -np 2 python examples/demo_train.py
+	$(PY) examples/fraud_detection.py
 
 test: test-main test-petastorm
 
