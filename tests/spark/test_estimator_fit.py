@@ -27,7 +27,8 @@ def accuracy(out, lab):
 
 @pytest.fixture(scope="module")
 def frame(spark):
-    """x1..x3, a 0/1 label y, weight w, validation marker is_val, and the assembled Vector 'features'."""
+    """x1..x3, a 0/1 label y, weight w, validation marker is_val, a string, a nested array, and the
+    assembled Vector 'features'."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(ROWS, 3))
     pdf = pd.DataFrame(x, columns=["x1", "x2", "x3"])
@@ -35,7 +36,7 @@ def frame(spark):
     pdf["w"] = 0.0
     pdf["is_val"] = (np.arange(ROWS) % 4 == 0).astype(np.int32)
     pdf["name"] = "row"
-    df = spark.createDataFrame(pdf)
+    df = spark.createDataFrame(pdf).withColumn("nested", F.array(F.array(F.col("x1"))))
     return VectorAssembler(inputCols=["x1", "x2", "x3"], outputCol="features").transform(df).cache()
 
 
@@ -60,6 +61,8 @@ def local_predictions(model, rows):
 BAD_FITS = [
     ({"feature_cols": ["nope"]}, r"column 'nope' is not in the DataFrame; available columns: x1, x2"),
     ({"feature_cols": ["name"], "model": torch.nn.Linear(1, 1)}, r"column 'name' has type string.*StringIndexer"),
+    ({"feature_cols": ["nested"], "model": torch.nn.Linear(1, 1)}, r"column 'nested' has type array<array<double>>, "
+                                                                   r"a nested array.*flatten"),
     ({"num_proc": 3}, r"num_proc=3 but the cluster has 2 task slots.*local\[3\]"),
     ({"feature_cols": ["features", "x1"]}, r"gives 2 input\(s\) but Sequential.forward takes 1.*VectorAssembler"),
     ({"model": torch.nn.Linear(5, 1)}, r"cannot take the features: Linear\(\(2, 3\)\)"),

@@ -84,6 +84,7 @@ def test_model_output_cols_default_to_label_output():
     """TorchModel writes <label>__output unless output_cols is set."""
     model = TorchModel(label_cols=["y", "z"])
     assert model.getOutputCols() == ["y__output", "z__output"]
+    assert pickle.loads(pickle.dumps(model)).getLabelCols() == ["y", "z"]
     model.setOutputCols(["p", "q"])
     assert model.getOutputCols() == ["p", "q"]
 
@@ -314,3 +315,90 @@ def test_checkpoint_bytes_round_trip():
     loaded = load_checkpoint(data)
     assert loaded["epoch"] == 3 and loaded["history"] == [{"epoch": 3}]
     assert torch.equal(loaded["model"]["weight"], model.weight.detach())
+
+
+def test_callbacks_transformation_fn_compression_and_accumulation(tmp_path):
+    """Callbacks see every hook in order and can stop all ranks early; transformation_fn changes
+    the batches; fp16 compression and two backward passes per step run; metrics are averaged
+    over the ranks."""
+    _write_shards(tmp_path / "train", rows_per_file=16, files=2)
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def on_train_begin(self, state):
+            self.calls.append("train_begin")
+
+        def on_epoch_begin(self, epoch, state):
+            self.calls.append(f"epoch_begin:{epoch}")
+
+        def on_batch_end(self, step, logs, state):
+            self.calls.append(f"batch_end:{step}")
+
+        def on_epoch_end(self, epoch, logs, state):
+            self.calls.append(f"epoch_end:{epoch}")
+            state.stop_training = state.rank == 1  # one rank asks; both must stop
+
+        def on_train_end(self, state):
+            self.calls.append("train_end")
+            state.history[-1]["calls"] = list(self.calls)
+
+    def labels_to_two(batch):
+        return {**batch, "y": batch["y"] * 0 + 2.0}
+
+    def rank_metric(out, lab):
+        import spark_hvd.torch as hvd
+
+        return torch.tensor(float(hvd.rank()))
+
+    import spark_hvd.torch as hvd_torch
+
+    model = torch.nn.Linear(3, 1)
+    torch.nn.init.zeros_(model.weight)
+    torch.nn.init.zeros_(model.bias)
+    spec, _ = _spec(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.0), losses=[torch.nn.MSELoss()],
+                    epochs=3, train_steps=4, backward_passes_per_step=2, compression=hvd_torch.Compression.fp16,
+                    transformation_fn=labels_to_two, callbacks=[Recorder()], metrics=[rank_metric],
+                    metric_names=["rank_metric"])
+    history = run_local(train_on_rank, args=(spec,), np=2)[0]["history"]
+    assert len(history) == 1
+    assert history[0]["loss"] == 4.0  # zero outputs against labels of 2
+    assert history[0]["rank_metric"] == 0.5  # ranks 0 and 1, averaged
+    assert history[0]["calls"] == ["train_begin", "epoch_begin:0", "batch_end:0", "batch_end:1", "batch_end:2",
+                                   "batch_end:3", "epoch_end:0", "train_end"]
+
+
+def test_train_minibatch_fn_replaces_the_step(tmp_path):
+    """A train_minibatch_fn gets Horovod's arguments and its returned loss is what is reported."""
+    _write_shards(tmp_path / "train", rows_per_file=8, files=2)
+
+    def minibatch(model, optimizer, transform_outputs, loss_fn, inputs, labels, sample_weights):
+        optimizer.zero_grad()
+        outputs, aligned = transform_outputs(model(*inputs), labels)
+        loss = loss_fn(outputs, aligned, sample_weights)
+        loss.backward()
+        optimizer.step()
+        assert sample_weights is None and len(inputs) == 1 and inputs[0].shape == (8, 3)
+        return outputs, loss.detach() * 0 + 7.0
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    spec, _ = _spec(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.1), train_minibatch_fn=minibatch)
+    result = run_local(train_on_rank, args=(spec,), np=2)[0]
+    assert result["history"][0]["loss"] == 7.0
+    assert not torch.equal(result["model"]["weight"], model.weight.detach())
+
+
+def test_local_master_uses_the_driver_python_when_the_configured_one_lacks_spark_hvd():
+    """On a local master, a PYSPARK_PYTHON that cannot import spark_hvd is replaced by the
+    driver's interpreter."""
+    import sys
+
+    class FakeContext:
+        master = "local[2]"
+        pythonExec = "/nonexistent/bin/python3"
+
+    context = FakeContext()
+    checks.ensure_executor_python(context)
+    assert context.pythonExec == sys.executable

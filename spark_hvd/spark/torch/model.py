@@ -49,7 +49,12 @@ class TorchModel(Model, ModelParams, MLReadable, MLWritable):
         self.fit_timings: Dict[str, float] = {}
         """Seconds fit() spent per phase (validation, materialization, launch, training,
         collection); empty for a model that was loaded or built by hand."""
-        self._broadcast: Optional[Tuple[str, Any]] = None
+        self._broadcast: Optional[Tuple[str, Any, Any]] = None
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_broadcast"] = None  # a SparkContext and its broadcast do not travel
+        return state
 
     def getOutputCols(self) -> List[str]:
         """Prediction column of each label: ``output_cols`` when set, else ``<label>__output``."""
@@ -99,11 +104,12 @@ class TorchModel(Model, ModelParams, MLReadable, MLWritable):
         return resolved
 
     def _payload(self, sc: Any, model: torch.nn.Module) -> Tuple[str, Any]:
+        """The model's key and broadcast, broadcast again only when the model or context changed."""
         data = cloudpickle.dumps(_cpu_model(model))
         key = hashlib.blake2b(data, digest_size=16).hexdigest()
-        if self._broadcast is None or self._broadcast[0] != key:
-            self._broadcast = (key, sc.broadcast(data))
-        return self._broadcast
+        if self._broadcast is None or self._broadcast[0] != key or self._broadcast[1] is not sc:
+            self._broadcast = (key, sc, sc.broadcast(data))
+        return key, self._broadcast[2]
 
     # ---- Spark ML -------------------------------------------------------------------------
     def _transform(self, dataset: Any) -> Any:

@@ -132,7 +132,8 @@ class TrainingSpec:
     train_minibatch_fn: Optional[Callable[..., Any]] = None
     callbacks: List[Any] = field(default_factory=list)
     progress: bool = True
-    progress_interval_s: float = 0.5
+    """Whether rank 0 reports steps while an epoch runs (epochs are always reported)."""
+    progress_interval_s: float = 0.25
 
 
 def checkpoint_bytes(epoch: int, model: torch.nn.Module, optimizer_state: Dict[str, Any],
