@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import shutil
+import subprocess
 import sys
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,6 +33,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("spark_hvd.spark")
+
+_PROBE_TIMEOUT_S = 60.0
 
 
 def require(name: str, value: Any, expected: str, example: str) -> None:
@@ -160,29 +164,46 @@ def dry_run(model: torch.nn.Module, shapes: Sequence[Tuple[int, ...]], num_label
     return [tuple(out.shape[1:]) for out in outs]
 
 
-def ensure_executor_python(sc: Any) -> None:
-    """Make Spark's Python workers able to import spark_hvd, or fail naming PYSPARK_PYTHON.
+_WORKER_MODULES = ("spark_hvd", "torch", "numpy", "pyarrow", "pandas", "cloudpickle")
+_PROBE = "import importlib.util as u, sys; sys.exit(0 if all(u.find_spec(m) for m in {!r}) else 1)"
+_probed: Dict[str, bool] = {}
 
-    On a local master the workers run on this machine: when the configured Python (PYSPARK_PYTHON,
-    else ``python3`` on PATH, which need not be this virtualenv's) cannot import spark_hvd, this
-    process's own interpreter is used instead, with a warning. On a cluster, a missing package
-    fails the job with the same advice.
+
+def _has_worker_modules(python: str) -> bool:
+    """Whether ``python`` finds every module the workers need (looked up, not imported: fast)."""
+    if os.path.abspath(python) == os.path.abspath(sys.executable):
+        return True
+    if python not in _probed:
+        try:
+            probe = subprocess.run([python, "-c", _PROBE.format(_WORKER_MODULES)], capture_output=True,
+                                   timeout=_PROBE_TIMEOUT_S)
+            _probed[python] = probe.returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            _probed[python] = False
+    return _probed[python]
+
+
+def ensure_executor_python(sc: Any) -> None:
+    """Make Spark's Python workers run an interpreter with spark_hvd and torch, or say how.
+
+    On a local master the workers run on this machine: when the configured Python
+    (``PYSPARK_PYTHON``, else ``python3`` on PATH, which need not be this virtualenv's) lacks
+    spark_hvd, torch, numpy, pyarrow or pandas, this process's own interpreter is used instead,
+    with a warning. On a cluster the executors are checked by the job itself, which fails with
+    advice naming PYSPARK_PYTHON.
     """
     from spark_hvd.runtime import config
-    from spark_hvd.spark.runner import check_executor_python
 
-    python_exec = str(getattr(sc, "pythonExec", None) or sys.executable)
-    master = str(sc.master)
-    try:
-        check_executor_python(python_exec, master, config.environ_snapshot())
-    except ValueError:
-        if not master.startswith("local"):
-            raise
-        resolved = shutil.which(python_exec) or python_exec
-        log.warning("Spark's Python workers would run %s, which cannot import spark_hvd; using this driver's "
-                    "interpreter %s instead (set PYSPARK_PYTHON=%s to choose it yourself)",
-                    resolved, sys.executable, sys.executable)
-        sc.pythonExec = sys.executable
+    if not str(sc.master).startswith("local"):
+        return
+    configured = str(getattr(sc, "pythonExec", None) or "python3")
+    resolved = shutil.which(configured, path=config.environ_snapshot().get("PATH")) or configured
+    if _has_worker_modules(resolved):
+        return
+    log.warning("Spark's Python workers would run %s, which lacks some of %s; using this driver's interpreter %s "
+                "instead (set PYSPARK_PYTHON=%s before creating the SparkSession to choose it yourself)",
+                resolved, ", ".join(_WORKER_MODULES), sys.executable, sys.executable)
+    sc.pythonExec = sys.executable
 
 
 def check_slots(sc: Any, num_proc: int) -> None:
