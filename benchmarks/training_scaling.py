@@ -1,16 +1,24 @@
 """Training throughput at np=1 and np=2: spark-hvd's DistributedOptimizer next to PyTorch DDP (gloo).
 
-    python benchmarks/training_scaling.py [--models mlp cnn] [--repeats 3] [--steps 30] [--json PATH]
+    python benchmarks/training_scaling.py [--models mlp cnn] [--repeats 3] [--steps 30]
+                                          [--batch mlp=64] [--pin] [--json PATH]
 
-Two compute-bound models train on synthetic data, one torch thread per rank: an MLP of about
-4.2 million parameters (1024-2048-1024-10, batch 64 per rank) and a small CNN on 32x32 RGB
-images (batch 32 per rank). Each configuration is launched as fresh processes: spark-hvd ranks
-through ``spark_hvd.runner.run``, DDP ranks as ``torch.distributed`` gloo processes on 127.0.0.1.
-After warm-up steps, every rank times the same number of steps between two barriers; throughput
-is samples per second over all ranks, using the slowest rank's time. Scaling efficiency is
-throughput(np=2) / (2 x throughput(np=1)) of the same framework. Each configuration runs
-``--repeats`` times (interleaved, to spread background load evenly) and the median counts.
-The table goes to stdout, raw numbers and machine facts to JSON.
+Two compute-bound models train on synthetic data with one torch thread per rank: an MLP of 4.2
+million parameters (1024-2048-1024-10, batch 64 per rank) and a small CNN on 32x32 RGB images
+(2.2 million parameters, batch 32 per rank). Every configuration runs as fresh processes:
+spark-hvd ranks through ``spark_hvd.runner.run``, DDP ranks as ``torch.distributed`` gloo
+processes on 127.0.0.1, and plain single-process torch as the common baseline. After warm-up,
+every rank times the same number of steps between two barriers.
+
+Reported per framework and model:
+- samples/s: all ranks' samples over the slowest rank's wall time;
+- efficiency: samples/s at np=2 over twice the same framework's np=1 (the issue's measure), and
+  the same against plain torch at np=1;
+- CPU efficiency: CPU time per sample at np=1 over CPU time per sample per rank at np=2 (all
+  threads of a rank's process). On a quiet machine with a core per rank the two agree; on a
+  shared machine the wall-clock figures swing with other load, the CPU figures much less.
+Configurations are interleaved across ``--repeats`` runs and the medians count. The table goes
+to stdout, raw numbers, load averages and machine facts to JSON.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["main", "MODELS", "FRAMEWORKS"]
 
@@ -41,37 +49,24 @@ TARGET_EFFICIENCY = 0.90
 
 
 # -- what every rank runs ---------------------------------------------------------------------------
-def _build(model_name: str):
+def _build(model_name: str) -> Tuple[Any, Tuple[int, ...]]:
     import torch
 
     torch.manual_seed(0)
     nn = torch.nn
     if model_name == "mlp":
         model = nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 1024), nn.ReLU(), nn.Linear(1024, 10))
-        shape = (1024,)
-    else:
-        model = nn.Sequential(
-            nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Flatten(), nn.Linear(128 * 8 * 8, 256), nn.ReLU(), nn.Linear(256, 10),
-        )
-        shape = (3, 32, 32)
-    return model, shape
+        return model, (1024,)
+    model = nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(128 * 8 * 8, 256), nn.ReLU(), nn.Linear(256, 10),
+    )
+    return model, (3, 32, 32)
 
 
-def _time_steps(step, barrier, warmup: int, steps: int) -> float:
-    for _ in range(warmup):
-        step()
-    barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    barrier()
-    return time.perf_counter() - start
-
-
-def _synthetic_step(model, optimizer, shape, batch: int):
+def _synthetic_step(model: Any, optimizer: Any, shape: Tuple[int, ...], batch: int) -> Callable[[], None]:
     import torch
     import torch.nn.functional as F
 
@@ -87,71 +82,72 @@ def _synthetic_step(model, optimizer, shape, batch: int):
     return step
 
 
-def sparkhvd_rank(config: Dict[str, Any]) -> Dict[str, Any]:
-    """One spark-hvd rank: DistributedOptimizer training, timed."""
-    import torch
-
-    import spark_hvd.torch as hvd
-
-    from spark_hvd.runtime.config import read_setting
-
-    # Before init() starts the engine thread, so it inherits the placement.
-    _pin(config, read_setting("local_rank") or 0)
-    torch.set_num_threads(1)
-    hvd.init()
-    model, shape = _build(config["model"])
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
-    step = _synthetic_step(model, optimizer, shape, config["batch"])
-    seconds = _time_steps(step, hvd.barrier, config["warmup"], config["steps"])
-    slowest = hvd.allreduce(torch.tensor(seconds), op=hvd.Max, name="bench.seconds").item()
-    result = {"rank": hvd.rank(), "size": hvd.size(), "seconds": seconds, "slowest": slowest}
-    hvd.shutdown()
-    return result
+def _timed(step: Callable[[], None], barrier: Callable[[], None], config: Dict[str, Any]) -> Dict[str, float]:
+    """Wall and process CPU seconds of ``config['steps']`` steps, after warm-up, between barriers."""
+    for _ in range(config["warmup"]):
+        step()
+    barrier()
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(config["steps"]):
+        step()
+    cpu = time.process_time() - cpu
+    barrier()
+    return {"seconds": time.perf_counter() - wall, "cpu_seconds": cpu}
 
 
 def _pin(config: Dict[str, Any], rank: int) -> None:
+    """With --pin, bind this process (and threads it starts later) to one CPU per rank."""
     if config.get("pin") and hasattr(os, "sched_setaffinity"):
         cpus = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
 
 
+def sparkhvd_rank(config: Dict[str, Any]) -> Dict[str, Any]:
+    """One spark-hvd rank: DistributedOptimizer training."""
+    import torch
+
+    import spark_hvd.torch as hvd
+    from spark_hvd.runtime.config import read_setting
+
+    _pin(config, read_setting("local_rank") or 0)  # before init() starts the engine thread
+    torch.set_num_threads(1)
+    hvd.init()
+    try:
+        model, shape = _build(config["model"])
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        return _timed(_synthetic_step(model, optimizer, shape, config["batch"]), hvd.barrier, config)
+    finally:
+        hvd.shutdown()
+
+
 def plain_process(config: Dict[str, Any]) -> Dict[str, Any]:
-    """Single-process torch without any distributed framework: the baseline both scale against."""
+    """Single-process torch without any distributed framework: the common baseline."""
     import torch
 
     _pin(config, 0)
     torch.set_num_threads(1)
     model, shape = _build(config["model"])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    step = _synthetic_step(model, optimizer, shape, config["batch"])
-    seconds = _time_steps(step, lambda: None, config["warmup"], config["steps"])
-    return {"rank": 0, "size": 1, "seconds": seconds, "slowest": seconds}
+    return _timed(_synthetic_step(model, optimizer, shape, config["batch"]), lambda: None, config)
 
 
-def ddp_rank(config: Dict[str, Any]) -> Dict[str, Any]:
-    """One DDP rank (gloo), timed; the launcher sets RANK, WORLD_SIZE and MASTER_* variables."""
+def ddp_rank(config: Dict[str, Any], rank: int) -> Dict[str, Any]:
+    """One DDP rank over gloo; the launcher sets RANK, WORLD_SIZE and MASTER_* variables."""
     import datetime
 
     import torch
     import torch.distributed as dist
 
-    if config.get("framework") == "torch":
-        return plain_process(config)
-    _pin(config, int(os.environ["RANK"]))
+    _pin(config, rank)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     try:
         model, shape = _build(config["model"])
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-        step = _synthetic_step(ddp, optimizer, shape, config["batch"])
-        seconds = _time_steps(step, dist.barrier, config["warmup"], config["steps"])
-        slowest = torch.tensor(seconds)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        return {"rank": dist.get_rank(), "size": dist.get_world_size(), "seconds": seconds,
-                "slowest": float(slowest)}
+        return _timed(_synthetic_step(ddp, optimizer, shape, config["batch"]), dist.barrier, config)
     finally:
         dist.destroy_process_group()
 
@@ -163,9 +159,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch_ddp(config: Dict[str, Any], np: int, timeout: float) -> List[Dict[str, Any]]:
+def _launch_processes(config: Dict[str, Any], np: int, timeout: float) -> List[Dict[str, Any]]:
+    """Run ``np`` copies of this script as DDP ranks (or one plain process); collect their JSON."""
     port = _free_port()
-    with tempfile.TemporaryDirectory(prefix="ddp-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="training-bench-") as tmp:
         procs = []
         for rank in range(np):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(np), LOCAL_RANK=str(rank),
@@ -173,13 +170,13 @@ def _launch_ddp(config: Dict[str, Any], np: int, timeout: float) -> List[Dict[st
                        OMP_NUM_THREADS="1")
             out = os.path.join(tmp, f"rank{rank}.json")
             procs.append(subprocess.Popen(
-                [sys.executable, __file__, "--ddp-rank", json.dumps(config), out], env=env))
+                [sys.executable, __file__, "--rank-process", json.dumps(config), str(rank), out], env=env))
         try:
             deadline = time.monotonic() + timeout
             for proc in procs:
                 code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
                 if code != 0:
-                    raise RuntimeError(f"a DDP rank exited with code {code}; see its output above")
+                    raise RuntimeError(f"a {config['framework']} rank exited with code {code}; see its output above")
         finally:
             for proc in procs:
                 if proc.poll() is None:
@@ -188,29 +185,33 @@ def _launch_ddp(config: Dict[str, Any], np: int, timeout: float) -> List[Dict[st
         return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(np)]
 
 
-def _launch(framework: str, config: Dict[str, Any], np: int, timeout: float) -> float:
-    """Samples per second of one run: all ranks' samples over the slowest rank's time."""
+def _launch(framework: str, config: Dict[str, Any], np: int, timeout: float) -> Dict[str, float]:
+    """One run: samples/s over the slowest rank's wall time, and CPU ms per sample per rank."""
     config = dict(config, framework=framework)
     if framework == "spark-hvd":
         from spark_hvd.runner import run
 
         results = run(sparkhvd_rank, args=(config,), np=np, timeout=timeout, env={"OMP_NUM_THREADS": "1"})
     else:
-        results = _launch_ddp(config, np, timeout)
-    slowest = max(r["slowest"] for r in results)
-    return np * config["batch"] * config["steps"] / slowest
+        results = _launch_processes(config, np, timeout)
+    samples = config["batch"] * config["steps"]
+    return {
+        "samples_per_second": np * samples / max(r["seconds"] for r in results),
+        "cpu_ms_per_sample": 1000 * statistics.mean(r["cpu_seconds"] for r in results) / samples,
+    }
 
 
 # -- report ---------------------------------------------------------------------------------------------
 def _table(rows: List[Dict[str, Any]]) -> str:
-    header = (f"{'model':<5} {'framework':<10} {'np=1 samples/s':>15} {'np=2 samples/s':>15} "
-              f"{'efficiency':>11} {'vs torch':>9} {'target':>8}")
+    header = (f"{'model':<5} {'framework':<10} {'np=1 samples/s':>15} {'np=2 samples/s':>15} {'efficiency':>11} "
+              f"{'vs torch':>9} {'CPU eff.':>9} {'target':>7}")
     lines = [header, "-" * len(header)]
     for row in rows:
-        ok = "met" if row["efficiency"] >= row["target"] else "MISSED"
+        ok = "met" if row["efficiency"] >= row["target"] else "missed"
         lines.append(
             f"{row['model']:<5} {row['framework']:<10} {row['np1']:>15.1f} {row['np2']:>15.1f} "
-            f"{row['efficiency'] * 100:>10.1f}% {row['vs_torch'] * 100:>8.1f}% {ok:>8}"
+            f"{row['efficiency'] * 100:>10.1f}% {row['vs_torch'] * 100:>8.1f}% {row['cpu_efficiency'] * 100:>8.1f}% "
+            f"{ok:>7}"
         )
     return "\n".join(lines)
 
@@ -227,7 +228,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--pin", action="store_true", help="pin rank r to the r-th allowed CPU")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one run may take")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the raw results")
-    parser.add_argument("--ddp-rank", nargs=2, metavar=("CONFIG", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--rank-process", nargs=3, metavar=("CONFIG", "RANK", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.steps < 1 or args.warmup < 0:
         parser.error(f"--repeats {args.repeats} and --steps {args.steps} must be >= 1, --warmup >= 0")
@@ -240,16 +241,21 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
+def _rank_process(config_text: str, rank: str, out: str) -> int:
+    config = json.loads(config_text)
+    result = plain_process(config) if config["framework"] == "torch" else ddp_rank(config, int(rank))
+    Path(out).write_text(json.dumps(result))
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    if args.ddp_rank:
-        config, out = args.ddp_rank
-        Path(out).write_text(json.dumps(ddp_rank(json.loads(config))))
-        return 0
+    if args.rank_process:
+        return _rank_process(*args.rank_process)
     import torch
 
     runs = [("torch", 1)] + [(f, np) for f in args.frameworks for np in (1, 2)]
-    samples: Dict[str, List[float]] = {}
+    measured: Dict[str, List[Dict[str, float]]] = {}
     loads = []
     for repeat in range(args.repeats):
         for model in args.models:
@@ -257,20 +263,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       "pin": args.pin}
             for framework, np in runs:
                 key = f"{model}/{framework}/np{np}"
-                value = _launch(framework, config, np, args.timeout)
-                samples.setdefault(key, []).append(value)
+                result = _launch(framework, config, np, args.timeout)
+                measured.setdefault(key, []).append(result)
                 loads.append(os.getloadavg()[0])
-                print(f"run {repeat + 1}/{args.repeats} {key}: {value:.1f} samples/s (load {loads[-1]:.2f})",
+                print(f"run {repeat + 1}/{args.repeats} {key}: {result['samples_per_second']:.1f} samples/s, "
+                      f"{result['cpu_ms_per_sample']:.3f} CPU ms/sample (load {loads[-1]:.2f})",
                       file=sys.stderr, flush=True)
+
+    def median(key: str, field: str) -> float:
+        return statistics.median(r[field] for r in measured[key])
+
     rows = []
     for model in args.models:
-        base = statistics.median(samples[f"{model}/torch/np1"])
+        base = median(f"{model}/torch/np1", "samples_per_second")
         for framework in args.frameworks:
-            np1 = statistics.median(samples[f"{model}/{framework}/np1"])
-            np2 = statistics.median(samples[f"{model}/{framework}/np2"])
-            rows.append({"model": model, "framework": framework, "np1": np1, "np2": np2, "torch_np1": base,
-                         "efficiency": np2 / (2 * np1), "vs_torch": np2 / (2 * base), "target": TARGET_EFFICIENCY})
-    print("efficiency = np=2 throughput / (2 x the same framework's np=1); vs torch: over 2 x plain torch np=1")
+            np1 = median(f"{model}/{framework}/np1", "samples_per_second")
+            np2 = median(f"{model}/{framework}/np2", "samples_per_second")
+            cpu1 = median(f"{model}/{framework}/np1", "cpu_ms_per_sample")
+            cpu2 = median(f"{model}/{framework}/np2", "cpu_ms_per_sample")
+            rows.append({"model": model, "framework": framework, "batch_per_rank": args.batches[model],
+                         "np1": np1, "np2": np2, "torch_np1": base, "efficiency": np2 / (2 * np1),
+                         "vs_torch": np2 / (2 * base), "cpu_efficiency": cpu1 / cpu2, "target": TARGET_EFFICIENCY})
+    print("efficiency: np=2 samples/s over 2 x the same framework's np=1; vs torch: over 2 x plain torch np=1;")
+    print("CPU eff.: CPU time per sample at np=1 over that per rank at np=2 (less sensitive to other load)")
     print(_table(rows))
     for model in args.models:
         effs = {r["framework"]: r["efficiency"] for r in rows if r["model"] == model}
@@ -280,14 +295,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"({effs['spark-hvd'] * 100:.1f}% vs {effs['ddp-gloo'] * 100:.1f}%)")
     report = {
         "rows": rows,
-        "samples_per_second": samples,
+        "runs": measured,
         "models": {m: MODELS[m]["describe"] for m in args.models},
         "batch_per_rank": {m: args.batches[m] for m in args.models},
         "steps": args.steps,
         "warmup": args.warmup,
         "repeats": args.repeats,
         "pinned": args.pin,
-        "load_average_during_runs": loads,
+        "load_average_after_each_run": loads,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__},
     }

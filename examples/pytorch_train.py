@@ -63,17 +63,13 @@ def metric_average(value, name):
     return hvd.allreduce(torch.tensor(float(value)), name=name).item()
 
 
-def train_epoch(model, optimizer, features, labels, epoch, batch_size, seed):
+def train_epoch(model, optimizer, loader, sampler, epoch):
     model.train()
-    # Every rank shuffles with the same generator and keeps every size-th row from its rank on,
-    # like torch's DistributedSampler with set_epoch().
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed + epoch))
-    mine = order[hvd.rank()::hvd.size()]
+    sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
     total_loss, steps = 0.0, 0
-    for start in range(0, len(mine), batch_size):
-        rows = mine[start:start + batch_size]
+    for features, labels in loader:
         optimizer.zero_grad()
-        loss = F.cross_entropy(model(features[rows]), labels[rows])
+        loss = F.cross_entropy(model(features), labels)
         loss.backward()
         optimizer.step()
         total_loss += loss.item()
@@ -98,6 +94,11 @@ def main():
     torch.manual_seed(args.seed + hvd.rank())  # different on purpose: the broadcast below aligns them
 
     (train_x, train_y), (test_x, test_y) = split_digits(args.seed)
+    # Each rank reads its own shard of the training rows, as with horovod.torch.
+    train_set = torch.utils.data.TensorDataset(train_x, train_y)
+    sampler = torch.utils.data.distributed.DistributedSampler(
+        train_set, num_replicas=hvd.size(), rank=hvd.rank(), shuffle=True, seed=args.seed)
+    loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=args.momentum)
 
@@ -120,7 +121,7 @@ def main():
     if first_epoch and hvd.rank() == 0:
         print(f"resumed after epoch {first_epoch}  test accuracy {accuracy:.4f}", flush=True)
     for epoch in range(first_epoch, args.epochs):
-        loss = train_epoch(model, optimizer, train_x, train_y, epoch, args.batch_size, args.seed)
+        loss = train_epoch(model, optimizer, loader, sampler, epoch)
         accuracy = evaluate(model, test_x, test_y)
         if hvd.rank() == 0:
             print(f"epoch {epoch + 1:3d}/{args.epochs}  train loss {loss:.4f}  test accuracy {accuracy:.4f}",
