@@ -168,6 +168,8 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         started = time.monotonic()
         c = self._check(dataset)
         self._check_early_dry_run(dataset, c)
+        trained = copy.deepcopy(c.model).cpu()
+        resume = self._resume_state(c, trained)
         timings["validation"] = time.monotonic() - started
 
         mark = time.monotonic()
@@ -182,8 +184,6 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         checks.dry_run(c.model, shapes, len(c.label_cols), dtype)
         timings["materialization"] = time.monotonic() - mark
 
-        trained = copy.deepcopy(c.model).cpu()
-        resume = self._resume_state(c, trained)
         epochs = self.getEpochs()
         start_epoch = int(resume["epoch"]) if resume else 0
         history: List[Dict[str, Any]] = list(resume["history"]) if resume else []
@@ -194,7 +194,7 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
                       "(raise epochs to continue it)")
             return self._model(trained, c, shapes, history, timings)
 
-        spec = self._spec(c, prepared, shapes, start_epoch, history, resume, seed)
+        spec = self._spec(c, trained, prepared, shapes, start_epoch, history, resume, seed)
         printer = ProgressPrinter(verbose)
         mark = time.monotonic()
         try:
@@ -220,8 +220,11 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         assert shapes is not None, "prepared data knows every size"
         return shapes
 
-    def _spec(self, c: _Checked, prepared: PreparedData, shapes: List[Tuple[int, ...]], start_epoch: int,
-              history: List[Dict[str, Any]], resume: Optional[Dict[str, Any]], seed: Optional[int]) -> TrainingSpec:
+    def _spec(self, c: _Checked, model: torch.nn.Module, prepared: PreparedData, shapes: List[Tuple[int, ...]],
+              start_epoch: int, history: List[Dict[str, Any]], resume: Optional[Dict[str, Any]],
+              seed: Optional[int]) -> TrainingSpec:
+        """The ranks' spec; ``model`` is the driver's copy, already holding any resumed weights
+        (run() pickles it before the driver loads the trained weights into it)."""
         batch_size = self.getBatchSize()
         val_batch_size = self.getValBatchSize() or batch_size
         passes = self.getBackwardPassesPerStep()
@@ -233,7 +236,7 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
             val_steps = self.getValidationStepsPerEpoch() or steps_for(prepared.val_rows, c.num_proc, val_batch_size)
         store = c.store
         return TrainingSpec(
-            model=copy.deepcopy(c.model).cpu(), optimizer=c.optimizer, losses=c.losses, loss_weights=c.loss_weights,
+            model=model, optimizer=c.optimizer, losses=c.losses, loss_weights=c.loss_weights,
             metrics=c.metrics, metric_names=metric_names(c.metrics, c.label_cols),
             feature_cols=c.feature_cols, label_cols=c.label_cols, sample_weight_col=self.getSampleWeightCol(),
             feature_shapes=shapes, column_shapes=dict(prepared.shapes),
@@ -244,7 +247,6 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
             train_steps=train_steps, val_steps=val_steps, shuffle=self.getShuffle(),
             seed=seed if seed is not None else int(np.random.SeedSequence().entropy % (2 ** 31)),
             torch_seed=seed, store=store, checkpoint_path=store.get_checkpoint_path(c.run_id), history=history,
-            resume_model=resume["model"] if resume else None,
             resume_optimizer=resume["optimizer"] if resume else None,
             backward_passes_per_step=passes, compression=self.getGradientCompression(),
             scale_lr=self.getScaleLr(), use_gpu=self.getUseGpu(),
