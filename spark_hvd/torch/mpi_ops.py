@@ -206,28 +206,15 @@ def enqueue(
                 results = [s.finish_out(h) for s, h in zip(staged, hosts)]
             return results if grouped else results[0]
 
-    elif kind == "allgather":
-        if grouped:
-            inner = _rt.grouped_allgather_async(arrays, name=name, dtype=wire, process_set=process_set)
-        else:
-            inner = _rt.allgather_async(arrays[0], name=name, dtype=wire, process_set=process_set)
+    elif kind in ("allgather", "reducescatter"):
+        common = dict(name=name, dtype=wire, process_set=process_set)
+        if kind == "reducescatter":
+            common.update(op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+        start = getattr(_rt, ("grouped_" if grouped else "") + kind + "_async")
+        inner = start(arrays if grouped else arrays[0], **common)
 
         def finish(raw: List[Any]) -> Any:
-            out = raw[0] if grouped else [raw[0]]
-            results = [s.result(a) for s, a in zip(staged, out)]
-            return results if grouped else results[0]
-
-    elif kind == "reducescatter":
-        common = dict(op=op, name=name, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                      dtype=wire, process_set=process_set)
-        if grouped:
-            inner = _rt.grouped_reducescatter_async(arrays, **common)
-        else:
-            inner = _rt.reducescatter_async(arrays[0], **common)
-
-        def finish(raw: List[Any]) -> Any:
-            out = raw[0] if grouped else [raw[0]]
-            results = [s.result(a) for s, a in zip(staged, out)]
+            results = [s.result(a) for s, a in zip(staged, raw[0] if grouped else raw)]
             return results if grouped else results[0]
 
     elif kind == "alltoall":
