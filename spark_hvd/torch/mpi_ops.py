@@ -152,6 +152,15 @@ def _splits_array(splits: Any) -> Optional[np.ndarray]:
     return values
 
 
+def _op_name(kind: str, name: Optional[str]) -> Optional[str]:
+    """Horovod keys operations by kind and name, so an allreduce and a broadcast may share a name."""
+    if name is None or name == "":
+        return None  # the runtime draws a name from its per-kind counter
+    if not isinstance(name, str):
+        raise ValueError(f"name={name!r} is invalid: expected a string (or None for an automatic name)")
+    return f"{kind}.{name}"
+
+
 def enqueue(
     kind: str,
     tensors: Sequence[torch.Tensor],
@@ -172,6 +181,7 @@ def enqueue(
     whose result is one tensor (``grouped=False``) or a list. With ``inplace`` the results are
     written into the given tensors.
     """
+    name = _op_name(kind, name)
     if grouped:
         tensors = list(tensors)
         if not tensors:

@@ -171,11 +171,6 @@ class _DistributedOptimizer:
             return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
         return 1.0, 1.0
 
-    def _op_name(self, p: torch.Tensor) -> str:
-        # Horovod's op names: the kind before the parameter's name. It also keeps these apart
-        # from the runtime's names for unnamed operations ("allreduce.noname.<n>").
-        return "allreduce." + self._parameter_names[p]
-
     def _dense_grad(self, p: torch.Tensor) -> torch.Tensor:
         if p.grad is None:
             # Another rank may have used this parameter this step; contribute zeros so it is not kept waiting.
@@ -186,7 +181,7 @@ class _DistributedOptimizer:
 
     def _start(self, p: torch.Tensor) -> _Pending:
         grad = self._dense_grad(p)
-        name = self._op_name(p)
+        name = self._parameter_names[p]
         if grad.is_sparse:
             return sparse_allreduce_async(grad, name=name, op=self.op, process_set=self.process_set), "sparse"
         sent, ctx = self._compression.compress(grad)
@@ -200,7 +195,7 @@ class _DistributedOptimizer:
         packed = [self._compression.compress(g) for g in grads]
         sent = [s for s, _ in packed]
         pre, post = self._scales()
-        handle = enqueue("allreduce", sent, grouped=True, inplace=True, name=self._op_name(group[0]),
+        handle = enqueue("allreduce", sent, grouped=True, inplace=True, name=self._parameter_names[group[0]],
                          op=self.op, prescale_factor=pre, postscale_factor=post, process_set=self.process_set)
         return handle, packed
 

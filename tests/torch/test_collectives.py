@@ -266,6 +266,16 @@ def check_shape_mismatch_fails_every_rank(hvd, rank, size):
     close(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(size)))
 
 
+def check_names_are_per_kind(hvd, rank, size):
+    """As in Horovod, an allreduce and a broadcast in flight under the same name do not collide,
+    and an empty name counts as no name."""
+    reduced = hvd.allreduce_async(torch.ones(2), name="shared", op=hvd.Sum)
+    sent = hvd.broadcast_async(torch.full((3,), float(rank)), 0, name="shared")
+    close(hvd.synchronize(sent), torch.zeros(3))
+    close(hvd.synchronize(reduced), torch.full((2,), float(size)))
+    close(hvd.allreduce(torch.ones(1), name="", op=hvd.Sum), torch.full((1,), float(size)))
+
+
 def check_barrier_poll_handles(hvd, rank, size):
     """barrier returns on every rank; poll eventually reports completion; synchronize twice gives
     the same result; a foreign handle is refused with ValueError."""
@@ -302,7 +312,7 @@ ALL = [check_topology, check_timeline, check_allreduce_every_dtype_and_op, check
        check_allreduce_scaling_and_average_flag, check_allreduce_fp16_compression, check_non_contiguous_tensors,
        check_scalar_and_zero_dim, check_grouped_allreduce, check_allgather_uneven, check_broadcast_forms,
        check_alltoall, check_reducescatter, check_other_dtypes_move, check_adasum_and_bool_average_refused,
-       check_shape_mismatch_fails_every_rank, check_barrier_poll_handles]
+       check_shape_mismatch_fails_every_rank, check_names_are_per_kind, check_barrier_poll_handles]
 
 
 @pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"np{n}")
