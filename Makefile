@@ -40,6 +40,8 @@ test-petastorm: $(PETASTORM_STAMP)
 bench: $(STAMP)
 	$(PIP) install -q -c constraints/ci.txt -e ".[mpi]"
 	$(PY) benchmarks/collectives.py
+	$(PY) benchmarks/training_scaling.py
+	$(PY) benchmarks/estimator.py
 
 clean:
 	rm -rf $(VENV) $(PETASTORM_VENV) build *.egg-info
