@@ -1,4 +1,4 @@
-"""The handwritten digits data set (1797 8x8 images, 10 classes), bundled so examples need no download.
+"""The handwritten digits data set (1797 8x8 images, 10 classes), bundled to need no download.
 
 ``digits.csv.gz`` is a copy of scikit-learn's ``sklearn/datasets/data/digits.csv.gz``
 (BSD 3-Clause License, Copyright (c) 2007-2026 The scikit-learn developers), itself the test

@@ -1,5 +1,7 @@
-"""Horovod's PyTorch API on spark-hvd: ``import spark_hvd.torch as hvd`` in place of
-``import horovod.torch as hvd``; the rest of a Horovod training script stays as it is."""
+"""Horovod's PyTorch API on spark-hvd: ``import spark_hvd.torch as hvd`` replaces horovod.torch.
+
+Changing that one import line is all a Horovod PyTorch training script needs.
+"""
 
 from spark_hvd.torch.autograd import (
     allgather,

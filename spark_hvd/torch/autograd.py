@@ -1,7 +1,7 @@
-"""The differentiable collectives (``allreduce``, ``allgather``, ``broadcast``, ``alltoall``,
-``reducescatter`` and their grouped forms), with the gradients Horovod defines.
+"""The differentiable collectives, with the gradients Horovod defines.
 
-Gradients, for a rank's output gradient ``g``:
+``allreduce``, ``allgather``, ``broadcast``, ``alltoall``, ``reducescatter`` and their grouped
+forms are ``torch.autograd.Function`` applications. Gradients, for a rank's output gradient ``g``:
 
 - allreduce: ``allreduce(g)`` with the same op and scale factors;
 - allgather: ``allreduce(g, op=Average)``, then this rank's rows of it;

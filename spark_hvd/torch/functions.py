@@ -1,5 +1,4 @@
-"""Whole-model helpers: broadcast parameters and optimizer state from a root rank; move Python
-objects between ranks."""
+"""Whole-model helpers: broadcast parameters, optimizer state and Python objects between ranks."""
 
 from __future__ import annotations
 

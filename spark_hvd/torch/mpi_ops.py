@@ -1,5 +1,4 @@
-"""Horovod's collective grid for torch tensors (``allreduce_async``, ``allreduce_``, ...), generated
-from one enqueue path over the numpy runtime.
+"""Horovod's collective grid for torch tensors, generated from one enqueue path over the runtime.
 
 Every operation goes through :func:`enqueue`: it stages the tensors (zero-copy views where the
 memory allows), starts the runtime operation and returns a :class:`Handle` whose

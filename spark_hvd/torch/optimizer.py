@@ -1,5 +1,7 @@
-"""``DistributedOptimizer``: averages gradients over all ranks, starting each gradient's allreduce
-from a hook the moment backward has produced it, so communication overlaps the rest of backward.
+"""``DistributedOptimizer``: gradients averaged over all ranks, communicated while backward runs.
+
+Each gradient's allreduce starts from a hook the moment backward has produced it, so
+communication overlaps the rest of backward; ``step()`` waits for them.
 """
 
 from __future__ import annotations
@@ -215,16 +217,22 @@ class _DistributedOptimizer:
         if self._group_ready[group] == len(group):
             self._handles[group] = self._start_group(group)
 
-    def _finish(self, p: torch.Tensor, pending: _Pending) -> None:
-        handle, ctx = pending
-        result = handle.wait()
-        if ctx == "sparse":
-            p.grad = result
-            return
-        sent, cctx = ctx
+    def _unpack(self, p: torch.Tensor, result: torch.Tensor, sent: torch.Tensor, ctx: Any) -> None:
+        """Make ``p.grad`` hold a reduced gradient (already there when it was reduced in place)."""
         if sent is not p.grad:
             with torch.no_grad():
-                p.grad.copy_(self._compression.decompress(result, cctx))
+                p.grad.copy_(self._compression.decompress(result, ctx))
+
+    def _finish(self, key: Any, pending: _Pending) -> None:
+        handle, ctx = pending
+        result = handle.wait()
+        if isinstance(key, tuple):
+            for p, reduced, (sent, cctx) in zip(key, result, ctx):
+                self._unpack(p, reduced, sent, cctx)
+        elif ctx == "sparse":
+            key.grad = result
+        else:
+            self._unpack(key, result, *ctx)
 
     def synchronize(self) -> None:
         """Wait until every gradient has been reduced over all ranks (starting any not yet started).
@@ -248,15 +256,7 @@ class _DistributedOptimizer:
             if group not in self._handles:
                 self._handles[group] = self._start_group(group)
         for key, pending in self._handles.items():
-            if isinstance(key, tuple):
-                handle, packed = pending
-                results = handle.wait()
-                for p, result, (sent, cctx) in zip(key, results, packed):
-                    if sent is not p.grad:
-                        with torch.no_grad():
-                            p.grad.copy_(self._compression.decompress(result, cctx))
-            else:
-                self._finish(key, pending)
+            self._finish(key, pending)
         self._handles.clear()
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step

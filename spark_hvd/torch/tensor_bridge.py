@@ -1,4 +1,4 @@
-"""Passage of torch tensors to the numpy runtime and back, without copies where the memory allows.
+"""Passage of torch tensors to the numpy runtime and back, without copies where memory allows.
 
 A contiguous CPU tensor of a dtype the runtime knows travels as a numpy view of its own memory;
 bfloat16 as a view of its 16-bit storage marked ``dtype="bfloat16"``; complex tensors as their
