@@ -16,7 +16,7 @@ from .config import RuntimeConfig
 from .engine import Engine, Entry, Handle
 from .errors import NotInitializedError
 from .negotiation import Meta
-from .ops import Average, check_op, wire_dtype
+from .ops import Average, check_op, storage_dtype, wire_dtype
 from .world import World, connect_world
 
 __all__ = [
@@ -172,9 +172,8 @@ def cross_size() -> int:
 
 
 def is_homogeneous() -> bool:
-    """True when every host runs the same number of ranks."""
-    world = _world("is_homogeneous()")
-    return world.local_size * world.cross_size == world.size
+    """True when every host runs the same number of ranks (the same answer on every rank)."""
+    return _world("is_homogeneous()").homogeneous
 
 
 def poll(handle: Handle) -> bool:
@@ -210,15 +209,12 @@ def _ps_id(process_set: Optional[ProcessSet]) -> int:
     return process_set.process_set_id
 
 
-_RAW16 = (np.dtype(np.uint16), np.dtype(np.int16))
-
-
 def _prepare(array: Any, dtype: Optional[str]) -> Tuple[np.ndarray, str]:
     if not isinstance(array, np.ndarray):
         raise TypeError(f"expected a numpy array, got {type(array).__name__}")
     wire = wire_dtype(array, dtype)
-    if wire == "bfloat16" and array.dtype not in _RAW16:
-        array = array.view(np.uint16)  # an ml_dtypes bfloat16 array: travel as its raw bits
+    if dtype is not None and array.dtype != storage_dtype(wire):
+        array = array.view(storage_dtype(wire))  # e.g. bfloat16 given as int16 or ml_dtypes storage
     if not array.flags.c_contiguous:
         array = np.ascontiguousarray(array)
     return array, wire
@@ -485,7 +481,11 @@ def join(timeout: Optional[float] = None) -> int:
     """Declare that this rank has no more data. Until every rank has joined, the collectives of the
     others proceed, joined ranks contributing zeros (allreduce) or no rows (allgather). Returns the
     rank that joined last."""
-    return join_async().wait(timeout)
+    last = join_async().wait(timeout)
+    # Ranks may have run different numbers of unnamed operations before joining; start the
+    # counters afresh everywhere so the names of later unnamed operations agree again.
+    _state.counters = {}
+    return last
 
 
 def _object_bytes(obj: Any) -> np.ndarray:

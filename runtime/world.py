@@ -45,6 +45,7 @@ class World:
     transport: Transport
     control: Dict[int, socket.socket] = field(default_factory=dict)
     rejected: int = 0
+    homogeneous: bool = True
 
     def close(self) -> None:
         for sock in self.control.values():
@@ -121,8 +122,11 @@ def connect_world(cfg: RuntimeConfig) -> World:
         client.get([f"connected/{r}" for r in range(size)], timeout=_left(deadline), what="ranks")
         for ring in rings.values():
             ring.unlink()
+        per_host: Dict[str, int] = {}
+        for peer in peers:
+            per_host[peer["host_key"]] = per_host.get(peer["host_key"], 0) + 1
         return World(rank, size, cfg.local_rank, cfg.local_size, cfg.cross_rank, cfg.cross_size,  # type: ignore[arg-type]
-                     Transport(rank, size, channels), control, rejected)
+                     Transport(rank, size, channels), control, rejected, len(set(per_host.values())) == 1)
     except BaseException:
         for ring in rings.values():
             ring.unlink()

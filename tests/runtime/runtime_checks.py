@@ -249,3 +249,22 @@ def run_checks(names: List[str]) -> Dict[str, object]:
     finally:
         rt.shutdown()
     return results
+
+
+def storage_views_and_counters() -> None:
+    """bfloat16 given as int16 storage works for every collective; unnamed names agree after join."""
+    rank, size = rt.rank(), rt.size()
+    raw = to_wire(np.full(3, rank + 1.0), "bfloat16").view(np.int16)
+    gathered = rt.allgather(raw, dtype="bfloat16")
+    assert from_wire(gathered.view(np.uint16), "bfloat16").tolist() == [r + 1.0 for r in range(size) for _ in range(3)]
+    summed = rt.allreduce(raw, op=rt.Sum, dtype="bfloat16")
+    assert from_wire(summed.view(np.uint16), "bfloat16").tolist() == [sum(range(1, size + 1))] * 3
+    if rank == size - 1:
+        rt.allreduce(np.ones(1))  # an extra unnamed operation on one rank only...
+    rt.join()
+    # ...yet the next unnamed operation still pairs up across ranks.
+    assert rt.allreduce(np.ones(1), op=rt.Sum).tolist() == [float(size)]
+    assert rt.is_homogeneous()
+
+
+CHECKS["storage_views_and_counters"] = storage_views_and_counters
