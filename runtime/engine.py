@@ -701,12 +701,20 @@ class Engine:
         t0 = time.perf_counter()
         alg.ring_allreduce(t, fused, reducer)
         t1 = time.perf_counter()
-        self._finish_scale(fused, meta0, t.size)
+        # For floats, the average's division and the postscale ride along with the copy out.
+        factor = None
+        if meta0.dtype in ("float16", "float32", "float64"):
+            factor = meta0.postscale / (t.size if meta0.op == ReduceOp.Average else 1)
+        else:
+            self._finish_scale(fused, meta0, t.size)
         for entry, meta, lo, hi in zip(entries, metas, offsets, offsets[1:]):
             if entry is None:
                 continue
             out = entry.out if entry.out is not None else np.empty(meta.shape, dtype=dtype)
-            out.reshape(-1)[...] = fused[lo:hi]
+            if factor is None or factor == 1.0:
+                out.reshape(-1)[...] = fused[lo:hi]
+            else:
+                np.multiply(fused[lo:hi], dtype.type(factor), out=out.reshape(-1))
             entry.handle._set(entry.index, out)
         t2 = time.perf_counter()
         if self._timeline is not None:
