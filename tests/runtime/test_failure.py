@@ -89,7 +89,7 @@ def test_killed_peer_fails_survivors_quickly(tmp_path, payload):
         assert failed_at - killed_at < 10.0
         assert "rank 1" in message, message
         assert lost == 1
-        assert later_seconds < 1.0 and later_message
+        assert later_seconds < 5.0 and later_message  # failed at once, not after a timeout
 
 
     import numpy as np
