@@ -13,7 +13,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .config import RuntimeConfig
-from .engine import Engine, Entry, Handle
+from .engine import Engine
+from .handles import Entry, Handle
 from .errors import NotInitializedError
 from .negotiation import Meta
 from .ops import Average, check_op, storage_dtype, wire_dtype

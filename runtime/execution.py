@@ -1,0 +1,186 @@
+"""Execution of agreed responses: each collective kind over the transport, fused allreduces included."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import algorithms as alg
+from .handles import Entry
+from .negotiation import Meta
+from .ops import ReduceOp, average_inplace, reduce_into, scale_inplace, storage_dtype
+from .timeline import COMMUNICATE, MEMCPY_IN, MEMCPY_OUT, REDUCE, Timeline
+from .transport import Transport
+
+__all__ = ["Executor"]
+
+
+class Executor:
+    """The per-kind collective steps the engine runs once every rank has agreed on a response."""
+
+    config: Any
+    _timeline: Optional[Timeline]
+    _fusion: Optional[np.ndarray]
+
+    def _span(self, name: str, phase: str, start: float) -> float:
+        now = time.perf_counter()
+        if self._timeline is not None:
+            self._timeline.span(name, phase, start * 1e6, now * 1e6)
+        return now
+
+    def _reducer(self, op: ReduceOp, wire: str) -> Callable[[np.ndarray, np.ndarray], None]:
+        return lambda acc, incoming: reduce_into(acc, incoming, op, wire)
+
+    def _finish_scale(self, buf: np.ndarray, meta: Meta, count: int) -> None:
+        if meta.op == ReduceOp.Average:
+            average_inplace(buf, count, meta.dtype)
+        scale_inplace(buf, meta.postscale, meta.dtype)
+
+    def _allreduce(self, t: Transport, names: Sequence[str], entries: List[Optional[Entry]],
+                   metas: List[Meta]) -> None:
+        kinds = {(m.dtype, m.op, m.prescale, m.postscale) for m in metas}
+        if len(kinds) > 1:
+            # A group may mix dtypes or ops: reduce each compatible part through the fusion buffer.
+            for kind in sorted(kinds, key=repr):
+                part = [i for i, m in enumerate(metas) if (m.dtype, m.op, m.prescale, m.postscale) == kind]
+                self._allreduce(t, [names[i] for i in part], [entries[i] for i in part], [metas[i] for i in part])
+            return
+        meta0 = metas[0]
+        dtype = storage_dtype(meta0.dtype)
+        op = ReduceOp(meta0.op)
+        reducer = self._reducer(op, meta0.dtype)
+        start = time.perf_counter()
+        if len(entries) == 1 and entries[0] is not None and entries[0].out is not None:
+            entry = entries[0]
+            buf = entry.out.reshape(-1)
+            if entry.out is not entry.array:
+                np.copyto(buf, entry.array.reshape(-1))
+            scale_inplace(buf, meta0.prescale, meta0.dtype)
+            t0 = self._span(entry.name, MEMCPY_IN, start)
+            alg.ring_allreduce(t, buf, reducer)
+            t1 = self._span(entry.name, REDUCE, t0)
+            self._finish_scale(buf, meta0, t.size)
+            self._span(entry.name, MEMCPY_OUT, t1)
+            entry.handle._set(entry.index, entry.out)
+            return
+        counts = [m.count() for m in metas]
+        total = sum(counts)
+        fused = self._fusion_view(dtype, total)
+        offsets = alg.offsets(counts)
+        if all(entry is not None for entry in entries):
+            np.concatenate([entry.array.reshape(-1) for entry in entries], out=fused)  # type: ignore[union-attr]
+        else:
+            for entry, lo, hi in zip(entries, offsets, offsets[1:]):
+                if entry is None:
+                    fused[lo:hi] = 0
+                else:
+                    fused[lo:hi] = entry.array.reshape(-1)
+        scale_inplace(fused, meta0.prescale, meta0.dtype)
+        t0 = time.perf_counter()
+        alg.ring_allreduce(t, fused, reducer)
+        t1 = time.perf_counter()
+        # For floats, the average's division and the postscale ride along with the copy out.
+        factor = None
+        if meta0.dtype in ("float16", "float32", "float64"):
+            factor = meta0.postscale / (t.size if meta0.op == ReduceOp.Average else 1)
+        else:
+            self._finish_scale(fused, meta0, t.size)
+        for entry, meta, lo, hi in zip(entries, metas, offsets, offsets[1:]):
+            if entry is None:
+                continue
+            out = entry.out if entry.out is not None else np.empty(meta.shape, dtype=dtype)
+            if factor is None or factor == 1.0:
+                out.reshape(-1)[...] = fused[lo:hi]
+            else:
+                np.multiply(fused[lo:hi], dtype.type(factor), out=out.reshape(-1))
+            entry.handle._set(entry.index, out)
+        t2 = time.perf_counter()
+        if self._timeline is not None:
+            for name in names:
+                self._timeline.span(name, MEMCPY_IN, start * 1e6, t0 * 1e6, {"fused": len(names)})
+                self._timeline.span(name, REDUCE, t0 * 1e6, t1 * 1e6)
+                self._timeline.span(name, MEMCPY_OUT, t1 * 1e6, t2 * 1e6)
+
+    def _fusion_view(self, dtype: np.dtype, count: int) -> np.ndarray:
+        nbytes = count * dtype.itemsize
+        if self._fusion is None or self._fusion.nbytes < nbytes:
+            self._fusion = np.empty(max(nbytes, min(self.config.fusion_threshold, 1 << 20)), dtype=np.uint8)
+        return self._fusion[:nbytes].view(dtype)
+
+    def _reducescatter(self, t: Transport, name: str, entry: Optional[Entry], meta: Meta) -> None:
+        dtype = storage_dtype(meta.dtype)
+        rows = meta.shape[0] if meta.shape else 1
+        row = int(np.prod(meta.shape[1:], dtype=np.int64)) if meta.shape else 1
+        row_counts = alg.split_counts(rows, t.size)
+        counts = [c * row for c in row_counts]
+        start = time.perf_counter()
+        work = np.empty(sum(counts), dtype=dtype)
+        if entry is None:
+            work.fill(0)
+        else:
+            np.copyto(work, entry.array.reshape(-1))
+        scale_inplace(work, meta.prescale, meta.dtype)
+        t0 = self._span(name, MEMCPY_IN, start)
+        alg.ring_reducescatter(t, work, counts, self._reducer(ReduceOp(meta.op), meta.dtype))
+        t1 = self._span(name, REDUCE, t0)
+        lo = sum(counts[:t.rank])
+        mine = work[lo:lo + counts[t.rank]]
+        self._finish_scale(mine, meta, t.size)
+        if entry is not None:
+            result = mine.reshape((row_counts[t.rank],) + tuple(meta.shape[1:]))
+            self._span(name, MEMCPY_OUT, t1)
+            entry.handle._set(entry.index, result)
+
+    def _allgather(self, t: Transport, name: str, entry: Optional[Entry], metas: List[Meta]) -> None:
+        dtype = storage_dtype(metas[0].dtype)
+        trailing = tuple(metas[0].shape[1:])
+        row = int(np.prod(trailing, dtype=np.int64)) if trailing else 1
+        first = [m.shape[0] if m.shape else 1 for m in metas]
+        counts = [d * row for d in first]
+        out = np.empty((sum(first),) + trailing, dtype=dtype)
+        flat = out.reshape(-1)
+        lo = sum(counts[:t.rank])
+        start = time.perf_counter()
+        if entry is not None and counts[t.rank]:
+            np.copyto(flat[lo:lo + counts[t.rank]], entry.array.reshape(-1))
+        t0 = self._span(name, MEMCPY_IN, start)
+        alg.ring_allgather(t, flat, counts)
+        self._span(name, COMMUNICATE, t0)
+        if entry is not None:
+            if not metas[t.rank].shape:
+                out = out.reshape(-1)
+            entry.handle._set(entry.index, out)
+
+    def _broadcast(self, t: Transport, name: str, entry: Optional[Entry], meta: Meta,
+                   members: Tuple[int, ...]) -> None:
+        dtype = storage_dtype(meta.dtype)
+        root = members.index(meta.root)
+        if entry is None:
+            buf = np.empty(meta.shape, dtype=dtype)
+        else:
+            buf = entry.out if entry.out is not None else np.empty(meta.shape, dtype=dtype)
+            if t.rank == root and buf is not entry.array:
+                np.copyto(buf, entry.array)
+        start = time.perf_counter()
+        alg.chain_broadcast(t, buf.reshape(-1), root, self.config.chunk_bytes)
+        self._span(name, COMMUNICATE, start)
+        if entry is not None:
+            entry.handle._set(entry.index, buf)
+
+    def _alltoall(self, t: Transport, name: str, entry: Optional[Entry], metas: List[Meta]) -> None:
+        dtype = storage_dtype(metas[0].dtype)
+        trailing = tuple(metas[0].shape[1:])
+        row = int(np.prod(trailing, dtype=np.int64)) if trailing else 1
+        me = t.rank
+        send_splits = list(metas[me].extra or ())
+        recv_splits = [int((m.extra or ())[me]) for m in metas]
+        out = np.empty((sum(recv_splits),) + trailing, dtype=dtype)
+        send = entry.array if entry is not None else np.empty((0,) + trailing, dtype=dtype)
+        start = time.perf_counter()
+        alg.pairwise_alltoall(t, np.ascontiguousarray(send).reshape(-1), [s * row for s in send_splits],
+                              out.reshape(-1), [s * row for s in recv_splits])
+        self._span(name, COMMUNICATE, start)
+        if entry is not None:
+            entry.handle._set(entry.index, (out, np.asarray(recv_splits, dtype=np.int64)))
