@@ -1,10 +1,8 @@
 """Timeline, stall inspector and mismatch errors, observed from real processes."""
 
 import json
-import os
 
 import numpy as np
-import pytest
 
 import spark_hvd.runtime as rt
 

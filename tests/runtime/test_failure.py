@@ -5,7 +5,6 @@ import json
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -92,11 +91,7 @@ def test_killed_peer_fails_survivors_quickly(tmp_path, payload):
         assert later_seconds < 5.0 and later_message  # failed at once, not after a timeout
 
 
-    import numpy as np
-
-
 def _stranger_job():
-    import os
     import socket
 
     import numpy as np
