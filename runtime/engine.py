@@ -223,12 +223,15 @@ class Engine(Executor):
             select.select(fds, [], [], timeout)
         except (InterruptedError, ValueError, OSError):
             pass
-        self._wake_pending = False
         try:
             while os.read(self._wake_r, 4096):
                 pass
         except (BlockingIOError, OSError):
             pass
+        # Only now: a waker that saw the flag still set queued its work before this point, so the
+        # cycle that follows takes it. Clearing it before draining could swallow a fresh wake-up
+        # byte while leaving the flag set, and every later wake-up would be skipped.
+        self._wake_pending = False
 
     def _idle_timeout(self) -> Optional[float]:
         if self.coordinator is None:

@@ -268,3 +268,28 @@ def storage_views_and_counters() -> None:
 
 
 CHECKS["storage_views_and_counters"] = storage_views_and_counters
+
+
+def polled_async_rounds() -> int:
+    """Requests submitted while earlier ones are in flight, waited for with poll() alone: the
+    engine thread must pick every one up by itself (no wake-up may be lost). Returns rounds."""
+    rank, size = rt.rank(), rt.size()
+    rng = np.random.default_rng(rank)
+    rounds = 300
+    for step in range(rounds):
+        handles = []
+        for i in range(4):
+            handles.append(rt.allreduce_async(np.full(4, float(rank + i)), op=rt.Sum, name=f"polled.{i}"))
+            spin_until = time.perf_counter() + rng.uniform(0, 100e-6)
+            while time.perf_counter() < spin_until:  # land the next submission at varied moments
+                pass
+        deadline = time.monotonic() + 20.0
+        for i, handle in enumerate(handles):
+            while not rt.poll(handle):
+                assert time.monotonic() < deadline, f"round {step}: request {i} was never picked up"
+                time.sleep(0.0001)
+            assert rt.synchronize(handle).tolist() == [float(sum(range(size)) + size * i)] * 4
+    return rounds
+
+
+CHECKS["polled_async_rounds"] = polled_async_rounds
