@@ -1,0 +1,169 @@
+"""Run Horovod's own PyTorch test suite against spark_hvd.torch and print what it reports.
+
+    python tests/compat/run_horovod_suite.py HOROVOD_SRC [--np 2 3] [-k EXPR]
+
+HOROVOD_SRC is a Horovod checkout or a bare git directory of one (its HEAD is read). The suite
+is not ours to vendor, so this script copies it into a temporary folder, swaps
+``import horovod.torch as hvd`` for ``import spark_hvd.torch as hvd``, points its ``utils``
+import at a copy of ``test/utils/common.py`` (whose one Horovod import, a thread helper used only
+by GPU tests, gets a stand-in), and runs it unmodified otherwise under
+``spark-hvd-run -np N python -m pytest`` in one launch per size. The suite's ``tearDown`` calls
+``hvd.barrier(); hvd.shutdown()`` after every test, so one launch re-initializes the runtime once
+per test.
+
+It prints the counts per size and rank, and every test that did not pass with its first error
+line. The exit status is 0 when every launch ran to its end (whatever the tests said), so the
+counts, not the status, are the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+SUITE = "test/parallel/test_torch.py"
+COMMON = "test/utils/common.py"
+
+_IN_THREAD = '''
+def in_thread(target, args=(), name=None, daemon=True, silent=False):
+    """Stand-in for horovod.runner.util.threads.in_thread: start ``target`` on a daemon thread."""
+    import threading
+
+    thread = threading.Thread(target=target, args=args, name=name, daemon=daemon)
+    thread.start()
+    return thread
+'''
+
+
+def read_source(src: Path, path: str) -> str:
+    """A file of the Horovod source: from the work tree, or from HEAD of a (bare) git directory."""
+    if (src / path).is_file():
+        return (src / path).read_text()
+    git_dir = src / ".git" if (src / ".git").exists() else src
+    out = subprocess.run(["git", "--git-dir", str(git_dir), "show", f"HEAD:{path}"],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"cannot read {path} from {src}: {out.stderr.strip()}; expected a Horovod checkout "
+                         "or its git directory (fetch github:horovod/horovod)")
+    return out.stdout
+
+
+def prepare(src: Path, workdir: Path) -> Path:
+    """Write the import-swapped suite and its helper module under ``workdir``; return the suite."""
+    suite = read_source(src, SUITE)
+    swapped = suite.replace("import horovod.torch as hvd", "import spark_hvd.torch as hvd")
+    if swapped == suite:
+        raise SystemExit(f"{SUITE} does not contain 'import horovod.torch as hvd'; is this Horovod's source?")
+    leftovers = [line for line in swapped.splitlines() if re.match(r"\s*(import|from) horovod\b", line)]
+    if leftovers:
+        raise SystemExit(f"{SUITE} still imports Horovod after the swap: {leftovers}")
+    common = read_source(src, COMMON)
+    common = common.replace("from horovod.runner.util.threads import in_thread", _IN_THREAD)
+    # The GPU-launcher helpers use the `mock` backport; the standard library's is the same API.
+    common = common.replace("import mock\n", "from unittest import mock\n")
+    target = workdir / SUITE
+    target.parent.mkdir(parents=True)
+    target.write_text(swapped)
+    (workdir / COMMON).parent.mkdir(parents=True, exist_ok=True)
+    (workdir / COMMON).write_text(common)
+    return target
+
+
+_RESULT = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(?:\[\d+\]\s+)?(\S+)(?:\s+-\s+(.*))?$")
+_SUMMARY = re.compile(r"^=*\s*(\d+ \w+(?:, \d+ \w+)*) in [\d.]+s", re.M)
+
+
+def parse_rank_output(text: str) -> Tuple[Dict[str, int], Dict[str, str]]:
+    """Counts from pytest's last summary line, and every non-passing test with its reason."""
+    counts: Dict[str, int] = {}
+    for match in _SUMMARY.finditer(text):
+        counts = {}
+        for part in match.group(1).split(","):
+            number, _, word = part.strip().partition(" ")
+            if number.isdigit():
+                counts[{"errors": "error", "warnings": "warning"}.get(word, word)] = int(number)
+    problems: Dict[str, str] = {}
+    for line in text.splitlines():
+        found = _RESULT.match(line.strip())
+        if found and found.group(1) not in ("PASSED", "XPASS"):
+            name = found.group(2).split("::")[-1]
+            problems[name] = f"{found.group(1)}: {(found.group(3) or '').strip()[:160]}"
+    return counts, problems
+
+
+def run_size(suite: Path, np: int, launcher: str, keyword: str, timeout: float, test_timeout: int,
+             outdir: Path) -> Tuple[int, float, List[Tuple[Dict[str, int], Dict[str, str]]]]:
+    cmd = [launcher, "-np", str(np), "--output-filename", str(outdir),
+           sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", "--color=no",
+           f"--timeout={test_timeout}", str(suite)]
+    if keyword:
+        cmd[cmd.index("-rA")+1:cmd.index("-rA")+1] = ["-k", keyword]
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", COLUMNS="400")
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=suite.parent, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, timeout=timeout)
+        code = proc.returncode
+        if code not in (0, 1):
+            sys.stderr.write(proc.stderr[-4000:])
+    except subprocess.TimeoutExpired:
+        code = -1
+    elapsed = time.monotonic() - start
+    per_rank = []
+    for rank in range(np):
+        out_file = outdir / f"rank.{rank}" / "stdout"
+        text = out_file.read_text(errors="replace") if out_file.exists() else ""
+        per_rank.append(parse_rank_output(text))
+    return code, elapsed, per_rank
+
+
+def main(argv: List[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("horovod_src", type=Path, help="Horovod checkout or git directory")
+    parser.add_argument("--np", type=int, nargs="+", default=[2, 3], help="world sizes, one launch each")
+    parser.add_argument("-k", dest="keyword", default="", help="pytest -k expression (default: every test)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for one whole launch")
+    parser.add_argument("--test-timeout", type=int, default=300, help="seconds for one test (pytest-timeout)")
+    parser.add_argument("--keep", type=Path, help="keep the prepared suite and the rank outputs here")
+    parser.add_argument("--launcher", default=str(Path(sys.executable).with_name("spark-hvd-run")),
+                        help="the spark-hvd-run executable")
+    args = parser.parse_args(argv)
+    if not Path(args.launcher).exists() and shutil.which(args.launcher) is None:
+        raise SystemExit(f"launcher {args.launcher!r} not found; install spark-hvd (make venv) or pass --launcher")
+    workdir = args.keep or Path(tempfile.mkdtemp(prefix="spark-hvd-horovod-suite-"))
+    if args.keep and workdir.exists():
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    suite = prepare(args.horovod_src, workdir)
+    failed_launch = False
+    try:
+        for np in args.np:
+            code, elapsed, per_rank = run_size(suite, np, args.launcher, args.keyword, args.timeout,
+                                               args.test_timeout, workdir / f"np{np}")
+            print(f"== {SUITE} under spark-hvd-run -np {np}: one launch, {elapsed:.0f} s, exit {code} ==")
+            for rank, (counts, problems) in enumerate(per_rank):
+                shown = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no summary (launch died)"
+                print(f"rank {rank}: {shown}")
+            union: Dict[str, str] = {}
+            for counts, problems in per_rank:
+                for name, why in problems.items():
+                    union.setdefault(name, why)
+            for name in sorted(union):
+                print(f"  {name}: {union[name]}")
+            failed_launch |= code not in (0, 1) or not all(c for c, _ in per_rank)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return 1 if failed_launch else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
