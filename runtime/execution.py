@@ -83,7 +83,7 @@ class Executor:
         t1 = time.perf_counter()
         # For floats, the average's division and the postscale ride along with the copy out.
         factor = None
-        if meta0.dtype in ("float16", "float32", "float64"):
+        if meta0.dtype in ("float32", "float64"):  # float16 scales in float32 (_finish_scale)
             factor = meta0.postscale / (t.size if meta0.op == ReduceOp.Average else 1)
         else:
             self._finish_scale(fused, meta0, t.size)

@@ -101,7 +101,8 @@ def check_op(op: int, wire: str) -> ReduceOp:
     except ValueError:
         raise ValueError(f"op={op!r} is not a reduction; expected one of {[o.name for o in ReduceOp]}") from None
     if op == ReduceOp.Adasum:
-        raise ValueError(
+        # NotImplementedError is a RuntimeError, which is what Horovod raises for this too.
+        raise NotImplementedError(
             "op=Adasum is not supported yet by spark-hvd; use op=Average (the default) or op=Sum"
         )
     if wire == "bool" and op in (ReduceOp.Average, ReduceOp.Product):
@@ -157,7 +158,10 @@ def scale_inplace(array: np.ndarray, factor: float, wire: str) -> None:
         return
     if wire == "bfloat16":
         _f32_to_bf16(_bf16_to_f32(array) * np.float32(factor), array)
-    elif wire in ("float16", "float32", "float64"):
+    elif wire == "float16":
+        # The factor would lose precision rounded to float16 first; scale in float32 instead.
+        np.copyto(array, array.astype(np.float32) * np.float32(factor), casting="same_kind")
+    elif wire in ("float32", "float64"):
         np.multiply(array, array.dtype.type(factor), out=array)
     elif wire == "bool":
         raise ValueError("prescale/postscale factors are not defined for bool arrays")
