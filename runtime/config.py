@@ -86,7 +86,8 @@ SETTINGS: Tuple[Setting, ...] = (
             "Request signatures remembered so steady-state negotiation sends ids, not metadata (0 disables).",
             ("HOROVOD_CACHE_CAPACITY",)),
     Setting("timeline", "SPARK_HVD_TIMELINE", str, None,
-            "Path of a Chrome-trace timeline written by rank 0 from start-up.", ("HOROVOD_TIMELINE",)),
+            "Path of a Chrome-trace timeline written by rank 0 from start-up; DYNAMIC writes none until "
+            "start_timeline() is called.", ("HOROVOD_TIMELINE",)),
     Setting("timeline_mark_cycles", "SPARK_HVD_TIMELINE_MARK_CYCLES", _parse_bool, False,
             "Also mark each negotiation cycle in the timeline.", ("HOROVOD_TIMELINE_MARK_CYCLES",)),
     Setting("stall_check_seconds", "SPARK_HVD_STALL_CHECK_TIME_SECONDS", float, 60.0,
@@ -136,34 +137,38 @@ def read_setting(field: str, environ: Optional[Mapping[str, str]] = None) -> Any
     return setting.default
 
 
+def _default(name: str) -> Any:
+    return _BY_FIELD[name].default
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
-    """Resolved configuration of one worker process."""
+    """Resolved configuration of one worker process (defaults and meanings: :data:`SETTINGS`)."""
 
-    rank: Optional[int] = None
-    size: Optional[int] = None
-    local_rank: Optional[int] = None
-    local_size: Optional[int] = None
-    cross_rank: Optional[int] = None
-    cross_size: Optional[int] = None
-    rendezvous_addr: Optional[str] = None
-    secret: Optional[str] = None
-    hostname: str = "127.0.0.1"
-    host_key: Optional[str] = None
-    fusion_threshold: int = 64 * MiB
-    cycle_time_ms: float = 0.0
-    eager_threshold: int = 4096
-    cache_capacity: int = 1024
-    timeline: Optional[str] = None
-    timeline_mark_cycles: bool = False
-    stall_check_seconds: float = 60.0
-    stall_shutdown_seconds: float = 0.0
-    start_timeout: float = 60.0
-    peer_timeout: float = 10.0
-    shm: bool = True
-    bind_cpus: bool = False
-    chunk_bytes: int = 512 * 1024
-    log_level: str = "WARNING"
+    rank: Optional[int] = _default("rank")
+    size: Optional[int] = _default("size")
+    local_rank: Optional[int] = _default("local_rank")
+    local_size: Optional[int] = _default("local_size")
+    cross_rank: Optional[int] = _default("cross_rank")
+    cross_size: Optional[int] = _default("cross_size")
+    rendezvous_addr: Optional[str] = _default("rendezvous_addr")
+    secret: Optional[str] = _default("secret")
+    hostname: str = _default("hostname")
+    host_key: Optional[str] = _default("host_key")
+    fusion_threshold: int = _default("fusion_threshold")
+    cycle_time_ms: float = _default("cycle_time_ms")
+    eager_threshold: int = _default("eager_threshold")
+    cache_capacity: int = _default("cache_capacity")
+    timeline: Optional[str] = _default("timeline")
+    timeline_mark_cycles: bool = _default("timeline_mark_cycles")
+    stall_check_seconds: float = _default("stall_check_seconds")
+    stall_shutdown_seconds: float = _default("stall_shutdown_seconds")
+    start_timeout: float = _default("start_timeout")
+    peer_timeout: float = _default("peer_timeout")
+    shm: bool = _default("shm")
+    bind_cpus: bool = _default("bind_cpus")
+    chunk_bytes: int = _default("chunk_bytes")
+    log_level: str = _default("log_level")
 
     def __post_init__(self) -> None:
         checks = (

@@ -1,7 +1,7 @@
 """The background engine: one thread per process that negotiates requests and runs collectives.
 
 Callers enqueue named requests and get handles. The engine thread announces them to the
-coordinator (rank 0), receives the agreed, ordered list of responses, and executes each one over
+coordinator (rank 0), receives the agreed, ordered batch of responses, and executes each one over
 the transport: fused allreduces through one reusable buffer, the other collectives directly on
 the callers' arrays. A lone request is announced the moment it arrives; nothing waits for a timer
 unless a cycle time is configured.
@@ -17,20 +17,21 @@ import select
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
 from .errors import CollectiveError, RankMismatchError
 from .execution import Executor
 from .handles import Entry, Handle
-from .negotiation import Coordinator, Meta, WorkerSignatures
+from .messages import Announce, Meta, RequestBatch, Response, ResponseBatch
+from .negotiation import Coordinator, WorkerSignatures
 from .ops import ReduceOp, reduce_into, scale_inplace, storage_dtype
 from .timeline import MEMCPY_OUT, NEGOTIATE, QUEUE, REDUCE, Timeline
 from .transport import Transport
-from .wire import FrameReader
+from .wire import FrameReader, send_frame
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "DYNAMIC_TIMELINE"]
 
 log = logging.getLogger("spark_hvd.engine")
 
@@ -39,6 +40,9 @@ REQUESTS = b"R"
 RESPONSES = b"S"
 ABORT = b"A"
 BYE = b"X"
+
+DYNAMIC_TIMELINE = "DYNAMIC"
+"""Timeline setting (Horovod's) that writes no file until start_timeline() is called."""
 
 
 def _usable_cpus() -> int:
@@ -58,6 +62,9 @@ class Engine(Executor):
         self.config = config
         self._queue: Deque[Entry] = deque()
         self._local: Dict[Tuple[int, str], Entry] = {}
+        # Names submitted and not yet finished, guarded so a check never races a completion.
+        self._in_flight: Set[Tuple[int, str]] = set()
+        self._names_lock = threading.Lock()
         self._failure: Optional[CollectiveError] = None
         self._stopping = False
         self._left: Dict[int, str] = {}
@@ -68,6 +75,7 @@ class Engine(Executor):
         os.set_blocking(self._wake_r, False)
         self._wake_pending = False
         self._progress = threading.Lock()  # held by whoever runs a cycle: engine thread or a waiting caller
+        self._in_cycle = False
         # Polling for an answer pays off only while every local rank has a core of its own; on an
         # oversubscribed host it would take the core from the rank that has to answer.
         self._spin_budget = 0.002 if world.local_size <= _usable_cpus() else 0.0
@@ -75,6 +83,10 @@ class Engine(Executor):
         self.process_sets: Dict[int, Tuple[int, ...]] = {0: tuple(range(self.size))}
         world.transport.check = self._check_while_waiting
         self._last_liveness = 0.0
+        self._executing: Optional[Tuple[str, Tuple[str, ...]]] = None  # (kind, names) in its data phase
+        self._data_stall_warned = False
+        self._worker_stall_warned: Set[Tuple[int, str]] = set()
+        self._last_worker_stall_check = 0.0
         self.coordinator: Optional[Coordinator] = None
         self._signatures = WorkerSignatures()
         if self.rank == 0:
@@ -84,7 +96,7 @@ class Engine(Executor):
         # Payloads of small allreduces that arrived with their announcements: (ps, name) -> rank -> bytes.
         self._eager: Dict[Tuple[int, str], Dict[int, bytes]] = {}
         self._readers: Dict[int, FrameReader] = {peer: FrameReader(sock) for peer, sock in world.control.items()}
-        if config.timeline and self.rank == 0:
+        if config.timeline and config.timeline != DYNAMIC_TIMELINE and self.rank == 0:
             self.start_timeline(config.timeline, config.timeline_mark_cycles)
         # A world of one has nobody to wait for: requests complete on the caller's thread.
         self._inline_lock: Optional[threading.Lock] = threading.Lock() if self.size == 1 else None
@@ -96,11 +108,25 @@ class Engine(Executor):
     # -- caller side ------------------------------------------------------------------------------
     def submit(self, entries: Sequence[Entry], will_wait: bool = False) -> None:
         """Queue requests. ``will_wait``: the caller blocks on them next and drives the engine
-        itself (see :meth:`drive`), so the engine thread need not be woken."""
+        itself (see :meth:`drive`), so the engine thread need not be woken.
+
+        Raises ValueError, queueing nothing, when a name is already in flight on this rank.
+        """
         if self._failure is not None:
             raise copy.copy(self._failure)
         if self._stopping:
             raise CollectiveError("spark-hvd has been shut down on this rank; call init() again to restart")
+        keys = [(entry.meta.ps, entry.name) for entry in entries]
+        with self._names_lock:
+            busy = [key for key in keys if key in self._in_flight]
+            if busy or len(set(keys)) < len(keys):
+                name = busy[0][1] if busy else entries[0].name
+                raise ValueError(
+                    f"a {entries[0].meta.kind} named {name!r} is already in progress on rank {self.rank}: "
+                    "requested an operation with the same name as another one that is still being processed. "
+                    "Wait for the first (synchronize its handle) or give the new one a different name."
+                )
+            self._in_flight.update(keys)
         now = time.perf_counter()
         for entry in entries:
             entry.submitted = now
@@ -115,6 +141,16 @@ class Engine(Executor):
         self._queue.extend(entries)
         if not will_wait:
             self._wake()
+
+    def _complete(self, entry: Entry, value: Any) -> None:
+        with self._names_lock:
+            self._in_flight.discard((entry.meta.ps, entry.name))
+        entry.handle._set(entry.index, value)
+
+    def _fail(self, entry: Entry, error: BaseException) -> None:
+        with self._names_lock:
+            self._in_flight.discard((entry.meta.ps, entry.name))
+        entry.handle._fail(error)
 
     def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
         if self.rank != 0:
@@ -182,7 +218,9 @@ class Engine(Executor):
 
         Handing work to the engine thread and back costs two thread wake-ups (tens of
         microseconds each); a waiting caller that finds the engine idle runs the cycles itself and
-        polls the sockets, for at most ``budget`` seconds before it blocks.
+        polls the sockets, for at most a short budget before it blocks. A KeyboardInterrupt that
+        lands here reaches the caller as such; if it cut a cycle short, this rank's part of the
+        job is in an unknown state, so the job is aborted too (the other ranks learn why).
         """
         if self._inline_lock is not None or self._failure is not None or self._stopping:
             return
@@ -192,11 +230,20 @@ class Engine(Executor):
         try:
             deadline = time.perf_counter() + self._spin_budget
             while not handle._done and self._failure is None:
+                self._in_cycle = True
                 self._cycle()
+                self._in_cycle = False
                 if handle._done or time.perf_counter() > deadline:
                     break
                 os.sched_yield()
+        except KeyboardInterrupt:
+            if self._in_cycle:
+                self._in_cycle = False
+                self._abort(CollectiveError(
+                    f"rank {self.rank} was interrupted (KeyboardInterrupt) in the middle of a collective"))
+            raise
         except BaseException as exc:
+            self._in_cycle = False
             self._abort(self._as_collective_error(exc))
         finally:
             self._progress.release()
@@ -233,11 +280,13 @@ class Engine(Executor):
         # byte while leaving the flag set, and every later wake-up would be skipped.
         self._wake_pending = False
 
-    def _idle_timeout(self) -> Optional[float]:
-        if self.coordinator is None:
-            return None
+    def _stall_interval(self) -> Optional[float]:
         checks = [x for x in (self.config.stall_check_seconds, self.config.stall_shutdown_seconds) if x > 0]
-        return min(1.0, min(checks) / 4.0) if checks and self.coordinator.pending else None
+        return min(1.0, min(checks) / 4.0) if checks else None
+
+    def _idle_timeout(self) -> Optional[float]:
+        waiting = self.coordinator.pending if self.coordinator is not None else self._local
+        return self._stall_interval() if waiting else None
 
     def _take_new(self) -> List[Entry]:
         new = []
@@ -261,19 +310,19 @@ class Engine(Executor):
     def _worker_cycle(self) -> None:
         new = self._take_new()
         if new:
-            items = [self._signatures.encode(e.name, e.meta) + (self._eager_payload(e),) for e in new]
-            self._send(0, REQUESTS + pickle.dumps((self._signatures.seq, items), protocol=5))
+            items = tuple(Announce(e.name, self._signatures.encode(e.meta), self._eager_payload(e)) for e in new)
+            self._send(0, REQUESTS + pickle.dumps(RequestBatch(self._signatures.seq, items), protocol=5))
         self._pump()
         reader = self._readers[0]
         while reader.frames:
             frame = reader.frames.popleft()
             kind = frame[:1]
             if kind == RESPONSES:
-                responses, defs, evicted, seq, persist = pickle.loads(frame[1:])
-                self._signatures.learn(defs, evicted, seq, persist)
+                batch: ResponseBatch = pickle.loads(frame[1:])
+                resolver = self._signatures.learn(batch)
                 arrived = time.perf_counter()
-                for response in responses:
-                    self._execute(response, self._signatures.meta, arrived)
+                for response in batch.responses:
+                    self._execute(response, resolver, arrived)
             elif kind == ABORT:
                 message, lost = pickle.loads(frame[1:])
                 raise CollectiveError(message, lost_rank=lost)
@@ -282,6 +331,36 @@ class Engine(Executor):
         if reader.closed or 0 in self._left:
             # Everything rank 0 sent before it went has been executed above.
             raise self._lost(0)
+        if self._local:
+            self._check_worker_stalls()
+
+    def _check_worker_stalls(self) -> None:
+        """Warn about requests rank 0 has not answered for the stall time (it warns about the ranks
+        it is waiting for; this catches rank 0 itself stopped), and give up at the shutdown time."""
+        interval = self._stall_interval()
+        now = time.perf_counter()
+        if interval is None or now - self._last_worker_stall_check < interval:
+            return
+        self._last_worker_stall_check = now
+        check, shutdown = self.config.stall_check_seconds, self.config.stall_shutdown_seconds
+        self._worker_stall_warned.intersection_update(self._local)
+        lines, overdue = [], []
+        for key, entry in self._local.items():
+            waited = now - entry.submitted
+            if shutdown > 0 and waited >= shutdown:
+                overdue.append(f"{entry.meta.kind} {entry.name!r} ({waited:.1f} s)")
+            elif check > 0 and waited >= check and key not in self._worker_stall_warned:
+                self._worker_stall_warned.add(key)
+                lines.append(f"{entry.meta.kind} {entry.name!r} has waited {waited:.1f} s")
+        if lines:
+            log.warning(
+                "spark-hvd stall on rank %d: %d operation(s) have no answer from the coordinator (rank 0): "
+                "other ranks may not have submitted them (rank 0's stall warning names those), or rank 0 is "
+                "stopped or busy:\n  %s", self.rank, len(lines), "\n  ".join(lines))
+        if overdue:
+            raise CollectiveError(
+                f"rank {self.rank}: no answer from the coordinator (rank 0) within "
+                f"SPARK_HVD_STALL_SHUTDOWN_TIME_SECONDS={shutdown} for: " + "; ".join(overdue), lost_rank=0)
 
     def _coordinator_cycle(self) -> None:
         coord = self.coordinator
@@ -294,21 +373,23 @@ class Engine(Executor):
                 frame = reader.frames.popleft()
                 kind = frame[:1]
                 if kind == REQUESTS:
-                    seq, items = pickle.loads(frame[1:])
-                    coord.sigs.ack(peer, seq)
-                    for name, item, payload in items:
-                        meta = coord.sigs.lookup(item) if isinstance(item, int) else Meta(*item)
-                        if payload is not None:
-                            self._eager.setdefault((meta.ps, name), {})[peer] = payload
-                        if isinstance(item, int):
-                            coord.submit_id(peer, name, item)
+                    batch: RequestBatch = pickle.loads(frame[1:])
+                    coord.sigs.ack(peer, batch.seq)
+                    for item in batch.items:
+                        if isinstance(item.sig, int):
+                            coord.submit_id(peer, item.name, item.sig)
+                            ps = coord.sigs.resolve(item.sig).ps
                         else:
-                            coord.submit(peer, name, meta)
+                            coord.submit(peer, item.name, item.sig)
+                            ps = item.sig.ps
+                        if item.payload is not None:
+                            self._eager.setdefault((ps, item.name), {})[peer] = item.payload
                 elif kind == ABORT:
                     message, lost = pickle.loads(frame[1:])
                     raise CollectiveError(message, lost_rank=lost)
                 elif kind == BYE:
                     self._left[peer] = "shut down"
+                    coord.leave(peer)
             if reader.closed and peer not in self._left:
                 raise self._lost(peer)  # gone without saying goodbye: it crashed
         if self._left:
@@ -319,18 +400,21 @@ class Engine(Executor):
                 if gone:
                     raise self._lost(gone[0])
         if coord.has_work() and self._cycle_allows():
-            responses, defs, evicted, seq = coord.decide()
-            responses = self._eagerize(responses, coord.sigs.lookup)
-            if responses or defs or evicted:
-                frame = RESPONSES + pickle.dumps((responses, defs, evicted, seq, coord.sigs.persist), protocol=5)
+            batch, metas = coord.decide()
+            resolve = metas.__getitem__
+            responses = self._eagerize(batch.responses, resolve)
+            if responses is not batch.responses:
+                batch = batch._replace(responses=responses)
+            if batch.responses or batch.teach or batch.evicted:
+                frame = RESPONSES + pickle.dumps(batch, protocol=5)
                 for peer in self._readers:
                     if peer not in self._left:
                         self._send(peer, frame)
                 arrived = time.perf_counter()
                 if self._timeline is not None:
                     self._timeline.cycle(arrived * 1e6)
-                for response in responses:
-                    self._execute(response, coord.sigs.lookup, arrived)
+                for response in batch.responses:
+                    self._execute(response, metas, arrived)
         lines, shutdown = coord.stalled(time.monotonic())
         if lines:
             log.warning(
@@ -352,7 +436,7 @@ class Engine(Executor):
         scale_inplace(data, meta.prescale, meta.dtype)
         return data.tobytes()
 
-    def _eagerize(self, responses: List[tuple], resolve: Callable[[int], Meta]) -> List[tuple]:
+    def _eagerize(self, responses: Tuple[Response, ...], resolve: Callable[[int], Meta]) -> Tuple[Response, ...]:
         """Answer small allreduces whose every contribution came with its announcement.
 
         The coordinator reduces them itself and sends the results in the response, so no rank
@@ -362,21 +446,17 @@ class Engine(Executor):
             return responses
         out = []
         for response in responses:
-            if response[0] != "allreduce":
-                out.append(response)
-                continue
-            names, ps, ids = response[1], response[2], response[3]
-            if resolve(ids[0]).nbytes() > self.config.eager_threshold:
+            if response.kind != "allreduce" or resolve(response.sids[0]).nbytes() > self.config.eager_threshold:
                 out.append(response)  # fused responses hold only small or only large requests
                 continue
-            results = self._eager_results(names, ps, [resolve(s) for s in ids])
-            out.append(response if results is None else ("allreduce_eager", names, ps, ids, results))
+            results = self._eager_results(response.names, response.ps, [resolve(s) for s in response.sids])
+            out.append(response if results is None else response._replace(kind="allreduce_eager", results=results))
         for response in responses:
-            for name in response[1]:
-                self._eager.pop((response[2], name), None)
-        return out
+            for name in response.names:
+                self._eager.pop((response.ps, name), None)
+        return tuple(out)
 
-    def _eager_results(self, names: Sequence[str], ps: int, metas: List[Meta]) -> Optional[tuple]:
+    def _eager_results(self, names: Sequence[str], ps: int, metas: List[Meta]) -> Optional[Tuple[bytes, ...]]:
         members = self.process_sets.get(ps, ())
         joined = self.coordinator.joined if (self.coordinator is not None and ps == 0) else ()
         start = time.perf_counter()
@@ -421,26 +501,24 @@ class Engine(Executor):
         if self.config.cycle_time_ms <= 0:
             return True
         coord = self.coordinator
-        oldest = min(coord.pending[key].first_seen for key in coord.ready if key in coord.pending) \
-            if any(key in coord.pending for key in coord.ready) else 0.0
+        assert coord is not None
+        oldest = min((coord.pending[key].first_seen for key in coord.ready if key in coord.pending), default=0.0)
         if time.monotonic() - oldest >= self.config.cycle_time_ms / 1000.0:
             return True
         time.sleep(min(self.config.cycle_time_ms / 1000.0, 0.001))
         return False
 
     def _send(self, peer: int, frame: bytes) -> None:
-        sock = self.world.control[peer]
-        header = len(frame).to_bytes(8, "big")
         try:
-            sock.setblocking(True)
-            sock.sendall(header + frame)
+            send_frame(self.world.control[peer], frame)
         except OSError as exc:
             raise CollectiveError(f"rank {peer} was lost: sending to it failed ({exc})", lost_rank=peer) from None
 
     # -- failure ----------------------------------------------------------------------------------
-    def _check_while_waiting(self, peers: Sequence[int] = ()) -> None:
-        """Called by the transport while a collective waits on ``peers`` (global ranks): notice
-        aborts announced by others, and the loss of a peer this collective still needs."""
+    def _check_while_waiting(self, peers: Sequence[int] = (), idle: float = 0.0) -> None:
+        """Called by the transport while a collective waits on ``peers`` (global ranks), nothing
+        having moved for ``idle`` seconds: notice aborts announced by others, the loss of a peer
+        this collective still needs, and stalls."""
         if self._stopping:
             raise CollectiveError("spark-hvd is shutting down on this rank")
         self._pump()
@@ -465,46 +543,60 @@ class Engine(Executor):
                 alive = getattr(channel, "peer_alive", None)
                 if alive is not None and not alive():
                     raise CollectiveError(f"rank {peer} was lost: its process is gone", lost_rank=peer)
+        self._check_data_stall(peers, idle)
+
+    def _check_data_stall(self, peers: Sequence[int], idle: float) -> None:
+        check, shutdown = self.config.stall_check_seconds, self.config.stall_shutdown_seconds
+        if idle <= 0 or (check <= 0 and shutdown <= 0):
+            return
+        kind, names = self._executing or ("collective", ())
+        what = f"{kind} {', '.join(repr(n) for n in names[:5])}{' ...' if len(names) > 5 else ''}"
+        waited_on = sorted(set(peers))
+        if shutdown > 0 and idle >= shutdown:
+            raise CollectiveError(
+                f"rank {self.rank}: {what} received nothing from rank(s) {waited_on} for {idle:.1f} s, past "
+                f"SPARK_HVD_STALL_SHUTDOWN_TIME_SECONDS={shutdown}; they may be stopped or hung",
+                lost_rank=waited_on[0] if waited_on else None)
+        if check > 0 and idle >= check and not self._data_stall_warned:
+            self._data_stall_warned = True
+            log.warning("spark-hvd stall on rank %d: %s has waited %.1f s for data from rank(s) %s, which may be "
+                        "stopped or hung", self.rank, what, idle, waited_on)
 
     def _abort(self, error: CollectiveError) -> None:
         if self._failure is None:
             self._failure = error
         frame = ABORT + pickle.dumps((str(error), error.lost_rank), protocol=5)
-        for peer in list(self._readers):
-            if peer in self._left or peer == error.lost_rank:
-                continue
-            try:
-                self.world.control[peer].settimeout(1.0)
-                self.world.control[peer].sendall(len(frame).to_bytes(8, "big") + frame)
-            except OSError:
-                pass
+        self._send_quietly(frame, skip=error.lost_rank)
         self._fail_all(error)
 
     def _say_bye(self) -> None:
-        frame = BYE
+        self._send_quietly(BYE)
+
+    def _send_quietly(self, frame: bytes, skip: Optional[int] = None) -> None:
+        """Best effort, bounded: the peer may already be gone or stuck."""
         for peer in list(self._readers):
-            if peer in self._left:
+            if peer in self._left or peer == skip:
                 continue
+            sock = self.world.control[peer]
             try:
-                self.world.control[peer].settimeout(1.0)
-                self.world.control[peer].sendall(len(frame).to_bytes(8, "big") + frame)
+                sock.settimeout(1.0)
+                send_frame(sock, frame)
             except OSError:
                 pass
 
     def _fail_all(self, error: BaseException) -> None:
         while self._queue:
-            self._queue.popleft().handle._fail(error)
+            self._fail(self._queue.popleft(), error)
         for entry in list(self._local.values()):
-            entry.handle._fail(error)
+            self._fail(entry, error)
         self._local.clear()
 
     # -- execution --------------------------------------------------------------------------------
-    def _execute(self, response: tuple, resolve: Callable[[int], Meta], arrived: float) -> None:
-        kind, names, ps = response[0], response[1], response[2]
+    def _execute(self, response: Response, metas: Mapping[int, Meta], arrived: float) -> None:
+        kind, names, ps = response.kind, response.names, response.ps
         if kind == "join":
             for key in [k for k, e in self._local.items() if e.meta.kind == "join"]:
-                entry = self._local.pop(key)
-                entry.handle._set(entry.index, response[3])
+                self._complete(self._local.pop(key), response.value)
             return
         members = self.process_sets.get(ps)
         if members is None or self.rank not in members:
@@ -513,7 +605,7 @@ class Engine(Executor):
         if kind == "error":
             for entry in entries:
                 if entry is not None:
-                    entry.handle._fail(RankMismatchError(response[3]))
+                    self._fail(entry, RankMismatchError(response.error))
             return
         timeline = self._timeline
         if timeline is not None:
@@ -522,41 +614,41 @@ class Engine(Executor):
                     timeline.span(entry.name, NEGOTIATE, entry.submitted * 1e6, arrived * 1e6)
                     timeline.span(entry.name, QUEUE, arrived * 1e6, time.perf_counter() * 1e6)
         transport = self.transports[ps]
+        self._executing = (kind, names)
+        self._data_stall_warned = False
         try:
             if kind == "allreduce":
-                self._allreduce(transport, names, entries, [resolve(s) for s in response[3]])
+                self._allreduce(transport, names, entries, [metas[s] for s in response.sids])
             elif kind == "allreduce_eager":
                 start = time.perf_counter()
-                for entry, sid, result in zip(entries, response[3], response[4]):
+                for entry, sid, result in zip(entries, response.sids, response.results):
                     if entry is None:
                         continue
-                    meta = resolve(sid)
-                    np.copyto(entry.out.reshape(-1), np.frombuffer(result, dtype=storage_dtype(meta.dtype)))
-                    entry.handle._set(entry.index, entry.out)
+                    out = np.frombuffer(result, dtype=storage_dtype(metas[sid].dtype))
+                    np.copyto(entry.out.reshape(-1), out)
+                    self._complete(entry, entry.out)
                     self._span(entry.name, MEMCPY_OUT, start)
             elif kind == "reducescatter":
-                for name, entry, sid in zip(names, entries, response[3]):
-                    self._reducescatter(transport, name, entry, resolve(sid))
+                for name, entry, sid in zip(names, entries, response.sids):
+                    self._reducescatter(transport, name, entry, metas[sid])
             elif kind == "allgather":
-                for name, entry, sids in zip(names, entries, response[3]):
-                    self._allgather(transport, name, entry, [resolve(s) for s in sids])
+                for name, entry, sids in zip(names, entries, response.rank_sids):
+                    self._allgather(transport, name, entry, [metas[s] for s in sids])
             elif kind == "alltoall":
-                for name, entry, sids in zip(names, entries, response[3]):
-                    self._alltoall(transport, name, entry, [resolve(s) for s in sids])
+                for name, entry, sids in zip(names, entries, response.rank_sids):
+                    self._alltoall(transport, name, entry, [metas[s] for s in sids])
             elif kind == "broadcast":
-                for name, entry, sid in zip(names, entries, response[3]):
-                    self._broadcast(transport, name, entry, resolve(sid), members)
+                for name, entry, sid in zip(names, entries, response.sids):
+                    self._broadcast(transport, name, entry, metas[sid], members)
             elif kind == "barrier":
                 for entry in entries:
                     if entry is not None:
-                        entry.handle._set(entry.index, None)
+                        self._complete(entry, None)
             elif kind == "add_process_set":
-                new_id = response[4]
-                ranks = tuple(resolve(response[3][0]).extra or ())
-                self._register_process_set(new_id, ranks)
+                self._register_process_set(response.value, tuple(metas[response.sids[0]].ranks or ()))
                 for entry in entries:
                     if entry is not None:
-                        entry.handle._set(entry.index, new_id)
+                        self._complete(entry, response.value)
             else:
                 raise CollectiveError(f"unknown response kind {kind!r}")
         except BaseException:
@@ -564,6 +656,8 @@ class Engine(Executor):
                 if entry is not None and not entry.handle.done():
                     self._local[(ps, entry.name)] = entry  # failed with everything else by _abort
             raise
+        finally:
+            self._executing = None
 
     def _register_process_set(self, ps_id: int, ranks: Tuple[int, ...]) -> None:
         self.process_sets[ps_id] = ranks

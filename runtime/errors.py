@@ -34,10 +34,12 @@ class CollectiveError(SparkHvdError, RuntimeError):
 HorovodInternalError = CollectiveError
 
 
-class RankMismatchError(SparkHvdError, ValueError):
-    """Ranks submitted the same named operation with different shapes, dtypes, ops or roots.
+class RankMismatchError(CollectiveError):
+    """Ranks submitted the same named operation with different shapes, dtypes, ops or roots, or an
+    operation that cannot run while a rank has joined.
 
-    The operation fails on every rank; the runtime stays usable afterwards.
+    The operation fails on every rank taking part; the runtime stays usable afterwards. Like
+    Horovod's errors for these cases it is a ``HorovodInternalError`` (a RuntimeError).
     """
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, List, Optional
 
 import numpy as np
 
-from .negotiation import Meta
+from .messages import Meta
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Engine

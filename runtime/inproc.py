@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections import deque
 from typing import Callable, Deque, Dict, List, Optional, TypeVar
 
 from .transport import Op, Sink, Transport
 
-__all__ = ["InprocChannel", "inproc_world", "run_threads"]
+__all__ = ["InprocChannel", "inproc_world", "inproc_worlds", "run_threads"]
 
 T = TypeVar("T")
 
@@ -107,3 +108,17 @@ def run_threads(size: int, fn: Callable[[Transport], T], chunk_bytes: int = 4096
         if err is not None:
             raise RuntimeError(f"rank {r} failed: {err!r}") from err
     return results  # type: ignore[return-value]
+
+
+def inproc_worlds(size: int, chunk_bytes: int = 4096) -> list:
+    """Whole worlds (data channels and control connections) for ``size`` ranks of one process, so
+    that one engine per rank can run on threads: control travels over socket pairs."""
+    from .world import World
+
+    transports = inproc_world(size, chunk_bytes)
+    control: Dict[int, Dict[int, socket.socket]] = {r: {} for r in range(size)}
+    for worker in range(1, size):
+        coordinator_end, worker_end = socket.socketpair()
+        control[0][worker] = coordinator_end
+        control[worker][0] = worker_end
+    return [World(r, size, r, size, 0, 1, transports[r], control[r]) for r in range(size)]

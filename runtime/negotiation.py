@@ -3,59 +3,33 @@
 Workers announce requests to the coordinator (rank 0). A request becomes ready when every member
 of its process set (less the ranks that have joined) has announced it; the coordinator then checks
 that the ranks agree (shape, dtype, op, root ...), packs ready allreduces of one kind into fused
-responses up to the fusion threshold, and sends the same ordered list of responses to everyone.
+responses up to the fusion threshold, and sends the same ordered batch of responses to everyone.
 
-Signatures (a request's metadata) get small integer ids that workers learn from the responses; a
-rank then announces a request seen before with its id alone, so steady-state training steps
-exchange a few bytes per tensor (the response cache). Its capacity is bounded, least recently used
-ids are evicted, and capacity 0 turns it off.
+Signatures (a request's metadata) get integer ids. The coordinator teaches workers ids, and a
+rank then announces a request seen before by its id alone, so steady-state training steps
+exchange a few bytes per tensor (the response cache). The cache holds at most ``capacity`` ids,
+least recently used ones are evicted, and capacity 0 turns it off.
+
+Eviction keeps one invariant by construction: every id a rank may still send, or a response may
+still use, resolves. An id is forgotten only when (1) no pending request carries it, and (2) every
+worker has acknowledged the batch that announced its eviction (a worker's announcements name the
+last batch it had processed, and it stops using an id once it has processed that id's eviction).
+Ids are never reused.
 """
 
 from __future__ import annotations
 
-import logging
-import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Dict, List, NamedTuple, Optional, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Set, Tuple
+
+from .messages import Meta, Response, ResponseBatch
+from .ops import ReduceOp
+
+__all__ = ["Coordinator", "SignatureTable", "WorkerSignatures"]
 
 
-from .ops import ReduceOp, storage_dtype
-
-__all__ = ["Meta", "Coordinator", "WorkerSignatures", "Response"]
-
-log = logging.getLogger("spark_hvd.negotiation")
-
-
-class Meta(NamedTuple):
-    """What a rank says about one request; equal metas on all ranks mean the request agrees."""
-
-    kind: str  # allreduce, allgather, broadcast, alltoall, reducescatter, barrier, join, add_process_set
-    dtype: str
-    shape: Tuple[int, ...]
-    op: int = 0
-    root: int = -1
-    prescale: float = 1.0
-    postscale: float = 1.0
-    ps: int = 0
-    group: Optional[Tuple[str, int]] = None  # (group name, number of members)
-    extra: Optional[Tuple[int, ...]] = None  # alltoall splits; process-set ranks
-
-    def count(self) -> int:
-        """Number of elements."""
-        return math.prod(self.shape)
-
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * storage_dtype(self.dtype).itemsize if self.dtype else 0
-
-
-# A response, identical on every rank: kind, names, process set, and per-name signature ids
-# (one id, or one per rank for allgather/alltoall), plus kind-specific details.
-Response = Tuple
-
-
-_FIELDS = ("dtype", "shape", "op", "root", "prescale", "postscale", "group", "extra")
 _COMPARED = {
     "allreduce": ("dtype", "shape", "op", "prescale", "postscale", "group"),
     "reducescatter": ("dtype", "shape", "op", "prescale", "postscale", "group"),
@@ -64,17 +38,135 @@ _COMPARED = {
     "alltoall": ("dtype", "trailing", "splits_len"),
     "barrier": (),
     "join": (),
-    "add_process_set": ("extra",),
+    "add_process_set": ("ranks",),
 }
-_FUSABLE = ("allreduce",)
+_LABELS = {"trailing": "shapes after the first dimension", "shape": "shapes", "dtype": "dtypes",
+           "op": "reduction ops", "root": "root ranks", "group": "groups", "splits_len": "numbers of splits",
+           "ranks": "process set ranks", "prescale": "prescale factors", "postscale": "postscale factors"}
+# Kinds that cannot stand in for a joined rank: it has no rows to give and may be the root.
+_NOT_WITH_JOINED = ("allgather", "broadcast", "alltoall", "reducescatter")
 
 
 def _attr(meta: Meta, name: str):
     if name == "trailing":
-        return tuple(meta.shape[1:]) if meta.shape else ()
+        return tuple(meta.shape[1:])
     if name == "splits_len":
-        return len(meta.extra or ())
+        return len(meta.splits or ())
     return getattr(meta, name)
+
+
+class SignatureTable:
+    """The coordinator's ids: which metas they stand for, which workers hold, which may go."""
+
+    def __init__(self, capacity: int, workers: Iterable[int]) -> None:
+        self.capacity = capacity
+        self.persist = capacity > 0
+        self._meta: Dict[int, Meta] = {}  # every id that may still be announced or used
+        self._live: "OrderedDict[Meta, int]" = OrderedDict()  # ids new requests get; LRU first
+        self._known: Set[int] = set()  # ids every worker holds (taught, not evicted)
+        self._retiring: Dict[int, int] = {}  # evicted id -> seq of the batch that announced it
+        self._refs: Dict[int, int] = {}  # id -> pending requests carrying it
+        self._acks: Dict[int, int] = {w: 0 for w in workers}
+        self._next = 0
+
+    def __len__(self) -> int:
+        """Ids still resolvable."""
+        return len(self._meta)
+
+    @property
+    def live(self) -> int:
+        """Ids new requests can be matched to (at most the capacity, plus ids in use)."""
+        return len(self._live)
+
+    def intern(self, meta: Meta) -> int:
+        sid = self._live.get(meta)
+        if sid is None:
+            sid = self._next
+            self._next += 1
+            self._live[meta] = sid
+            self._meta[sid] = meta
+        else:
+            self._live.move_to_end(meta)
+        return sid
+
+    def resolve(self, sid: int) -> Meta:
+        return self._meta[sid]
+
+    def touch(self, sid: int) -> None:
+        meta = self._meta[sid]
+        if self._live.get(meta) == sid:
+            self._live.move_to_end(meta)
+
+    def hold(self, sid: int) -> None:
+        self._refs[sid] = self._refs.get(sid, 0) + 1
+
+    def release(self, sid: int) -> None:
+        left = self._refs[sid] - 1
+        if left:
+            self._refs[sid] = left
+        else:
+            del self._refs[sid]
+            self._maybe_forget(sid)
+
+    def ack(self, worker: int, seq: int) -> None:
+        """``worker`` has processed every batch up to ``seq``."""
+        if seq <= self._acks.get(worker, 0):
+            return
+        self._acks[worker] = seq
+        self._sweep()
+
+    def leave(self, worker: int) -> None:
+        """``worker`` is gone and will announce nothing more."""
+        self._acks.pop(worker, None)
+        self._sweep()
+
+    def _floor(self) -> float:
+        return min(self._acks.values()) if self._acks else float("inf")
+
+    def _sweep(self) -> None:
+        if self._retiring:
+            floor = self._floor()
+            for sid in [s for s, seq in self._retiring.items() if seq <= floor and s not in self._refs]:
+                del self._retiring[sid]
+                del self._meta[sid]
+
+    def _maybe_forget(self, sid: int) -> None:
+        meta = self._meta.get(sid)
+        if meta is None or sid in self._refs or self._live.get(meta) == sid or sid in self._known:
+            return
+        seq = self._retiring.get(sid)
+        if seq is None or seq <= self._floor():
+            self._retiring.pop(sid, None)
+            del self._meta[sid]
+
+    def lesson(self, used: Set[int], seq: int) -> Tuple[Tuple[Tuple[int, Meta], ...], Tuple[Tuple[int, Meta], ...],
+                                                         Tuple[int, ...]]:
+        """What batch ``seq`` teaches, resolves for itself alone, and evicts; ``used`` ids are its own."""
+        evicted = []
+        limit = self.capacity if self.persist else 0
+        excess = len(self._live) - limit
+        if excess > 0:
+            for meta, sid in list(self._live.items()):
+                if excess <= 0:
+                    break
+                if sid in self._refs or sid in used:
+                    continue
+                del self._live[meta]
+                excess -= 1
+                if sid in self._known:
+                    self._known.discard(sid)
+                    self._retiring[sid] = seq
+                    evicted.append(sid)
+                else:
+                    self._maybe_forget(sid)
+        teach = []
+        if self.persist:
+            for sid in self._live.values():
+                if sid not in self._known:
+                    self._known.add(sid)
+                    teach.append((sid, self._meta[sid]))
+        resolve = tuple((sid, self._meta[sid]) for sid in sorted(used) if sid not in self._known)
+        return tuple(teach), resolve, tuple(evicted)
 
 
 @dataclass
@@ -83,76 +175,19 @@ class _Pending:
     ps: int
     first_seen: float
     ids: Dict[int, int] = field(default_factory=dict)  # rank -> signature id
-    order: int = 0
-
-
-class _Signatures:
-    """The coordinator's id <-> signature table with LRU eviction."""
-
-    def __init__(self, capacity: int, workers: List[int]) -> None:
-        self.capacity = capacity
-        self.persist = capacity > 0
-        self.by_meta: Dict[Meta, int] = {}
-        self.by_id: "OrderedDict[int, Meta]" = OrderedDict()
-        self.next_id = 0
-        self.announced: Set[int] = set()  # ids every worker knows
-        self.retired: Dict[int, Tuple[Meta, int]] = {}  # id -> (meta, response seq of its eviction)
-        self.acks: Dict[int, int] = {w: 0 for w in workers}
-
-    def intern(self, meta: Meta) -> int:
-        sid = self.by_meta.get(meta)
-        if sid is None:
-            sid = self.next_id
-            self.next_id += 1
-            self.by_meta[meta] = sid
-            self.by_id[sid] = meta
-        else:
-            self.by_id.move_to_end(sid)
-        return sid
-
-    def lookup(self, sid: int) -> Meta:
-        meta = self.by_id.get(sid)
-        if meta is not None:
-            self.by_id.move_to_end(sid)
-            return meta
-        return self.retired[sid][0]
-
-    def ack(self, worker: int, seq: int) -> None:
-        self.acks[worker] = max(self.acks.get(worker, 0), seq)
-        if self.retired:
-            floor = min(self.acks.values()) if self.acks else seq
-            for sid in [s for s, (_, evicted_at) in self.retired.items() if evicted_at <= floor]:
-                del self.retired[sid]
-
-    def evict(self, in_use: Set[int], seq: int) -> List[int]:
-        """Drop ids beyond capacity (all unused ids when the cache is off)."""
-        limit = self.capacity if self.persist else 0
-        evicted = []
-        for sid in list(self.by_id):
-            if len(self.by_id) <= limit:
-                break
-            if sid in in_use:
-                continue
-            meta = self.by_id.pop(sid)
-            del self.by_meta[meta]
-            if sid in self.announced:
-                self.announced.discard(sid)
-                self.retired[sid] = (meta, seq)
-                evicted.append(sid)
-        return evicted
 
 
 class Coordinator:
     """Rank 0's view of every rank's outstanding requests."""
 
-    def __init__(self, size: int, cache_capacity: int, fusion_threshold: int,
-                 stall_check_seconds: float, stall_shutdown_seconds: float, eager_threshold: int = 0) -> None:
+    def __init__(self, size: int, cache_capacity: int, fusion_threshold: int, stall_check_seconds: float,
+                 stall_shutdown_seconds: float, eager_threshold: int = 0) -> None:
         self.size = size
         self.eager_threshold = eager_threshold
         self.fusion_threshold = fusion_threshold
         self.stall_check_seconds = stall_check_seconds
         self.stall_shutdown_seconds = stall_shutdown_seconds
-        self.sigs = _Signatures(cache_capacity, list(range(1, size)))
+        self.sigs = SignatureTable(cache_capacity, range(1, size))
         self.pending: "OrderedDict[Tuple[int, str], _Pending]" = OrderedDict()
         self.ready: List[Tuple[int, str]] = []
         self._ready_set: Set[Tuple[int, str]] = set()
@@ -160,7 +195,6 @@ class Coordinator:
         self.next_ps = 1
         self.joined: List[int] = []
         self.seq = 0
-        self._counter = 0
         self._last_stall_check = time.monotonic()
         self._stall_warned: Set[Tuple[int, str]] = set()
 
@@ -169,7 +203,8 @@ class Coordinator:
         self.submit_id(rank, name, self.sigs.intern(meta))
 
     def submit_id(self, rank: int, name: str, sid: int) -> None:
-        meta = self.sigs.lookup(sid)
+        meta = self.sigs.resolve(sid)
+        self.sigs.touch(sid)
         if meta.kind == "join":
             if rank not in self.joined:
                 self.joined.append(rank)
@@ -178,18 +213,18 @@ class Coordinator:
         key = (meta.ps, name)
         entry = self.pending.get(key)
         if entry is None:
-            self._counter += 1
-            entry = self.pending[key] = _Pending(meta.kind, meta.ps, time.monotonic(), order=self._counter)
+            entry = self.pending[key] = _Pending(meta.kind, meta.ps, time.monotonic())
+        previous = entry.ids.get(rank)
         entry.ids[rank] = sid
+        self.sigs.hold(sid)
+        if previous is not None:
+            self.sigs.release(previous)
         self._check_ready(key, entry)
-
-    def _members(self, ps: int) -> Tuple[int, ...]:
-        return self.process_sets[ps]
 
     def _check_ready(self, key: Tuple[int, str], entry: _Pending) -> None:
         if key in self._ready_set:
             return
-        members = self._members(entry.ps)
+        members = self.process_sets[entry.ps]
         if len(entry.ids) < len(members):
             if entry.ps != 0 or not self.joined:
                 return
@@ -206,28 +241,26 @@ class Coordinator:
         """Whether decide() would produce something: ready requests, or every rank has joined."""
         return bool(self.ready) or (bool(self.joined) and len(self.joined) == self.size)
 
+    def leave(self, rank: int) -> None:
+        """A worker has shut down: it announces nothing more."""
+        self.sigs.leave(rank)
+
     # -- output -----------------------------------------------------------------------------------
-    def decide(self) -> Tuple[List[Response], List[Tuple[int, Meta]], List[int], int]:
-        """Responses for everything ready, the id definitions workers need, evictions, and seq."""
+    def decide(self) -> Tuple[ResponseBatch, Dict[int, Meta]]:
+        """The batch answering everything ready, and the metas of the ids it uses (for rank 0)."""
         responses: List[Response] = []
-        fused: Dict[tuple, list] = {}
+        fused: Dict[tuple, int] = {}  # fusion key -> index of its open response in ``responses``
+        fused_bytes: Dict[int, int] = {}
         groups: Dict[Tuple[int, str], list] = {}
+        finished: List[_Pending] = []
         for key in self.ready:
             entry = self.pending[key]
             ps, name = key
-            ids = set(entry.ids.values())
-            if len(ids) == 1 and entry.kind not in ("broadcast", "alltoall"):
-                # One signature on every rank: nothing can disagree.
-                metas = {self._any_rank(entry): self.sigs.lookup(next(iter(ids)))}
-                error = None
-            else:
-                metas = {r: self.sigs.lookup(sid) for r, sid in entry.ids.items()}
-                error = self._mismatch(name, entry, metas)
+            error, sample = self._check(name, entry)
             if error is not None:
-                responses.append(("error", (name,), ps, error))
-                del self.pending[key]
+                responses.append(Response(kind="error", names=(name,), ps=ps, error=error))
+                finished.append(self.pending.pop(key))
                 continue
-            sample = next(iter(metas.values()))
             if sample.group is not None:
                 members = groups.setdefault((ps, sample.group[0]), [])
                 members.append((name, entry, sample))
@@ -235,80 +268,82 @@ class Coordinator:
                     continue  # wait until the whole group is ready everywhere
                 del groups[(ps, sample.group[0])]
                 responses.append(self._group_response(ps, members))
-                for member_name, _, _ in members:
-                    del self.pending[(ps, member_name)]
+                finished.extend(self.pending.pop((ps, n)) for n, _, _ in members)
                 continue
-            del self.pending[key]
-            if sample.kind in _FUSABLE and self.fusion_threshold > 0:
+            finished.append(self.pending.pop(key))
+            sid = next(iter(entry.ids.values()))
+            if sample.kind == "allreduce" and self.fusion_threshold > 0:
                 size = sample.nbytes()
                 # Small requests that can travel inside the messages are fused only among themselves.
                 eager = size <= self.eager_threshold
                 fkey = (ps, sample.dtype, sample.op, sample.prescale, sample.postscale, eager)
-                bucket = fused.get(fkey)
                 limit = min(self.fusion_threshold, 64 * self.eager_threshold) if eager else self.fusion_threshold
-                if bucket is not None and bucket[1] + size <= limit:
-                    bucket[0][1].append(name)
-                    bucket[0][3].append(entry.ids[self._any_rank(entry)])
-                    bucket[1] += size
+                at = fused.get(fkey)
+                if at is not None and fused_bytes[at] + size <= limit:
+                    open_response = responses[at]
+                    responses[at] = open_response._replace(names=open_response.names + (name,),
+                                                           sids=open_response.sids + (sid,))
+                    fused_bytes[at] += size
                     continue
-                response = ["allreduce", [name], ps, [entry.ids[self._any_rank(entry)]]]
-                fused[fkey] = [response, size]
-                responses.append(response)
+                fused[fkey] = len(responses)
+                fused_bytes[len(responses)] = size
+                responses.append(Response(kind="allreduce", names=(name,), ps=ps, sids=(sid,)))
                 continue
-            responses.append(self._single_response(name, entry, sample, metas))
+            responses.append(self._single_response(name, entry, sample))
         # Group members still waiting for their siblings stay ready for the next decision.
         self.ready = [(ps, name) for (ps, _), members in groups.items() for name, _, _ in members]
         self._ready_set = set(self.ready)
-        responses = [tuple(tuple(x) if isinstance(x, list) else x for x in r) for r in responses]
         if self.joined and len(self.joined) == self.size:
-            responses.append(("join", (), 0, self.joined[-1]))
+            responses.append(Response(kind="join", names=(), ps=0, value=self.joined[-1]))
             self.joined = []
         self.seq += 1
         used = _used_ids(responses)
-        defs = [(sid, self.sigs.lookup(sid)) for sid in sorted(used) if sid not in self.sigs.announced]
-        if self.sigs.persist:
-            # Also teach workers ids interned since the last message, so they can use them next time.
-            for sid in list(self.sigs.by_id):
-                if sid not in self.sigs.announced and sid not in used:
-                    defs.append((sid, self.sigs.by_id[sid]))
-            self.sigs.announced.update(sid for sid, _ in defs)
-        # Ids used by this message stay until the next one, so every rank can still resolve them.
-        in_use = {sid for entry in self.pending.values() for sid in entry.ids.values()} | used
-        evicted = self.sigs.evict(in_use, self.seq)
-        return responses, defs, evicted, self.seq
+        metas = {sid: self.sigs.resolve(sid) for sid in used}
+        teach, resolve, evicted = self.sigs.lesson(used, self.seq)
+        for entry in finished:  # only now: a retired id this batch uses must resolve until here
+            for sid in entry.ids.values():
+                self.sigs.release(sid)
+        return ResponseBatch(seq=self.seq, responses=tuple(responses), teach=teach, resolve=resolve,
+                             evicted=evicted), metas
 
-    @staticmethod
-    def _any_rank(entry: _Pending) -> int:
-        return next(iter(entry.ids))
+    def _check(self, name: str, entry: _Pending) -> Tuple[Optional[str], Meta]:
+        """An error message if the ranks disagree (or the request cannot run now), and a sample meta."""
+        ids = set(entry.ids.values())
+        if len(ids) == 1 and entry.kind not in ("broadcast", "alltoall"):
+            sample = self.sigs.resolve(next(iter(ids)))  # one signature on every rank: nothing can disagree
+            error = None
+        else:
+            metas = {r: self.sigs.resolve(sid) for r, sid in entry.ids.items()}
+            sample = next(iter(metas.values()))
+            error = self._mismatch(name, entry, metas)
+        if error is None and entry.kind in _NOT_WITH_JOINED:
+            missing = [r for r in self.process_sets[entry.ps] if r not in entry.ids]
+            if missing:
+                error = (f"{entry.kind} {name!r} cannot run while rank(s) {missing} have joined: only allreduce "
+                         "and barrier take a joined rank's place. Call join() after the last such operation.")
+        return error, sample
 
-    def _single_response(self, name: str, entry: _Pending, sample: Meta, metas: Dict[int, Meta]) -> Response:
+    def _single_response(self, name: str, entry: _Pending, sample: Meta) -> Response:
         ps = entry.ps
         if sample.kind in ("allgather", "alltoall"):
-            members = self._members(ps)
-            per_rank = []
-            for r in members:
-                if r in entry.ids:
-                    per_rank.append(entry.ids[r])
-                else:  # a joined rank contributes no rows
-                    shape = (0,) + tuple(sample.shape[1:])
-                    extra = tuple(0 for _ in members) if sample.kind == "alltoall" else None
-                    per_rank.append(self.sigs.intern(sample._replace(shape=shape, extra=extra)))
-            return (sample.kind, (name,), ps, (tuple(per_rank),))
+            per_rank = tuple(entry.ids[r] for r in self.process_sets[ps])
+            return Response(kind=sample.kind, names=(name,), ps=ps, rank_sids=(per_rank,))
+        sid = next(iter(entry.ids.values()))
         if sample.kind == "add_process_set":
             new_id = self.next_ps
             self.next_ps += 1
-            self.process_sets[new_id] = tuple(sample.extra or ())
-            return ("add_process_set", (name,), ps, (entry.ids[self._any_rank(entry)],), new_id)
-        return (sample.kind, (name,), ps, (entry.ids[self._any_rank(entry)],))
+            self.process_sets[new_id] = tuple(sample.ranks or ())
+            return Response(kind="add_process_set", names=(name,), ps=ps, sids=(sid,), value=new_id)
+        return Response(kind=sample.kind, names=(name,), ps=ps, sids=(sid,))
 
     def _group_response(self, ps: int, members: list) -> Response:
         kind = members[0][2].kind
         names = tuple(m[0] for m in members)
         if kind in ("allgather", "alltoall"):
-            ids = tuple(self._single_response(n, e, s, {})[3][0] for n, e, s in members)
-        else:
-            ids = tuple(e.ids[self._any_rank(e)] for _, e, _ in members)
-        return (kind, names, ps, ids)
+            order = self.process_sets[ps]
+            return Response(kind=kind, names=names, ps=ps,
+                            rank_sids=tuple(tuple(e.ids[r] for r in order) for _, e, _ in members))
+        return Response(kind=kind, names=names, ps=ps, sids=tuple(next(iter(e.ids.values())) for _, e, _ in members))
 
     def _mismatch(self, name: str, entry: _Pending, metas: Dict[int, Meta]) -> Optional[str]:
         kinds = {m.kind for m in metas.values()}
@@ -320,25 +355,21 @@ class Coordinator:
         for attr in _COMPARED.get(kind, ()):
             values = {r: _attr(m, attr) for r, m in metas.items()}
             if len(set(values.values())) > 1:
-                label = {"trailing": "shapes after the first dimension", "shape": "shapes", "dtype": "dtypes",
-                         "op": "reduction ops", "root": "root ranks", "group": "groups",
-                         "splits_len": "numbers of splits"}.get(attr, attr + "s")
+                label = _LABELS.get(attr, attr + "s")
                 shown = {r: (ReduceOp(v).name if attr == "op" else v) for r, v in values.items()}
                 listing = "; ".join(f"rank {r}: {v}" for r, v in sorted(shown.items()))
                 return (f"mismatched {kind} {name!r}: {label} differ across ranks: {listing}. "
                         f"Every rank must pass the same {label} for the same named operation.")
+        members = self.process_sets[entry.ps]
         if kind == "broadcast":
             root = next(iter(metas.values())).root
-            if root not in self._members(entry.ps):
-                return f"broadcast {name!r}: root_rank={root} is not a member of the process set {self._members(entry.ps)}"
-            if entry.ps == 0 and root in self.joined and root not in entry.ids:
-                return f"broadcast {name!r}: root rank {root} has already joined and cannot send"
+            if root not in members:
+                return f"broadcast {name!r}: root_rank={root} is not a member of the process set {members}"
         if kind == "alltoall":
-            size = len(self._members(entry.ps))
             for r, m in metas.items():
-                if len(m.extra or ()) != size:
-                    return (f"alltoall {name!r}: rank {r} gave {len(m.extra or ())} splits; expected one per rank "
-                            f"of the process set ({size})")
+                if len(m.splits or ()) != len(members):
+                    return (f"alltoall {name!r}: rank {r} gave {len(m.splits or ())} splits; expected one per rank "
+                            f"of the process set ({len(members)})")
         return None
 
     # -- stalls -----------------------------------------------------------------------------------
@@ -353,13 +384,12 @@ class Coordinator:
         lines = []
         shutdown = False
         self._stall_warned.intersection_update(self.pending)
+        threshold = self.stall_check_seconds if self.stall_check_seconds > 0 else self.stall_shutdown_seconds
         for key, entry in self.pending.items():
             waited = now - entry.first_seen
-            threshold = self.stall_check_seconds if self.stall_check_seconds > 0 else self.stall_shutdown_seconds
             if waited < threshold:
                 continue
-            members = self._members(entry.ps)
-            missing = [r for r in members if r not in entry.ids and r not in self.joined]
+            missing = [r for r in self.process_sets[entry.ps] if r not in entry.ids and r not in self.joined]
             if self.stall_shutdown_seconds > 0 and waited >= self.stall_shutdown_seconds:
                 shutdown = True
             if key in self._stall_warned and not shutdown:
@@ -372,16 +402,12 @@ class Coordinator:
         return lines, shutdown
 
 
-def _used_ids(responses: List[Response]) -> Set[int]:
+def _used_ids(responses: Iterable[Response]) -> Set[int]:
     used: Set[int] = set()
     for response in responses:
-        if response[0] in ("error", "join"):
-            continue
-        for item in response[3]:
-            if isinstance(item, tuple):
-                used.update(item)
-            else:
-                used.add(item)
+        used.update(response.sids)
+        for per_rank in response.rank_sids:
+            used.update(per_rank)
     return used
 
 
@@ -393,23 +419,22 @@ class WorkerSignatures:
         self.metas: Dict[int, Meta] = {}
         self.seq = 0
 
-    def encode(self, name: str, meta: Meta):
-        sid = self.ids.get(meta)
-        return (name, sid) if sid is not None else (name, meta)
+    def encode(self, meta: Meta):
+        """The id to announce ``meta`` by, or the meta itself when no id is held."""
+        return self.ids.get(meta, meta)
 
-    def learn(self, defs: List[Tuple[int, Meta]], evicted: List[int], seq: int, persist: bool) -> None:
-        if not persist:
-            self.metas = {}
-        for sid, meta in defs:
-            meta = Meta(*meta)
+    def learn(self, batch: ResponseBatch) -> Dict[int, Meta]:
+        """Take in a batch's lessons; return the resolver for its responses."""
+        for sid, meta in batch.teach:
             self.metas[sid] = meta
-            if persist:
-                self.ids[meta] = sid
-        for sid in evicted:
+            self.ids[meta] = sid
+        for sid in batch.evicted:
             meta = self.metas.pop(sid, None)
             if meta is not None and self.ids.get(meta) == sid:
                 del self.ids[meta]
-        self.seq = seq
-
-    def meta(self, sid: int) -> Meta:
-        return self.metas[sid]
+        self.seq = batch.seq
+        if not batch.resolve:
+            return self.metas
+        scoped = dict(self.metas)
+        scoped.update(batch.resolve)
+        return scoped

@@ -1,84 +1,95 @@
 """Shared-memory channels between ranks on one host: one single-producer ring per direction.
 
-Each ring is a file in /dev/shm holding two counters (slots written, slots read; each written by
-one side only, on its own cache line) and ``slots`` buffers of ``slot_bytes``. Message lengths are
-known to both sides, so slot contents need no headers. The files are unlinked as soon as both
-sides have mapped them, so a crash leaves nothing behind.
+Each ring is an anonymous memory file (``memfd_create``) holding two counters (slots written,
+slots read; each written by one side only, on its own cache line), a tag, and ``slots`` buffers
+of ``slot_bytes``. Message lengths are known to both sides, so slot contents need no headers.
+The file never has a name: the peer maps it through ``/proc/<creator pid>/fd/<fd>`` while the
+creator holds it open, and the memory goes away with the last process that maps it. However a
+job ends, nothing is left in /dev/shm.
+
+The tag, an HMAC of the job secret and the ring's direction, lets the peer check that the file it
+opened is the ring it expected and not whatever a recycled pid or fd number points to now.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import mmap
 import os
-from typing import List, Optional
-
-import numpy as np
+from typing import Optional
 
 from .transport import Op, Sink
 
-__all__ = ["ShmRing", "ShmChannel", "shm_available", "ring_name", "remove_job_segments"]
+__all__ = ["ShmRing", "ShmChannel", "shm_available", "ring_tag"]
 
-_SHM_DIR = "/dev/shm"
-_HEADER = 128  # counters at byte 0 (written) and 64 (read)
+_HEADER = 128  # counters at byte 0 (written) and 64 (read); the tag at byte 96
+_TAG_AT = 96
+_TAG_BYTES = 32
 
 
 def shm_available() -> bool:
-    return os.path.isdir(_SHM_DIR) and os.access(_SHM_DIR, os.W_OK)
+    """Whether this system can create anonymous memory files and reopen them through /proc."""
+    return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
 
 
-def job_token(secret: str) -> str:
-    """A short name for the job's segments, derived from (not revealing) the secret."""
-    return hashlib.sha256(("spark-hvd-shm" + secret).encode()).hexdigest()[:16]
-
-
-def ring_name(secret: str, src: int, dst: int) -> str:
-    return f"spark-hvd-{job_token(secret)}-{src}-{dst}"
-
-
-def remove_job_segments(secret: str) -> int:
-    """Unlink any segments a crashed job left behind (launchers call this when they finish)."""
-    prefix = f"spark-hvd-{job_token(secret)}-"
-    removed = 0
-    try:
-        names = os.listdir(_SHM_DIR)
-    except OSError:
-        return 0
-    for name in names:
-        if name.startswith(prefix):
-            try:
-                os.unlink(os.path.join(_SHM_DIR, name))
-                removed += 1
-            except OSError:
-                pass
-    return removed
+def ring_tag(key: bytes, generation: int, src: int, dst: int) -> bytes:
+    """The tag of the ring carrying data from rank ``src`` to rank ``dst`` in one generation."""
+    return hmac.new(key, f"spark-hvd ring {generation} {src}->{dst}".encode(), hashlib.sha256).digest()
 
 
 class ShmRing:
     """One direction of a shared-memory channel."""
 
-    def __init__(self, name: str, slots: int, slot_bytes: int, create: bool) -> None:
-        self.name = name
-        self.path = os.path.join(_SHM_DIR, name)
+    def __init__(self, mm: mmap.mmap, slots: int, slot_bytes: int, fd: Optional[int] = None) -> None:
+        self.mm = mm
         self.slots = slots
         self.slot_bytes = slot_bytes
+        self._fd = fd
+        self.counters = memoryview(mm)[:_HEADER].cast("q")
+        self.view = memoryview(mm)[_HEADER:]
+
+    @classmethod
+    def create(cls, slots: int, slot_bytes: int, tag: bytes) -> "ShmRing":
+        """A new ring; :attr:`fd` stays open until :meth:`release_fd`, so the peer can open it."""
         size = _HEADER + slots * slot_bytes
-        if create:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:
-                os.ftruncate(fd, size)
-                self.mm = mmap.mmap(fd, size)
-            finally:
-                os.close(fd)
-        else:
-            fd = os.open(self.path, os.O_RDWR)
-            try:
-                self.mm = mmap.mmap(fd, size)
-            finally:
-                os.close(fd)
-        self.counters = memoryview(self.mm)[:_HEADER].cast("q")
-        self.data = np.frombuffer(self.mm, dtype=np.uint8, offset=_HEADER)
-        self.view = memoryview(self.mm)[_HEADER:]
+        fd = os.memfd_create("spark-hvd-ring", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        mm[_TAG_AT:_TAG_AT + _TAG_BYTES] = tag
+        return cls(mm, slots, slot_bytes, fd)
+
+    @classmethod
+    def open_peer(cls, pid: int, fd: int, slots: int, slot_bytes: int, tag: bytes) -> "ShmRing":
+        """Map the ring that process ``pid`` created as its descriptor ``fd``; check its tag."""
+        size = _HEADER + slots * slot_bytes
+        path = f"/proc/{pid}/fd/{fd}"
+        local = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            if os.fstat(local).st_size != size:
+                raise OSError(f"{path} is not a ring of {size} bytes")
+            mm = mmap.mmap(local, size)
+        finally:
+            os.close(local)
+        if not hmac.compare_digest(bytes(mm[_TAG_AT:_TAG_AT + _TAG_BYTES]), tag):
+            mm.close()
+            raise OSError(f"{path} does not carry the expected ring tag")
+        return cls(mm, slots, slot_bytes)
+
+    @property
+    def fd(self) -> int:
+        assert self._fd is not None, "only the creator of a ring holds its descriptor"
+        return self._fd
+
+    def release_fd(self) -> None:
+        """Close the creator's descriptor: the mapping stays, the file is now reachable by no one."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     # counters[0]: slots written by the producer; counters[8]: slots consumed by the consumer.
     @property
@@ -93,19 +104,13 @@ class ShmRing:
         start = (index % self.slots) * self.slot_bytes
         return self.view[start:start + self.slot_bytes]
 
-    def unlink(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-
     def close(self) -> None:
+        self.release_fd()
         try:
             self.counters.release()
             self.view.release()
-            del self.data
             self.mm.close()
-        except (BufferError, AttributeError):
+        except BufferError:
             # A view handed out is still alive; the mapping goes when the process does.
             pass
 
@@ -199,8 +204,3 @@ class ShmChannel:
     def close(self) -> None:
         self.outgoing.close()
         self.incoming.close()
-
-
-def open_rings(secret: str, rank: int, peers: List[int], slots: int, slot_bytes: int) -> dict:
-    """Create this rank's outgoing rings to each local peer."""
-    return {p: ShmRing(ring_name(secret, rank, p), slots, slot_bytes, create=True) for p in peers}

@@ -195,12 +195,14 @@ class TcpChannel:
 class Transport:
     """This rank's channels to its peers, and the waiting strategy that drives them.
 
-    ``check`` is called while waiting (every few milliseconds) and raises CollectiveError when the
-    job has failed; the engine uses it to notice lost peers and aborts announced by others.
+    ``check(peers, idle_seconds)`` is called while waiting (every few milliseconds) with the global
+    ranks still owing data and the seconds since anything last moved; it raises CollectiveError
+    when the job has failed. The engine uses it to notice lost peers, aborts announced by others,
+    and stalls.
     """
 
     def __init__(self, rank: int, size: int, channels: Dict[int, Channel],
-                 check: Optional[Callable[[Sequence[int]], None]] = None) -> None:
+                 check: Optional[Callable[[Sequence[int], float], None]] = None) -> None:
         self.rank = rank
         self.size = size
         self.channels = channels
@@ -232,7 +234,8 @@ class Transport:
         """Drive ``ops`` to completion: spin briefly, then yield, then sleep or select."""
         pending: List[Op] = [op for op in ops if not op.done]
         idle = 0
-        last_check = time.monotonic()
+        progressed = False
+        last_check = last_moved = time.monotonic()
         while pending:
             moved = False
             for op in pending:
@@ -243,13 +246,16 @@ class Transport:
                 return
             if moved:
                 idle = 0
+                progressed = True
                 continue
             idle += 1
             now = time.monotonic()
             if now - last_check > 0.02:
                 last_check = now
+                if progressed:  # to within one check interval, which is all a stall clock needs
+                    last_moved, progressed = now, False
                 if self.check is not None:
-                    self.check([op.peer for op in pending])
+                    self.check([op.peer for op in pending], now - last_moved)
             if idle < 50:
                 os.sched_yield()
                 continue

@@ -8,6 +8,7 @@ pair dials the lower. Every accepted connection authenticates before its first f
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -19,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import Dict, List
 
 from .config import RuntimeConfig
-from .errors import AuthenticationError, RendezvousTimeout
+from .errors import AuthenticationError, CollectiveError, RendezvousTimeout
 from .rendezvous import RendezvousClient
-from .shm import ShmChannel, ShmRing, job_token, ring_name, shm_available
+from .shm import ShmChannel, ShmRing, ring_tag, shm_available
 from .transport import Channel, TcpChannel, Transport
 from .wire import authenticate_server, connect, listen, recv_frame, secret_bytes, send_frame, tune_socket
 
@@ -60,41 +61,61 @@ def single_world() -> World:
     return World(0, 1, 0, 1, 0, 1, Transport(0, 1, {}))
 
 
-def connect_world(cfg: RuntimeConfig) -> World:
-    """Meet the other ranks and connect to them; RendezvousTimeout if they do not all arrive."""
+def _local_identity() -> Dict[str, object]:
+    """What ranks compare to know that they can map each other's memory files through /proc."""
+    try:
+        ns = os.stat("/proc/self/ns/pid")
+        pidns = f"{ns.st_dev}:{ns.st_ino}"
+    except OSError:
+        pidns = None
+    return {"pid": os.getpid(), "pidns": pidns, "uid": os.getuid() if hasattr(os, "getuid") else None}
+
+
+def _same_machine_view(me: dict, peer: dict) -> bool:
+    return (peer["host_key"] == me["host_key"] and peer.get("pidns") is not None
+            and peer.get("pidns") == me.get("pidns") and peer.get("uid") == me.get("uid"))
+
+
+def connect_world(cfg: RuntimeConfig, generation: int = 1) -> World:
+    """Meet the other ranks and connect to them; RendezvousTimeout if they do not all arrive.
+
+    ``generation`` counts this process's init() calls: every rendezvous key and ring of one
+    world carries it, so a world formed after shutdown() never meets the previous one's leftovers.
+    """
     cfg = cfg.require_worker()
     assert cfg.rank is not None and cfg.size is not None and cfg.secret is not None
     rank, size = cfg.rank, cfg.size
     if size == 1:
         return single_world()
     key = secret_bytes(cfg.secret)
+    gen = f"g{generation}/"
     deadline = time.monotonic() + cfg.start_timeout
     listener = listen(cfg.hostname, 0)
     # Rank 0 also takes control connections from its own host on a Unix socket (lower latency).
-    unix_listener, unix_name = _unix_listener(cfg.secret) if rank == 0 else (None, None)
+    unix_listener, unix_name = _unix_listener(cfg.secret, generation) if rank == 0 else (None, None)
     rings: Dict[int, ShmRing] = {}
+    channels: Dict[int, Channel] = {}
+    control: Dict[int, socket.socket] = {}
     client = RendezvousClient(cfg.rendezvous_addr, cfg.secret, cfg.start_timeout)  # type: ignore[arg-type]
     try:
         host_key = cfg.host_key or socket.gethostname()
-        me = {"host": cfg.hostname, "port": listener.getsockname()[1], "host_key": host_key, "pid": os.getpid(),
-              "unix": unix_name}
-        client.put(f"addr/{rank}", json.dumps(me))
-        peers = [json.loads(v) for v in client.get([f"addr/{r}" for r in range(size)],
+        me = {"host": cfg.hostname, "port": listener.getsockname()[1], "host_key": host_key, "unix": unix_name,
+              **_local_identity()}
+        client.put(f"{gen}addr/{rank}", json.dumps(me))
+        peers = [json.loads(v) for v in client.get([f"{gen}addr/{r}" for r in range(size)],
                                                    timeout=_left(deadline), what="ranks")]
         use_shm = cfg.shm and shm_available()
-        local = [r for r in range(size) if r != rank and use_shm and peers[r]["host_key"] == host_key]
+        local = [r for r in range(size) if r != rank and use_shm and _same_machine_view(me, peers[r])]
         for peer in local:
-            rings[peer] = ShmRing(ring_name(cfg.secret, rank, peer), _SHM_SLOTS, cfg.chunk_bytes, create=True)
+            rings[peer] = ShmRing.create(_SHM_SLOTS, cfg.chunk_bytes, ring_tag(key, generation, rank, peer))
         if local:
-            client.put(f"shm/{rank}", "1")
-            client.get([f"shm/{r}" for r in local], timeout=_left(deadline), what="local ranks")
+            client.put(f"{gen}shm/{rank}", json.dumps({str(p): ring.fd for p, ring in rings.items()}))
+            fds = [json.loads(v) for v in client.get([f"{gen}shm/{r}" for r in local], timeout=_left(deadline),
+                                                     what="local ranks")]
+            for peer, theirs in zip(local, fds):
+                incoming = _open_ring(peers[peer]["pid"], theirs[str(rank)], cfg, ring_tag(key, generation, peer, rank))
+                channels[peer] = ShmChannel(peer, rings[peer], incoming, peers[peer]["pid"])
 
-        channels: Dict[int, Channel] = {}
-        for peer in local:
-            incoming = ShmRing(ring_name(cfg.secret, peer, rank), _SHM_SLOTS, cfg.chunk_bytes, create=False)
-            channels[peer] = ShmChannel(peer, rings[peer], incoming, peers[peer]["pid"])
-
-        control: Dict[int, socket.socket] = {}
         # Dial: workers dial rank 0 for control; the higher rank of a TCP pair dials the lower.
         dials = [(0, "control")] if rank != 0 else []
         dials += [(p, "data") for p in range(rank) if p not in local]
@@ -117,25 +138,40 @@ def connect_world(cfg: RuntimeConfig) -> World:
         listeners = [listener] + ([unix_listener] if unix_listener is not None else [])
         rejected = _accept(listeners, key, expected, control, channels, cfg, deadline)
 
-        # Everyone has mapped its rings once rank 0 has heard from all: then the names can go.
-        client.put(f"connected/{rank}", "1")
-        client.get([f"connected/{r}" for r in range(size)], timeout=_left(deadline), what="ranks")
+        # Once everyone has connected, every ring has been mapped by its reader: nobody needs to
+        # reach the files any more.
+        client.put(f"{gen}connected/{rank}", "1")
+        client.get([f"{gen}connected/{r}" for r in range(size)], timeout=_left(deadline), what="ranks")
         for ring in rings.values():
-            ring.unlink()
+            ring.release_fd()
         per_host: Dict[str, int] = {}
         for peer in peers:
             per_host[peer["host_key"]] = per_host.get(peer["host_key"], 0) + 1
         return World(rank, size, cfg.local_rank, cfg.local_size, cfg.cross_rank, cfg.cross_size,  # type: ignore[arg-type]
                      Transport(rank, size, channels), control, rejected, len(set(per_host.values())) == 1)
     except BaseException:
+        for sock in control.values():
+            sock.close()
+        for channel in channels.values():
+            channel.close()
         for ring in rings.values():
-            ring.unlink()
+            ring.close()
         raise
     finally:
         client.close()
         listener.close()
         if unix_listener is not None:
             unix_listener.close()
+
+
+def _open_ring(pid: int, fd: int, cfg: RuntimeConfig, tag: bytes) -> ShmRing:
+    try:
+        return ShmRing.open_peer(pid, fd, _SHM_SLOTS, cfg.chunk_bytes, tag)
+    except OSError as exc:
+        raise CollectiveError(
+            f"rank {cfg.rank} could not map the shared-memory ring of the process {pid} on its host ({exc}); "
+            "set SPARK_HVD_SHM=0 to move data between the ranks of one host over sockets instead"
+        ) from None
 
 
 def _left(deadline: float) -> float:
@@ -147,11 +183,12 @@ def _left(deadline: float) -> float:
     return remaining
 
 
-def _unix_listener(secret: str):
+def _unix_listener(secret: str, generation: int):
     """A listening socket in Linux's abstract namespace (nothing on disk to clean up), or none."""
     if not sys.platform.startswith("linux"):
         return None, None
-    name = f"spark-hvd-{job_token(secret)}-control"
+    token = hashlib.sha256(("spark-hvd-control" + secret).encode()).hexdigest()[:16]
+    name = f"spark-hvd-{token}-g{generation}-control"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind("\0" + name)

@@ -212,14 +212,25 @@ def barrier_and_process_sets() -> None:
 
 
 def join_cases() -> int:
-    """Rank r runs r + 1 steps, then joins; the rest go on with joined ranks contributing zeros."""
+    """Rank r runs r + 1 steps, then joins. Allreduces go on with joined ranks contributing zeros;
+    an allgather that would need a joined rank fails (a RuntimeError, as in Horovod) on the ranks
+    that asked for it, and the next operations work."""
     rank, size = rt.rank(), rt.size()
     for step in range(rank + 1):
         got = rt.allreduce(np.full(4, 1.0, np.float32), op=rt.Sum, name=f"join.step.{step}")
         active = sum(1 for r in range(size) if r >= step)
         assert got.tolist() == [float(active)] * 4, (step, got)
-        gathered = rt.allgather(np.full((1,), rank), name=f"join.gather.{step}")
-        assert gathered.tolist() == [r for r in range(size) if r >= step], gathered
+        if step == 0:
+            gathered = rt.allgather(np.full((1,), rank), name="join.gather.0")
+            assert gathered.tolist() == list(range(size)), gathered
+            continue
+        # Every rank below `step` has joined by now: the allreduce above waited for them.
+        try:
+            rt.allgather(np.full((1,), rank), name=f"join.gather.{step}")
+        except rt.RankMismatchError as exc:
+            assert isinstance(exc, RuntimeError) and "joined" in str(exc), exc
+        else:
+            raise AssertionError(f"step {step}: allgather with joined ranks did not fail")
     return rt.join()
 
 

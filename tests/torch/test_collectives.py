@@ -256,12 +256,13 @@ def check_adasum_and_bool_average_refused(hvd, rank, size):
 
 
 def check_shape_mismatch_fails_every_rank(hvd, rank, size):
-    """Ranks reducing different shapes under one name all get a ValueError, and the runtime stays usable."""
+    """Ranks reducing different shapes under one name all get a HorovodInternalError (a RuntimeError,
+    as in Horovod), and the runtime stays usable."""
     if size > 1:
         try:
             hvd.allreduce(torch.ones(rank + 1), name="mismatched")
-        except ValueError as exc:
-            assert "mismatched" in str(exc)
+        except hvd.HorovodInternalError as exc:
+            assert isinstance(exc, RuntimeError) and "mismatched" in str(exc)
         else:
             raise AssertionError("a shape mismatch across ranks did not raise")
     close(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(size)))

@@ -1,0 +1,184 @@
+"""One initialized runtime: its world, its engine, and the one path every request takes into it.
+
+The module-level functions of :mod:`spark_hvd.runtime.api` act on the process's current session;
+tests build several sessions in one process (over the in-process transport) to run many ranks.
+Process sets appear here by id; :class:`spark_hvd.runtime.api.ProcessSet` objects map onto them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .engine import Engine
+from .handles import Entry, Handle
+from .messages import Meta
+from .ops import check_op, storage_dtype, wire_dtype
+
+__all__ = ["Session", "prepare_array"]
+
+
+def prepare_array(array: Any, dtype: Optional[str]) -> Tuple[np.ndarray, str]:
+    """A C-contiguous view (or copy) of ``array`` and its wire dtype name."""
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"expected a numpy array, got {type(array).__name__}")
+    wire = wire_dtype(array, dtype)
+    if dtype is not None and array.dtype != storage_dtype(wire):
+        array = array.view(storage_dtype(wire))  # e.g. bfloat16 given as int16 or ml_dtypes storage
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)
+    return array, wire
+
+
+def _check_out(out: np.ndarray, array: np.ndarray, what: str) -> np.ndarray:
+    if out.shape != array.shape or out.dtype.itemsize != array.dtype.itemsize or not out.flags.c_contiguous:
+        raise ValueError(
+            f"{what}: out has shape {out.shape} and dtype {out.dtype}, expected a C-contiguous array of shape "
+            f"{array.shape} and dtype {array.dtype}"
+        )
+    return out.view(array.dtype) if out.dtype != array.dtype else out
+
+
+def _target(raw: np.ndarray, array: np.ndarray, out: Optional[np.ndarray], what: str) -> np.ndarray:
+    """Where a result of ``array``'s shape goes: ``raw`` itself when ``out is raw`` (in place)."""
+    if out is raw:
+        if array is not raw and array.size and not np.may_share_memory(array, raw):
+            raise ValueError(f"in-place {what} needs a C-contiguous array; pass np.ascontiguousarray(a)")
+        return array
+    return _check_out(out, array, what) if out is not None else np.empty_like(array)
+
+
+class Session:
+    """A rank's runtime between ``init()`` and ``shutdown()``."""
+
+    def __init__(self, world: Any, config: Any) -> None:
+        self.world = world
+        self.config = config
+        self.engine = Engine(world, config)
+        self._counters: Dict[str, itertools.count] = {}
+
+    @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def size(self) -> int:
+        return self.world.size
+
+    def members(self, ps: int) -> Tuple[int, ...]:
+        return self.engine.process_sets[ps]
+
+    def shutdown(self) -> None:
+        try:
+            self.engine.shutdown()
+        finally:
+            self.world.close()
+
+    def reset_names(self) -> None:
+        """Start the per-kind counters of unnamed operations afresh (ranks agree again after join)."""
+        self._counters = {}
+
+    def _name(self, kind: str, name: Optional[str]) -> str:
+        if name is not None:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"name={name!r} must be a non-empty string")
+            return name
+        # Per-kind counters: ranks that call the same collectives in the same order agree on names.
+        counter = self._counters.setdefault(kind, itertools.count())
+        return f"{kind}.noname.{next(counter)}"
+
+    def _submit(self, kind: str, name: Optional[str], metas_and_data: List[Tuple[Meta, Any, Any]],
+                grouped: bool, will_wait: bool) -> Handle:
+        base = self._name(("grouped_" if grouped else "") + kind, name)
+        handle = Handle(base, parts=len(metas_and_data), single=not grouped, engine=self.engine)
+        if not metas_and_data:
+            handle._finish()
+            return handle
+        group = (base, len(metas_and_data)) if grouped and len(metas_and_data) > 1 else None
+        entries = [
+            Entry(f"{base}.{i}" if grouped else base, meta if group is None else meta._replace(group=group),
+                  array, out, handle, i)
+            for i, (meta, array, out) in enumerate(metas_and_data)
+        ]
+        self.engine.submit(entries, will_wait)
+        return handle
+
+    # -- the request kinds ------------------------------------------------------------------------
+    def reduce(self, kind: str, arrays: Sequence[np.ndarray], *, op: int, name: Optional[str], prescale: float,
+               postscale: float, outs: Optional[Sequence[Optional[np.ndarray]]], dtype: Optional[str], ps: int,
+               grouped: bool, will_wait: bool = False) -> Handle:
+        """Start an allreduce or reducescatter of each array (one request, or a group)."""
+        pre, post = float(prescale), float(postscale)
+        parts = []
+        for i, raw in enumerate(arrays):
+            array, wire = prepare_array(raw, dtype)
+            reduce_op = check_op(op, wire)
+            if (pre != 1.0 or post != 1.0) and wire == "bool":
+                raise ValueError("prescale_factor/postscale_factor are not defined for bool arrays")
+            if kind == "reducescatter" and array.ndim == 0:
+                raise ValueError("reducescatter needs an array with at least one dimension to split across ranks")
+            out = None
+            if kind == "allreduce":
+                out = _target(raw, array, outs[i] if outs is not None else None, kind)
+            meta = Meta(kind=kind, dtype=wire, shape=tuple(array.shape), op=int(reduce_op), prescale=pre,
+                        postscale=post, ps=ps)
+            parts.append((meta, array, out))
+        return self._submit(kind, name, parts, grouped, will_wait)
+
+    def allgather(self, arrays: Sequence[np.ndarray], *, name: Optional[str], dtype: Optional[str], ps: int,
+                  grouped: bool, will_wait: bool = False) -> Handle:
+        parts = []
+        for raw in arrays:
+            array, wire = prepare_array(raw, dtype)
+            parts.append((Meta(kind="allgather", dtype=wire, shape=tuple(array.shape), ps=ps), array, None))
+        return self._submit("allgather", name, parts, grouped, will_wait)
+
+    def broadcast(self, array: np.ndarray, root_rank: int, *, name: Optional[str], out: Optional[np.ndarray],
+                  dtype: Optional[str], ps: int, will_wait: bool = False) -> Handle:
+        members = self.members(ps)
+        if root_rank not in members:
+            raise ValueError(f"root_rank={root_rank} is not a rank of the job (expected one of {list(members)})")
+        array_c, wire = prepare_array(array, dtype)
+        target = _target(array, array_c, out, "broadcast")
+        meta = Meta(kind="broadcast", dtype=wire, shape=tuple(array_c.shape), root=int(root_rank), ps=ps)
+        return self._submit("broadcast", name, [(meta, array_c, target)], False, will_wait)
+
+    def alltoall(self, array: np.ndarray, splits: Optional[Sequence[int]], *, name: Optional[str],
+                 dtype: Optional[str], ps: int, will_wait: bool = False) -> Handle:
+        n = len(self.members(ps))
+        array_c, wire = prepare_array(array, dtype)
+        if array_c.ndim == 0:
+            raise ValueError("alltoall needs an array with at least one dimension")
+        if splits is None:
+            if array_c.shape[0] % n:
+                raise ValueError(
+                    f"alltoall without splits needs dim 0 ({array_c.shape[0]}) divisible by the number of ranks "
+                    f"({n}); pass splits=[rows for rank 0, rows for rank 1, ...]"
+                )
+            split_list = [array_c.shape[0] // n] * n
+        else:
+            split_list = [int(s) for s in np.asarray(splits).reshape(-1)]
+            if len(split_list) != n or any(s < 0 for s in split_list) or sum(split_list) != array_c.shape[0]:
+                raise ValueError(
+                    f"alltoall splits={split_list} must give one non-negative row count per rank ({n}) adding up "
+                    f"to dim 0 of the array ({array_c.shape[0]})"
+                )
+        meta = Meta(kind="alltoall", dtype=wire, shape=tuple(array_c.shape), ps=ps, splits=tuple(split_list))
+        return self._submit("alltoall", name, [(meta, array_c, None)], False, will_wait)
+
+    def barrier(self, *, ps: int, name: Optional[str] = None, will_wait: bool = False) -> Handle:
+        return self._submit("barrier", name, [(Meta(kind="barrier", dtype="", shape=(), ps=ps), None, None)],
+                            False, will_wait)
+
+    def join(self) -> Handle:
+        return self._submit("join", f"join.{self.rank}", [(Meta(kind="join", dtype="", shape=()), None, None)],
+                            False, False)
+
+    def add_process_set(self, ranks: Tuple[int, ...]) -> Handle:
+        for r in ranks:
+            if not 0 <= r < self.size:
+                raise ValueError(f"process set rank {r} is outside the job of size {self.size}")
+        meta = Meta(kind="add_process_set", dtype="", shape=(), ranks=tuple(ranks))
+        return self._submit("add_process_set", None, [(meta, None, None)], False, False)
