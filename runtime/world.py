@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import select
 import socket
 import sys
 import time
@@ -19,11 +18,12 @@ from dataclasses import dataclass, field
 from typing import Dict, List
 
 from .config import RuntimeConfig
-from .errors import AuthenticationError, RendezvousTimeout
+from .acceptor import Acceptor
+from .errors import RendezvousTimeout
 from .rendezvous import RendezvousClient
 from .shm import ShmChannel, ShmRing, job_token, ring_name, shm_available
 from .transport import Channel, TcpChannel, Transport
-from .wire import authenticate_server, connect, listen, recv_frame, secret_bytes, send_frame, tune_socket
+from .wire import SMALL_FRAME_LIMIT, connect, listen, secret_bytes, send_frame, tune_socket
 
 __all__ = ["World", "connect_world", "single_world"]
 
@@ -164,37 +164,41 @@ def _unix_listener(secret: str):
 
 def _accept(listeners: List[socket.socket], key: bytes, expected: set, control: Dict[int, socket.socket],
             channels: Dict[int, Channel], cfg: RuntimeConfig, deadline: float) -> int:
-    rejected = 0
-    while expected:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            missing = sorted(expected)
-            raise RendezvousTimeout(
-                f"rank {cfg.rank}: connections from {missing} did not arrive within {cfg.start_timeout:.0f} s; "
-                "check that those ranks are running and can reach this host, or raise SPARK_HVD_START_TIMEOUT"
-            )
-        ready, _, _ = select.select(listeners, [], [], min(remaining, 1.0))
-        if not ready:
-            continue
-        sock, _ = ready[0].accept()
-        try:
-            authenticate_server(sock, key, min(5.0, max(0.1, deadline - time.monotonic())))
-            hello = json.loads(recv_frame(sock, time.monotonic() + 5.0))
-            peer, purpose = int(hello["rank"]), str(hello["purpose"])
-        except (AuthenticationError, OSError, ConnectionError, ValueError, KeyError) as exc:
-            rejected += 1
-            log.warning("rank %s rejected a connection: %s", cfg.rank, exc)
-            sock.close()
-            continue
-        if (peer, purpose) not in expected:
-            log.warning("rank %s: unexpected %s connection from rank %s; closed", cfg.rank, purpose, peer)
-            sock.close()
-            continue
-        expected.discard((peer, purpose))
-        sock.settimeout(None)
-        tune_socket(sock, cfg.peer_timeout)
-        if purpose == "control":
-            control[peer] = sock
-        else:
-            channels[peer] = TcpChannel(peer, sock, cfg.chunk_bytes)
-    return rejected
+    # Handshakes run concurrently with a short deadline each, so idle strangers on the listening
+    # ports cannot hold up the ranks that are expected.
+    acceptor = Acceptor(listeners, key, hello_limit=SMALL_FRAME_LIMIT, what=f"rank {cfg.rank}")
+    refused = 0
+    try:
+        while expected:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(expected)
+                raise RendezvousTimeout(
+                    f"rank {cfg.rank}: connections from {missing} did not arrive within {cfg.start_timeout:.0f} s; "
+                    "check that those ranks are running and can reach this host, or raise SPARK_HVD_START_TIMEOUT"
+                )
+            for accepted in acceptor.poll(min(remaining, 1.0)):
+                sock = accepted.sock
+                try:
+                    hello = json.loads(accepted.hello or b"")
+                    peer, purpose = int(hello["rank"]), str(hello["purpose"])
+                except (ValueError, KeyError, TypeError) as exc:
+                    refused += 1
+                    log.warning("rank %s: %s sent a malformed hello (%s); closed", cfg.rank, accepted.peer, exc)
+                    sock.close()
+                    continue
+                if (peer, purpose) not in expected:
+                    refused += 1
+                    log.warning("rank %s: unexpected %s connection from rank %s; closed", cfg.rank, purpose, peer)
+                    sock.close()
+                    continue
+                expected.discard((peer, purpose))
+                sock.settimeout(None)
+                tune_socket(sock, cfg.peer_timeout)
+                if purpose == "control":
+                    control[peer] = sock
+                else:
+                    channels[peer] = TcpChannel(peer, sock, cfg.chunk_bytes)
+    finally:
+        acceptor.close()
+    return acceptor.rejected + refused
