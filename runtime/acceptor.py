@@ -262,9 +262,10 @@ class Acceptor:
         if reader.frames:
             del self._greeting[pending.sock.fileno()]
             self._hand_over(pending, reader.frames.popleft())
+        elif reader.error:
+            self._reject(pending, reader.error, logging.DEBUG)  # the reader has logged it
         elif reader.closed:
-            self._reject(pending, reader.error or f"{pending.peer} closed the connection before its hello",
-                         logging.WARNING)
+            self._reject(pending, f"{pending.peer} closed the connection before its hello", logging.WARNING)
 
     def _hand_over(self, pending: _Pending, hello: Optional[bytes]) -> None:
         self._selector.unregister(pending.sock)

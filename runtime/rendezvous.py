@@ -175,8 +175,6 @@ class RendezvousServer:
             if reply is not None:
                 self._reply(client, reply)
         if client.reader.closed and client.sock in self._clients and not client.reader.frames:
-            if client.reader.error:
-                log.warning("rendezvous: %s", client.reader.error)
             self._drop(client)
 
     def _handle(self, client: _Client, request: dict) -> Optional[dict]:
