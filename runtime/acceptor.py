@@ -219,6 +219,8 @@ class Acceptor:
                                  "waiting to authenticate", logging.INFO)
 
     def _on_pending(self, pending: _Pending, _sock: object, _events: int) -> None:
+        if pending.sock.fileno() < 0:
+            return  # dropped earlier in this round of events (pushed out by a newer connection)
         if pending.reader is None:
             self._read_reply(pending)
         if pending.reader is not None:

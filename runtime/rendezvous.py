@@ -75,6 +75,7 @@ class RendezvousServer:
         self._clients: Dict[socket.socket, _Client] = {}
         self._waiters: Dict[str, Set[_Get]] = {}
         self._deadlines: List[Tuple[float, int, _Get]] = []
+        self._parked: Set[_Get] = set()
         self._order = itertools.count()
         self._closing = False
         self._selector = selectors.DefaultSelector()
@@ -157,10 +158,12 @@ class RendezvousServer:
         self._selector.register(client.sock, selectors.EVENT_READ, self._on_client)
 
     def _on_client(self, sock: socket.socket, events: int) -> None:
-        client = self._clients[sock]
+        client = self._clients.get(sock)
+        if client is None:
+            return  # dropped earlier in this round of events
         if events & selectors.EVENT_WRITE:
             self._flush(client)
-        if events & selectors.EVENT_READ:
+        if events & selectors.EVENT_READ and sock in self._clients:
             client.reader.pump()
             self._serve(client)
 
@@ -191,6 +194,7 @@ class RendezvousServer:
                     return {"values": [self._values[k] for k in keys]}
             get = _Get(client, keys, missing, time.monotonic() + max(0.0, timeout))
             client.parked = get
+            self._parked.add(get)
             for k in missing:
                 self._waiters.setdefault(k, set()).add(get)
             heapq.heappush(self._deadlines, (get.deadline, next(self._order), get))
@@ -221,9 +225,15 @@ class RendezvousServer:
             _, _, get = heapq.heappop(self._deadlines)
             if not get.done:
                 self._finish(get, {"missing": [k for k in get.keys if k in get.missing]})
+        # Answered gets stay in the heap until their deadline; a long job's many generations would
+        # pile them up, so they are swept out once they are most of it.
+        if len(self._deadlines) > 1024 and len(self._deadlines) > 2 * len(self._parked):
+            self._deadlines = [entry for entry in self._deadlines if not entry[2].done]
+            heapq.heapify(self._deadlines)
 
     def _finish(self, get: _Get, reply: dict) -> None:
         get.done = True
+        self._parked.discard(get)
         for k in get.missing:
             waiting = self._waiters.get(k)
             if waiting is not None:
@@ -266,6 +276,7 @@ class RendezvousServer:
             return
         if client.parked is not None:
             client.parked.done = True
+            self._parked.discard(client.parked)
             for k in client.parked.missing:
                 waiting = self._waiters.get(k)
                 if waiting is not None:
@@ -280,9 +291,8 @@ class RendezvousServer:
         client.sock.close()
 
     def _shut_down(self) -> None:
-        for get in [entry[2] for entry in self._deadlines]:
-            if not get.done:
-                self._finish(get, {"missing": [k for k in get.keys if k in get.missing]})
+        for get in list(self._parked):
+            self._finish(get, {"missing": [k for k in get.keys if k in get.missing]})
         for client in list(self._clients.values()):
             self._drop(client)
         self._acceptor.close()
