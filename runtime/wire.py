@@ -32,6 +32,7 @@ __all__ = [
     "send_frame",
     "recv_frame",
     "recv_exact",
+    "peer_name",
     "FrameReader",
     "connect",
     "listen",
@@ -50,10 +51,10 @@ _CHUNK = 1 << 20
 # Start-up messages (a rank's hello, a rendezvous request, a line of output) are a few hundred bytes.
 SMALL_FRAME_LIMIT = 1 << 20
 # Negotiation messages between ranks and the coordinator: per request about 100-200 bytes of
-# metadata plus an eager payload of at most SPARK_HVD_EAGER_THRESHOLD (4 KiB by default), so one
-# cycle of 20,000 small tensors is about 84 MiB at worst and 4 MiB in the usual cached case. The
-# limit leaves three times that; it exists to recognise a corrupt stream (eight random header
-# bytes announce less than 256 MiB with a probability of 2**-36), not to ration trusted peers.
+# metadata (4 MiB for 20,000 tensors) plus, for small allreduces, an eager payload of at most
+# SPARK_HVD_EAGER_THRESHOLD (4 KiB by default): 84 MiB if all 20,000 were that small. The limit
+# leaves three times that; it exists to recognise a corrupt stream (eight random header bytes
+# announce less than 256 MiB with a probability of 2**-36), not to ration trusted peers.
 CONTROL_FRAME_LIMIT = 256 << 20
 # A client whose handshake the server dropped (an overloaded server sheds the oldest half-open
 # connections) tries again this many times in all before it reports an authentication failure.
@@ -163,9 +164,11 @@ def peer_name(sock: socket.socket) -> str:
 
 
 def _oversize(length: int, limit: int, what: str) -> str:
+    fix = ("; if a rank really sent that much, lower SPARK_HVD_EAGER_THRESHOLD so that negotiation messages "
+           "carry less" if limit == CONTROL_FRAME_LIMIT else "")
     return (
         f"{what} announced a frame of {length} bytes, more than the {limit} bytes allowed there; the stream "
-        "is corrupt or the peer is not a spark-hvd process of this version, so the connection was closed"
+        f"is corrupt or the peer is not a spark-hvd process of this version, so the connection was closed{fix}"
     )
 
 
