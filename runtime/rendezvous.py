@@ -317,8 +317,9 @@ class RendezvousClient:
         self._sock = connect((host, int(port)), secret_bytes(secret), timeout, "the rendezvous server")
 
     def _call(self, request: dict, timeout: float) -> dict:
-        send_frame(self._sock, json.dumps(request).encode(), REQUEST_LIMIT)
+        payload = json.dumps(request).encode()
         try:
+            send_frame(self._sock, payload, REQUEST_LIMIT)
             reply = json.loads(recv_frame(self._sock, time.monotonic() + timeout + 5.0, REPLY_LIMIT,
                                           "the rendezvous server"))
         except (OSError, ConnectionError) as exc:

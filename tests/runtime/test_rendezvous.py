@@ -190,3 +190,21 @@ def test_server_survives_running_out_of_file_descriptors():
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_authenticated_connections_are_bounded():
+    """Past max_connections, a client that authenticated is turned away with its connection closed,
+    and those already connected are still served."""
+    secret = new_secret()
+    server = RendezvousServer("127.0.0.1", secret, max_connections=2)
+    try:
+        first, second = (RendezvousClient(server.address, secret, 10.0) for _ in range(2))
+        extra = RendezvousClient(server.address, secret, 10.0)
+        with pytest.raises(RendezvousTimeout, match="stopped answering"):
+            extra.put("k", "refused")
+        first.put("k", "v")
+        assert second.get(["k"]) == ["v"]
+        for client in (first, second, extra):
+            client.close()
+    finally:
+        server.close()
