@@ -10,7 +10,8 @@ for a hello it has :data:`HELLO_TIMEOUT_S` seconds to send that first frame.
 
 The acceptor runs on a ``selectors`` selector: its own (call :meth:`Acceptor.poll`), or one shared
 with the caller's loop, where every registration's ``data`` is a handler ``handler(fileobj, events)``
-and the loop calls :meth:`Acceptor.service` after each round of events.
+and the loop calls :meth:`Acceptor.service` after each round of events. :class:`ServerLoop` is such
+a loop on a thread of its own, for servers that outlive a call.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import functools
 import logging
 import selectors
 import socket
+import threading
 import time
 from collections import OrderedDict
 from typing import Callable, List, NamedTuple, Optional, Sequence
@@ -27,7 +29,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence
 from .errors import AuthenticationError
 from .wire import FrameReader, ServerHandshake, peer_name
 
-__all__ = ["Accepted", "Acceptor", "AUTH_TIMEOUT_S", "HELLO_TIMEOUT_S", "MAX_PENDING"]
+__all__ = ["Accepted", "Acceptor", "ServerLoop", "AUTH_TIMEOUT_S", "HELLO_TIMEOUT_S", "MAX_PENDING"]
 
 log = logging.getLogger("spark_hvd.acceptor")
 
@@ -289,3 +291,101 @@ class Acceptor:
             pass
         pending.sock.close()
 
+
+
+class ServerLoop:
+    """One thread around one selector: an :class:`Acceptor` on ``listener`` and the connections
+    it hands over.
+
+    A subclass sets up its state, then calls :meth:`_start`; it registers its connections on
+    ``self._selector`` with a handler as ``data`` and overrides the hooks below. Nothing that goes
+    wrong in one round of events stops the thread; :meth:`close` does, closing the listener too.
+    """
+
+    def __init__(self, listener: socket.socket, key: bytes, *, what: str, thread_name: str,
+                 auth_timeout: float = AUTH_TIMEOUT_S) -> None:
+        self._what = what
+        self._listener = listener
+        self._closing = False
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, self._on_wake)
+        self._acceptor = Acceptor([listener], key, selector=self._selector, on_accepted=self._on_accepted,
+                                  auth_timeout=auth_timeout, what=what)
+        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
+
+    @property
+    def rejected(self) -> int:
+        """Connections turned away because they did not authenticate (in time)."""
+        return self._acceptor.rejected
+
+    def close(self) -> None:
+        """Stop the thread: :meth:`_shut_down` runs on it, then every socket of the loop is closed."""
+        self._closing = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        self._thread.join(10.0)
+        if self._thread.is_alive():
+            log.error("%s: its thread did not stop within 10 s", self._what)
+
+    # -- hooks ------------------------------------------------------------------------------------
+    def _on_accepted(self, accepted: Accepted) -> None:
+        """Take over an authenticated connection."""
+        raise NotImplementedError
+
+    def _next_deadline(self) -> Optional[float]:
+        """When :meth:`_tick` next has work, beyond the acceptor's own deadlines."""
+        return None
+
+    def _tick(self, now: float) -> None:
+        """Runs after every round of events."""
+
+    def _on_handler_error(self, fileobj: object) -> None:
+        """A handler raised for ``fileobj``; typically drop that connection."""
+
+    def _shut_down(self) -> None:
+        """Runs on the thread when it stops, before the loop's sockets are closed."""
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def _start(self) -> None:
+        self._thread.start()
+
+    def _on_wake(self, sock: socket.socket, _events: int) -> None:
+        try:
+            sock.recv(64)
+        except OSError:
+            pass
+
+    def _run(self) -> None:
+        try:
+            while not self._closing:
+                try:
+                    self._round()
+                except Exception:
+                    # The server must outlive any one bad event; the next round starts afresh.
+                    log.exception("%s: unexpected error in its loop", self._what)
+                    time.sleep(0.05)
+        finally:
+            try:
+                self._shut_down()
+            finally:
+                self._acceptor.close()
+                for sock in (self._listener, self._wake_r, self._wake_w):
+                    sock.close()
+                self._selector.close()
+
+    def _round(self) -> None:
+        wakes = [t for t in (self._acceptor.next_deadline(), self._next_deadline()) if t is not None]
+        timeout = max(0.0, min(wakes) - time.monotonic()) if wakes else None
+        for key, events in self._selector.select(timeout):
+            try:
+                key.data(key.fileobj, events)
+            except Exception:
+                log.exception("%s: error while serving a connection", self._what)
+                self._on_handler_error(key.fileobj)
+        now = time.monotonic()
+        self._acceptor.service(now)
+        self._tick(now)

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
-from .acceptor import AUTH_TIMEOUT_S, Accepted, Acceptor
+from .acceptor import AUTH_TIMEOUT_S, Accepted, ServerLoop
 from .errors import RendezvousTimeout
 from .wire import FrameReader, connect, listen, recv_frame, secret_bytes, send_frame
 
@@ -60,15 +60,16 @@ class _Get:
         self.done = False
 
 
-class RendezvousServer:
+class RendezvousServer(ServerLoop):
     """Serve the key-value exchange on ``host`` (an ephemeral port unless one is given)."""
 
     def __init__(self, host: str, secret: str, port: int = 0, auth_timeout: float = AUTH_TIMEOUT_S,
                  max_connections: int = MAX_CONNECTIONS) -> None:
         key = secret_bytes(secret)
-        self._sock = listen(host, port)
+        super().__init__(listen(host, port), key, what="rendezvous", thread_name="spark-hvd-rendezvous",
+                         auth_timeout=auth_timeout)
         self.host = host
-        self.port = self._sock.getsockname()[1]
+        self.port = self._listener.getsockname()[1]
         self._max_connections = max_connections
         self._values: Dict[str, str] = {}
         self._lock = threading.Lock()  # guards _values against values() from other threads
@@ -77,75 +78,27 @@ class RendezvousServer:
         self._deadlines: List[Tuple[float, int, _Get]] = []
         self._parked: Set[_Get] = set()
         self._order = itertools.count()
-        self._closing = False
-        self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, self._on_wake)
-        self._acceptor = Acceptor([self._sock], key, selector=self._selector, on_accepted=self._on_accepted,
-                                  auth_timeout=auth_timeout, what="rendezvous")
-        self._thread = threading.Thread(target=self._run, name="spark-hvd-rendezvous", daemon=True)
-        self._thread.start()
+        self._start()
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    @property
-    def rejected(self) -> int:
-        """Connections turned away because they did not authenticate (in time)."""
-        return self._acceptor.rejected
-
     def values(self) -> Dict[str, str]:
         with self._lock:
             return dict(self._values)
 
-    def close(self) -> None:
-        """Answer parked requests with what is missing, close every connection and stop the thread."""
-        self._closing = True
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
-        self._thread.join(10.0)
-        if self._thread.is_alive():
-            log.error("rendezvous: the server thread did not stop within 10 s")
+    # -- the loop's hooks -------------------------------------------------------------------------
+    def _next_deadline(self) -> Optional[float]:
+        return self._deadlines[0][0] if self._deadlines else None
 
-    # -- the loop ---------------------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while not self._closing:
-                try:
-                    self._round()
-                except Exception:
-                    # The server must outlive any one bad event; the next round starts afresh.
-                    log.exception("rendezvous: unexpected error in the server loop")
-                    time.sleep(0.05)
-        finally:
-            self._shut_down()
-
-    def _round(self) -> None:
-        now = time.monotonic()
-        wakes = [t for t in (self._acceptor.next_deadline(), self._deadlines[0][0] if self._deadlines else None)
-                 if t is not None]
-        timeout = max(0.0, min(wakes) - now) if wakes else None
-        for key, events in self._selector.select(timeout):
-            try:
-                key.data(key.fileobj, events)
-            except Exception:
-                log.exception("rendezvous: error while serving %s", key.fileobj)
-                client = self._clients.get(key.fileobj)  # type: ignore[call-overload]
-                if client is not None:
-                    self._drop(client)
-        now = time.monotonic()
-        self._acceptor.service(now)
+    def _tick(self, now: float) -> None:
         self._expire(now)
 
-    def _on_wake(self, sock: socket.socket, _events: int) -> None:
-        try:
-            sock.recv(64)
-        except OSError:
-            pass
+    def _on_handler_error(self, fileobj: object) -> None:
+        client = self._clients.get(fileobj)  # type: ignore[call-overload]
+        if client is not None:
+            self._drop(client)
 
     def _on_accepted(self, accepted: Accepted) -> None:
         if len(self._clients) >= self._max_connections:
@@ -291,17 +244,11 @@ class RendezvousServer:
         client.sock.close()
 
     def _shut_down(self) -> None:
+        # Waiting clients learn what is missing instead of waiting for their deadline.
         for get in list(self._parked):
             self._finish(get, {"missing": [k for k in get.keys if k in get.missing]})
         for client in list(self._clients.values()):
             self._drop(client)
-        self._acceptor.close()
-        for sock in (self._sock, self._wake_r, self._wake_w):
-            try:
-                sock.close()
-            except OSError:
-                pass
-        self._selector.close()
 
 
 class RendezvousClient:

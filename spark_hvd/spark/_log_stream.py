@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, TextIO
 
-from spark_hvd.runtime.acceptor import Accepted, Acceptor
+from spark_hvd.runtime.acceptor import Accepted, ServerLoop
 from spark_hvd.runtime.errors import AuthenticationError
 from spark_hvd.runtime.wire import FrameReader, connect, listen, secret_bytes, send_frame
 
@@ -39,7 +39,7 @@ def format_line(rank: int, stream: str, text: str) -> str:
     return f"[{rank}]<{stream}>:{text}"
 
 
-class LogCollector:
+class LogCollector(ServerLoop):
     """Driver side: accept authenticated task connections, print their lines, keep their failures.
 
     ``verbose=0`` keeps failures but prints nothing. ``stdout``/``stderr`` receive the lines of the
@@ -48,8 +48,9 @@ class LogCollector:
 
     def __init__(self, bind_host: str, advertised_host: str, secret: str, stdout: TextIO, stderr: TextIO,
                  verbose: int = 1) -> None:
-        self._sock = listen(bind_host, 0)
-        self.address = f"{advertised_host}:{self._sock.getsockname()[1]}"
+        key = secret_bytes(secret)
+        super().__init__(listen(bind_host, 0), key, what="log collector", thread_name="spark-hvd-log-collector")
+        self.address = f"{advertised_host}:{self._listener.getsockname()[1]}"
         self._files = {"stdout": stdout, "stderr": stderr}
         self._verbose = verbose
         self._cond = threading.Condition()
@@ -57,48 +58,15 @@ class LogCollector:
         self._closed_connections = 0
         self._readers: Dict[socket.socket, FrameReader] = {}
         self.failures: List[Dict[str, Any]] = []
-        self._stopping = False
-        self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, self._on_wake)
-        self._acceptor = Acceptor([self._sock], secret_bytes(secret), selector=self._selector,
-                                  on_accepted=self._on_accepted, what="log collector")
-        self._thread = threading.Thread(target=self._run, name="spark-hvd-log-collector", daemon=True)
-        self._thread.start()
+        self._start()
 
-    @property
-    def rejected(self) -> int:
-        """Connections turned away because they did not authenticate (in time)."""
-        return self._acceptor.rejected
+    def _shut_down(self) -> None:
+        for sock in list(self._readers):
+            self._read(sock, 0)  # what already arrived is still printed
+            self._drop(sock)
 
-    def _run(self) -> None:
-        try:
-            while not self._stopping:
-                try:
-                    wake = self._acceptor.next_deadline()
-                    timeout = None if wake is None else max(0.0, wake - time.monotonic())
-                    for key, events in self._selector.select(timeout):
-                        key.data(key.fileobj, events)
-                    self._acceptor.service(time.monotonic())
-                except Exception:
-                    # Output must keep flowing whatever one connection did.
-                    log.exception("log collector: unexpected error in the collector loop")
-                    time.sleep(0.05)
-        finally:
-            for sock in list(self._readers):
-                self._read(sock, 0)  # what already arrived is still printed
-                self._drop(sock)
-            self._acceptor.close()
-            for sock in (self._sock, self._wake_r, self._wake_w):
-                sock.close()
-            self._selector.close()
-
-    def _on_wake(self, sock: socket.socket, _events: int) -> None:
-        try:
-            sock.recv(64)
-        except OSError:
-            pass
+    def _on_handler_error(self, fileobj: object) -> None:
+        self._drop(fileobj)  # type: ignore[arg-type]
 
     def _on_accepted(self, accepted: Accepted) -> None:
         self._readers[accepted.sock] = FrameReader(accepted.sock, FRAME_LIMIT, what=f"task {accepted.peer}")
@@ -171,17 +139,6 @@ class LogCollector:
                     break
                 self._cond.wait(min(remaining, 0.1))
             return min(self.failures, key=lambda f: f["received"]) if self.failures else None
-
-    def close(self) -> None:
-        """Print what has arrived, close every connection and stop the collector's thread."""
-        self._stopping = True
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
-        self._thread.join(10.0)
-        if self._thread.is_alive():
-            log.error("log collector: its thread did not stop within 10 s")
 
 
 def _shortened(frame: Dict[str, Any]) -> Dict[str, Any]:

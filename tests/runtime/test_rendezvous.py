@@ -1,5 +1,6 @@
 """The rendezvous server: parked gets, deletes, and no stranger or bad frame can stop or bloat it."""
 
+import json
 import socket
 import subprocess
 import sys
@@ -11,8 +12,8 @@ import pytest
 
 from spark_hvd.runtime.config import new_secret
 from spark_hvd.runtime.errors import RendezvousTimeout
-from spark_hvd.runtime.rendezvous import REQUEST_LIMIT, RendezvousClient, RendezvousServer
-from spark_hvd.runtime.wire import authenticate_client, secret_bytes
+from spark_hvd.runtime.rendezvous import REPLY_LIMIT, REQUEST_LIMIT, RendezvousClient, RendezvousServer
+from spark_hvd.runtime.wire import authenticate_client, recv_frame, secret_bytes, send_frame
 
 
 @pytest.fixture
@@ -208,3 +209,18 @@ def test_authenticated_connections_are_bounded():
             client.close()
     finally:
         server.close()
+
+
+def test_malformed_requests_get_an_error_and_the_server_goes_on(served):
+    """Bad JSON, an unknown op and a request missing its fields each get an error reply naming the
+    problem; the same connection is then served normally."""
+    server, secret = served
+    raw = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    authenticate_client(raw, secret_bytes(secret), 10.0)
+    for request, problem in ((b"not json", "bad request"), (b'{"op": "rename"}', "unknown op 'rename'"),
+                             (b'{"op": "get"}', "bad request: 'keys'")):
+        send_frame(raw, request)
+        assert problem in json.loads(recv_frame(raw, time.monotonic() + 10, REPLY_LIMIT))["error"]
+    send_frame(raw, b'{"op": "put", "key": "k", "value": "v"}')
+    assert json.loads(recv_frame(raw, time.monotonic() + 10, REPLY_LIMIT)) == {"ok": True}
+    raw.close()
