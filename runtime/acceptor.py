@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable, List, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
 from .errors import AuthenticationError
 from .wire import FrameReader, ServerHandshake, peer_name
@@ -107,7 +107,7 @@ class Acceptor:
         # first entry always has the earliest deadline.
         self._pending: "OrderedDict[int, _Pending]" = OrderedDict()
         self._greeting: "OrderedDict[int, _Pending]" = OrderedDict()
-        self._resting: dict = {}  # listener -> monotonic time at which it listens again
+        self._resting: Dict[socket.socket, float] = {}  # listener -> when it listens again
         self._ready: List[Accepted] = []
         self.rejected = 0
         self.closed = False
