@@ -1,7 +1,9 @@
 """Authenticated sockets: HMAC challenge-response with the job secret, then length-framed messages.
 
 Nothing a peer sends is interpreted before it has proved knowledge of the secret; after that,
-frames are plain bytes that callers decode.
+frames are plain bytes that callers decode. Every reader of frames has a size limit chosen for its
+use, and memory grows only with the bytes that actually arrived, never with the size a header
+announces.
 """
 
 from __future__ import annotations
@@ -9,34 +11,54 @@ from __future__ import annotations
 import errno
 import hmac
 import hashlib
+import logging
 import os
-import select
 import socket
 import struct
 import time
 from collections import deque
-from typing import Deque, List, Optional, Tuple
+from typing import Deque, Optional, Tuple
 
-from .errors import AuthenticationError, CollectiveError, RendezvousTimeout
+from .errors import AuthenticationError, RendezvousTimeout
 
 __all__ = [
+    "SMALL_FRAME_LIMIT",
+    "CONTROL_FRAME_LIMIT",
+    "HANDSHAKE_ATTEMPTS",
     "secret_bytes",
+    "ServerHandshake",
     "authenticate_client",
     "authenticate_server",
     "send_frame",
     "recv_frame",
     "recv_exact",
+    "peer_name",
     "FrameReader",
     "connect",
     "listen",
     "tune_socket",
 ]
 
+log = logging.getLogger("spark_hvd.wire")
+
 _NONCE = 32
+_DIGEST = 32
 _HEADER = struct.Struct("!Q")
 _CLIENT_TAG = b"spark-hvd/1 client"
 _SERVER_TAG = b"spark-hvd/1 server"
-MAX_FRAME = 1 << 40
+_CHUNK = 1 << 20
+
+# Start-up messages (a rank's hello, a rendezvous request, a line of output) are a few hundred bytes.
+SMALL_FRAME_LIMIT = 1 << 20
+# Negotiation messages between ranks and the coordinator: per request about 100-200 bytes of
+# metadata (4 MiB for 20,000 tensors) plus, for small allreduces, an eager payload of at most
+# SPARK_HVD_EAGER_THRESHOLD (4 KiB by default): 84 MiB if all 20,000 were that small. The limit
+# leaves three times that; it exists to recognise a corrupt stream (eight random header bytes
+# announce less than 256 MiB with a probability of 2**-36), not to ration trusted peers.
+CONTROL_FRAME_LIMIT = 256 << 20
+# A client whose handshake the server dropped (an overloaded server sheds the oldest half-open
+# connections) tries again this many times in all before it reports an authentication failure.
+HANDSHAKE_ATTEMPTS = 3
 
 
 def secret_bytes(secret_hex: str) -> bytes:
@@ -57,21 +79,49 @@ def _digest(key: bytes, tag: bytes, first: bytes, second: bytes) -> bytes:
     return hmac.new(key, tag + first + second, hashlib.sha256).digest()
 
 
+class _HandshakeDropped(AuthenticationError):
+    """The server closed the connection before the handshake finished (no verdict on our proof)."""
+
+
+class ServerHandshake:
+    """The server's half of the handshake as bytes in and bytes out, for callers that multiplex.
+
+    Send :attr:`challenge`, read exactly :attr:`REPLY_BYTES` from the client, and pass them to
+    :meth:`answer`, which raises AuthenticationError unless the client knows the key and otherwise
+    returns the bytes that prove to the client that this server knows it too.
+    """
+
+    REPLY_BYTES = _NONCE + _DIGEST
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+        self.challenge = os.urandom(_NONCE)
+
+    def answer(self, reply: bytes, peer: str) -> bytes:
+        if len(reply) != self.REPLY_BYTES:
+            raise AuthenticationError(f"{peer} sent {len(reply)} handshake bytes; expected {self.REPLY_BYTES}")
+        client_nonce, proof = reply[:_NONCE], reply[_NONCE:]
+        if not hmac.compare_digest(proof, _digest(self._key, _CLIENT_TAG, self.challenge, client_nonce)):
+            raise AuthenticationError(f"connection from {peer} did not prove knowledge of the job secret")
+        return _digest(self._key, _SERVER_TAG, client_nonce, self.challenge)
+
+
 def recv_exact(sock: socket.socket, nbytes: int, deadline: Optional[float] = None) -> bytes:
-    """Read exactly ``nbytes`` from a blocking socket, or raise ConnectionError on EOF."""
-    buf = bytearray(nbytes)
-    view = memoryview(buf)
-    got = 0
-    while got < nbytes:
+    """Read exactly ``nbytes`` from a blocking socket, or raise ConnectionError on EOF.
+
+    The buffer grows with what arrives, so a large ``nbytes`` costs memory only once sent.
+    """
+    buf = bytearray()
+    while len(buf) < nbytes:
         if deadline is not None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise socket.timeout(f"timed out reading {nbytes} bytes")
+                raise socket.timeout(f"timed out after reading {len(buf)} of {nbytes} bytes")
             sock.settimeout(remaining)
-        n = sock.recv_into(view[got:], nbytes - got)
-        if n == 0:
-            raise ConnectionError(f"connection closed after {got} of {nbytes} bytes")
-        got += n
+        chunk = sock.recv(min(nbytes - len(buf), _CHUNK))
+        if not chunk:
+            raise ConnectionError(f"connection closed after {len(buf)} of {nbytes} bytes")
+        buf += chunk
     return bytes(buf)
 
 
@@ -82,69 +132,98 @@ def authenticate_client(sock: socket.socket, key: bytes, timeout: float) -> None
         server_nonce = recv_exact(sock, _NONCE, deadline)
         client_nonce = os.urandom(_NONCE)
         sock.sendall(client_nonce + _digest(key, _CLIENT_TAG, server_nonce, client_nonce))
-        answer = recv_exact(sock, 32, deadline)
+        answer = recv_exact(sock, _DIGEST, deadline)
     except (OSError, ConnectionError) as exc:
-        raise AuthenticationError(f"authentication handshake with {_peer(sock)} failed: {exc}") from None
+        raise _HandshakeDropped(f"authentication handshake with {peer_name(sock)} failed: {exc}") from None
     if not hmac.compare_digest(answer, _digest(key, _SERVER_TAG, client_nonce, server_nonce)):
         raise AuthenticationError(
-            f"the server at {_peer(sock)} does not know the job secret; is it another job's server?"
+            f"the server at {peer_name(sock)} does not know the job secret; is it another job's server?"
         )
 
 
 def authenticate_server(sock: socket.socket, key: bytes, timeout: float) -> None:
-    """Challenge a freshly accepted connection; raise AuthenticationError unless it knows ``key``."""
+    """Challenge a freshly accepted blocking connection; raise AuthenticationError unless it knows ``key``."""
     deadline = time.monotonic() + timeout
-    server_nonce = os.urandom(_NONCE)
+    handshake = ServerHandshake(key)
+    peer = peer_name(sock)
     try:
-        sock.sendall(server_nonce)
-        reply = recv_exact(sock, _NONCE + 32, deadline)
+        sock.sendall(handshake.challenge)
+        reply = recv_exact(sock, handshake.REPLY_BYTES, deadline)
     except (OSError, ConnectionError) as exc:
-        raise AuthenticationError(f"authentication handshake with {_peer(sock)} failed: {exc}") from None
-    client_nonce, proof = reply[:_NONCE], reply[_NONCE:]
-    if not hmac.compare_digest(proof, _digest(key, _CLIENT_TAG, server_nonce, client_nonce)):
-        raise AuthenticationError(f"connection from {_peer(sock)} did not prove knowledge of the job secret")
-    sock.sendall(_digest(key, _SERVER_TAG, client_nonce, server_nonce))
+        raise AuthenticationError(f"authentication handshake with {peer} failed: {exc}") from None
+    sock.sendall(handshake.answer(reply, peer))
 
 
-def _peer(sock: socket.socket) -> str:
+def peer_name(sock: socket.socket) -> str:
+    """The remote address of ``sock`` for messages."""
     try:
         peer = sock.getpeername()
     except OSError:
         return "an unknown peer"
-    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else (repr(peer) if peer else "a local peer")
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "a local process"
 
 
-def send_frame(sock: socket.socket, payload: bytes) -> None:
-    """Send one length-prefixed frame on a blocking socket."""
-    sock.sendall(_HEADER.pack(len(payload)) + payload if len(payload) < 65536 else _HEADER.pack(len(payload)))
-    if len(payload) >= 65536:
+def _oversize(length: int, limit: int, what: str) -> str:
+    fix = ("; if a rank really sent that much, lower SPARK_HVD_EAGER_THRESHOLD so that negotiation messages "
+           "carry less" if limit == CONTROL_FRAME_LIMIT else "")
+    return (
+        f"{what} announced a frame of {length} bytes, more than the {limit} bytes allowed there; the stream "
+        f"is corrupt or the peer is not a spark-hvd process of this version, so the connection was closed{fix}"
+    )
+
+
+def send_frame(sock: socket.socket, payload: bytes, limit: Optional[int] = None) -> None:
+    """Send one length-prefixed frame on a blocking socket; ValueError if it exceeds ``limit``."""
+    if limit is not None and len(payload) > limit:
+        raise ValueError(
+            f"a message of {len(payload)} bytes is larger than the {limit} bytes its receiver accepts; "
+            "send less at once"
+        )
+    if len(payload) < 65536:
+        sock.sendall(_HEADER.pack(len(payload)) + payload)
+    else:
+        sock.sendall(_HEADER.pack(len(payload)))
         sock.sendall(payload)
 
 
-def recv_frame(sock: socket.socket, deadline: Optional[float] = None) -> bytes:
-    """Receive one length-prefixed frame from a blocking socket."""
+def recv_frame(sock: socket.socket, deadline: Optional[float] = None, limit: int = SMALL_FRAME_LIMIT,
+               what: str = "the peer") -> bytes:
+    """Receive one length-prefixed frame from a blocking socket; ConnectionError if it exceeds ``limit``."""
     (length,) = _HEADER.unpack(recv_exact(sock, _HEADER.size, deadline))
-    if length > MAX_FRAME:
-        raise ConnectionError(f"frame of {length} bytes announced; the stream is corrupt")
+    if length > limit:
+        raise ConnectionError(_oversize(length, limit, what))
     return recv_exact(sock, length, deadline)
 
 
 class FrameReader:
-    """Non-blocking, buffered reader of length-prefixed frames from one socket."""
+    """Non-blocking, buffered reader of length-prefixed frames from one socket.
 
-    def __init__(self, sock: socket.socket) -> None:
+    Complete frames collect in :attr:`frames`. A frame announced larger than ``limit`` marks the
+    stream corrupt: :attr:`error` says so, :attr:`closed` becomes True and the connection is shut
+    down (its owner still closes the socket). With ``exact`` the reader never takes a byte beyond the
+    end of the current frame, so whoever reads the socket next finds the stream where it stopped.
+    """
+
+    def __init__(self, sock: socket.socket, limit: int = CONTROL_FRAME_LIMIT, exact: bool = False,
+                 what: str = "a peer") -> None:
         self.sock = sock
+        self.limit = limit
+        self.exact = exact
+        self.what = what
         self._buf = bytearray()
         self.frames: Deque[bytes] = deque()
         self.closed = False
+        self.error: Optional[str] = None
 
     def pump(self) -> bool:
         """Read what is available without blocking; return False once the peer closed."""
-        if self.closed:
-            return False
-        while True:
+        # A bounded number of reads per call, so one busy peer cannot starve the others of a loop.
+        for _ in range(16):
+            if self.closed or (self.exact and self.frames):
+                break
+            want = self._wanted() if self.exact else _CHUNK
             try:
-                chunk = self.sock.recv(1 << 20, socket.MSG_DONTWAIT)
+                chunk = self.sock.recv(want, socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:
@@ -154,16 +233,25 @@ class FrameReader:
                 self.closed = True
                 break
             self._buf += chunk
-            if len(chunk) < (1 << 20):
+            self._split()
+            if len(chunk) < want:
                 break
-        self._split()
         return not self.closed
+
+    def _wanted(self) -> int:
+        if len(self._buf) < _HEADER.size:
+            return _HEADER.size - len(self._buf)
+        (length,) = _HEADER.unpack_from(self._buf, 0)
+        return min(_HEADER.size + length - len(self._buf), _CHUNK)
 
     def _split(self) -> None:
         buf = self._buf
         start = 0
         while len(buf) - start >= _HEADER.size:
             (length,) = _HEADER.unpack_from(buf, start)
+            if length > self.limit:
+                self._corrupt(_oversize(length, self.limit, self.what))
+                return
             end = start + _HEADER.size + length
             if len(buf) < end:
                 break
@@ -171,6 +259,16 @@ class FrameReader:
             start = end
         if start:
             del buf[:start]
+
+    def _corrupt(self, message: str) -> None:
+        self.error = message
+        self.closed = True
+        self._buf = bytearray()
+        log.error("%s", message)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 def tune_socket(sock: socket.socket, peer_timeout: float) -> None:
@@ -215,6 +313,7 @@ def connect(addr: Tuple[str, int] | str, key: bytes, timeout: float, what: str) 
     deadline = time.monotonic() + timeout
     delay = 0.01
     last: Optional[BaseException] = None
+    dropped = 0
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -222,14 +321,16 @@ def connect(addr: Tuple[str, int] | str, key: bytes, timeout: float, what: str) 
                 f"could not connect to {what} at {addr} within {timeout:.0f} s (last error: {last}); "
                 "check that the address is reachable, or raise SPARK_HVD_START_TIMEOUT"
             )
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) if isinstance(addr, str) else None
         try:
-            if isinstance(addr, str):
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            if sock is not None:
                 sock.settimeout(remaining)
                 sock.connect(addr)
             else:
-                sock = socket.create_connection(addr, timeout=remaining)
+                sock = socket.create_connection(addr, timeout=remaining)  # type: ignore[arg-type]
         except OSError as exc:
+            if sock is not None:
+                sock.close()
             last = exc
             if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT, errno.ETIMEDOUT, errno.ECONNRESET, None):
                 if not isinstance(exc, (ConnectionError, socket.timeout)):
@@ -239,25 +340,19 @@ def connect(addr: Tuple[str, int] | str, key: bytes, timeout: float, what: str) 
             continue
         try:
             authenticate_client(sock, key, max(0.1, deadline - time.monotonic()))
+        except _HandshakeDropped as exc:
+            sock.close()
+            dropped += 1
+            if dropped >= HANDSHAKE_ATTEMPTS or time.monotonic() >= deadline:
+                raise AuthenticationError(
+                    f"{what} at {addr} closed the connection during the authentication handshake "
+                    f"{dropped} times (last: {exc}); it does not know this job's secret (SPARK_HVD_SECRET), "
+                    "or it is not a spark-hvd server"
+                ) from None
+            last = exc
+            continue
         except BaseException:
             sock.close()
             raise
         sock.settimeout(None)
         return sock
-
-
-def wait_readable(socks: List[socket.socket], timeout: Optional[float]) -> List[socket.socket]:
-    """The subset of ``socks`` that can be read now or within ``timeout`` seconds."""
-    if not socks:
-        if timeout:
-            time.sleep(timeout)
-        return []
-    try:
-        ready, _, _ = select.select(socks, [], [], timeout)
-    except InterruptedError:
-        return []
-    return ready
-
-
-def raise_lost(rank: int, what: str) -> None:
-    raise CollectiveError(f"rank {rank} was lost: {what}", lost_rank=rank)

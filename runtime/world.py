@@ -12,7 +12,6 @@ import hashlib
 import json
 import logging
 import os
-import select
 import socket
 import sys
 import time
@@ -20,11 +19,12 @@ from dataclasses import dataclass, field
 from typing import Dict, List
 
 from .config import RuntimeConfig
-from .errors import AuthenticationError, CollectiveError, RendezvousTimeout
+from .acceptor import Acceptor
+from .errors import CollectiveError, RendezvousTimeout
 from .rendezvous import RendezvousClient
 from .shm import ShmChannel, ShmRing, ring_tag, shm_available
 from .transport import Channel, TcpChannel, Transport
-from .wire import authenticate_server, connect, listen, recv_frame, secret_bytes, send_frame, tune_socket
+from .wire import SMALL_FRAME_LIMIT, connect, listen, secret_bytes, send_frame, tune_socket
 
 __all__ = ["World", "connect_world", "single_world"]
 
@@ -101,6 +101,9 @@ def connect_world(cfg: RuntimeConfig, generation: int = 1) -> World:
         host_key = cfg.host_key or socket.gethostname()
         me = {"host": cfg.hostname, "port": listener.getsockname()[1], "host_key": host_key, "unix": unix_name,
               **_local_identity()}
+        if rank == 0 and generation > 2:
+            # Every rank is past generation - 2 once anyone has reached this one; its keys can go.
+            client.delete(f"g{generation - 2}/")
         client.put(f"{gen}addr/{rank}", json.dumps(me))
         peers = [json.loads(v) for v in client.get([f"{gen}addr/{r}" for r in range(size)],
                                                    timeout=_left(deadline), what="ranks")]
@@ -201,37 +204,41 @@ def _unix_listener(secret: str, generation: int):
 
 def _accept(listeners: List[socket.socket], key: bytes, expected: set, control: Dict[int, socket.socket],
             channels: Dict[int, Channel], cfg: RuntimeConfig, deadline: float) -> int:
-    rejected = 0
-    while expected:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            missing = sorted(expected)
-            raise RendezvousTimeout(
-                f"rank {cfg.rank}: connections from {missing} did not arrive within {cfg.start_timeout:.0f} s; "
-                "check that those ranks are running and can reach this host, or raise SPARK_HVD_START_TIMEOUT"
-            )
-        ready, _, _ = select.select(listeners, [], [], min(remaining, 1.0))
-        if not ready:
-            continue
-        sock, _ = ready[0].accept()
-        try:
-            authenticate_server(sock, key, min(5.0, max(0.1, deadline - time.monotonic())))
-            hello = json.loads(recv_frame(sock, time.monotonic() + 5.0))
-            peer, purpose = int(hello["rank"]), str(hello["purpose"])
-        except (AuthenticationError, OSError, ConnectionError, ValueError, KeyError) as exc:
-            rejected += 1
-            log.warning("rank %s rejected a connection: %s", cfg.rank, exc)
-            sock.close()
-            continue
-        if (peer, purpose) not in expected:
-            log.warning("rank %s: unexpected %s connection from rank %s; closed", cfg.rank, purpose, peer)
-            sock.close()
-            continue
-        expected.discard((peer, purpose))
-        sock.settimeout(None)
-        tune_socket(sock, cfg.peer_timeout)
-        if purpose == "control":
-            control[peer] = sock
-        else:
-            channels[peer] = TcpChannel(peer, sock, cfg.chunk_bytes)
-    return rejected
+    # Handshakes run concurrently with a short deadline each, so idle strangers on the listening
+    # ports cannot hold up the ranks that are expected.
+    acceptor = Acceptor(listeners, key, hello_limit=SMALL_FRAME_LIMIT, what=f"rank {cfg.rank}")
+    refused = 0
+    try:
+        while expected:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(expected)
+                raise RendezvousTimeout(
+                    f"rank {cfg.rank}: connections from {missing} did not arrive within {cfg.start_timeout:.0f} s; "
+                    "check that those ranks are running and can reach this host, or raise SPARK_HVD_START_TIMEOUT"
+                )
+            for accepted in acceptor.poll(min(remaining, 1.0)):
+                sock = accepted.sock
+                try:
+                    hello = json.loads(accepted.hello or b"")
+                    peer, purpose = int(hello["rank"]), str(hello["purpose"])
+                except (ValueError, KeyError, TypeError) as exc:
+                    refused += 1
+                    log.warning("rank %s: %s sent a malformed hello (%s); closed", cfg.rank, accepted.peer, exc)
+                    sock.close()
+                    continue
+                if (peer, purpose) not in expected:
+                    refused += 1
+                    log.warning("rank %s: unexpected %s connection from rank %s; closed", cfg.rank, purpose, peer)
+                    sock.close()
+                    continue
+                expected.discard((peer, purpose))
+                sock.settimeout(None)
+                tune_socket(sock, cfg.peer_timeout)
+                if purpose == "control":
+                    control[peer] = sock
+                else:
+                    channels[peer] = TcpChannel(peer, sock, cfg.chunk_bytes)
+    finally:
+        acceptor.close()
+    return acceptor.rejected + refused

@@ -3,26 +3,35 @@
 The driver serves a :class:`LogCollector` on its own address; every task connects a
 :class:`LogSender`, proves knowledge of the job secret, and sends JSON frames: one per output line
 (``{"rank", "stream", "text"}``) and one per failure (``{"rank", "error": {...}}``). Frames are read
-only after authentication and are never unpickled.
+only after authentication and are never unpickled. The collector is one thread around one selector:
+handshakes run concurrently through the runtime's acceptor, so strangers neither delay the tasks
+nor cost a thread each.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import selectors
 import socket
 import threading
 import time
 from typing import Any, Dict, List, Optional, TextIO
 
+from spark_hvd.runtime.acceptor import Accepted, ServerLoop
 from spark_hvd.runtime.errors import AuthenticationError
-from spark_hvd.runtime.wire import authenticate_server, connect, listen, recv_frame, secret_bytes, send_frame
+from spark_hvd.runtime.wire import FrameReader, connect, listen, secret_bytes, send_frame
 
-__all__ = ["LogCollector", "LogSender", "format_line"]
+__all__ = ["LogCollector", "LogSender", "format_line", "FRAME_LIMIT"]
 
 log = logging.getLogger("spark_hvd.spark")
 
-_AUTH_TIMEOUT_S = 10.0
+# A failure report carries a traceback, the last 100 lines of output and the pickled exception;
+# larger frames mean a corrupt stream (senders shorten what would not fit, see _shortened).
+FRAME_LIMIT = 64 << 20
+# Characters kept of one over-long field: JSON escapes a character into 12 bytes at most, so even
+# the three long fields of a failure report stay well inside FRAME_LIMIT.
+_FIELD_CHARS = FRAME_LIMIT // 64
 
 
 def format_line(rank: int, stream: str, text: str) -> str:
@@ -30,7 +39,7 @@ def format_line(rank: int, stream: str, text: str) -> str:
     return f"[{rank}]<{stream}>:{text}"
 
 
-class LogCollector:
+class LogCollector(ServerLoop):
     """Driver side: accept authenticated task connections, print their lines, keep their failures.
 
     ``verbose=0`` keeps failures but prints nothing. ``stdout``/``stderr`` receive the lines of the
@@ -39,53 +48,58 @@ class LogCollector:
 
     def __init__(self, bind_host: str, advertised_host: str, secret: str, stdout: TextIO, stderr: TextIO,
                  verbose: int = 1) -> None:
-        self._key = secret_bytes(secret)
-        self._sock = listen(bind_host, 0)
-        self.address = f"{advertised_host}:{self._sock.getsockname()[1]}"
+        key = secret_bytes(secret)
+        super().__init__(listen(bind_host, 0), key, what="log collector", thread_name="spark-hvd-log-collector")
+        self.address = f"{advertised_host}:{self._listener.getsockname()[1]}"
         self._files = {"stdout": stdout, "stderr": stderr}
         self._verbose = verbose
-        self._print_lock = threading.Lock()
         self._cond = threading.Condition()
         self._open = 0
         self._closed_connections = 0
-        self._conns: List[socket.socket] = []
+        self._readers: Dict[socket.socket, FrameReader] = {}
         self.failures: List[Dict[str, Any]] = []
-        self._stopping = False
-        self._acceptor = threading.Thread(target=self._accept_loop, name="spark-hvd-log-collector", daemon=True)
-        self._acceptor.start()
+        self._start()
 
-    def _accept_loop(self) -> None:
-        while not self._stopping:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), name="spark-hvd-log-reader", daemon=True).start()
+    def _shut_down(self) -> None:
+        for sock in list(self._readers):
+            self._read(sock, 0)  # what already arrived is still printed
+            self._drop(sock)
 
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            authenticate_server(conn, self._key, _AUTH_TIMEOUT_S)
-        except AuthenticationError as exc:
-            log.warning("log collector: rejected a connection: %s", exc)
-            conn.close()
-            return
-        conn.settimeout(None)
+    def _on_handler_error(self, fileobj: object) -> None:
+        self._drop(fileobj)  # type: ignore[arg-type]
+
+    def _on_accepted(self, accepted: Accepted) -> None:
+        self._readers[accepted.sock] = FrameReader(accepted.sock, FRAME_LIMIT, what=f"task {accepted.peer}")
+        self._selector.register(accepted.sock, selectors.EVENT_READ, self._read)
         with self._cond:
             self._open += 1
-            self._conns.append(conn)
-        try:
-            while True:
-                try:
-                    frame = json.loads(recv_frame(conn))
-                except (ConnectionError, OSError, ValueError):
-                    return
+
+    def _read(self, sock: socket.socket, _events: int) -> None:
+        reader = self._readers.get(sock)
+        if reader is None:
+            return
+        reader.pump()
+        while reader.frames:
+            try:
+                frame = json.loads(reader.frames.popleft())
                 self._handle(frame)
-        finally:
-            conn.close()
-            with self._cond:
-                self._open -= 1
-                self._closed_connections += 1
-                self._cond.notify_all()
+            except (ValueError, TypeError, AttributeError) as exc:
+                log.warning("log collector: ignored a malformed frame: %s", exc)
+        if reader.closed:
+            self._drop(sock)
+
+    def _drop(self, sock: socket.socket) -> None:
+        if self._readers.pop(sock, None) is None:
+            return
+        try:
+            self._selector.unregister(sock)
+        except (KeyError, ValueError):
+            pass
+        sock.close()
+        with self._cond:
+            self._open -= 1
+            self._closed_connections += 1
+            self._cond.notify_all()
 
     def _handle(self, frame: Dict[str, Any]) -> None:
         rank = int(frame.get("rank", -1))
@@ -98,12 +112,11 @@ class LogCollector:
         if self._verbose <= 0:
             return
         out = self._files[stream]
-        with self._print_lock:
-            try:
-                out.write(format_line(rank, stream, str(frame.get("text", ""))) + "\n")
-                out.flush()
-            except (OSError, ValueError):
-                pass  # a closed or broken output file must not stop the job
+        try:
+            out.write(format_line(rank, stream, str(frame.get("text", ""))) + "\n")
+            out.flush()
+        except (OSError, ValueError):
+            pass  # a closed or broken output file must not stop the job
 
     def wait_closed(self, connections: int, timeout: float) -> bool:
         """Wait until ``connections`` task connections have closed; True when they all have."""
@@ -127,19 +140,24 @@ class LogCollector:
                 self._cond.wait(min(remaining, 0.1))
             return min(self.failures, key=lambda f: f["received"]) if self.failures else None
 
-    def close(self) -> None:
-        self._stopping = True
-        try:
-            self._sock.close()
-        except OSError:
-            pass
-        with self._cond:
-            conns = list(self._conns)
-        for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+
+def _shortened(frame: Dict[str, Any]) -> Dict[str, Any]:
+    """``frame`` with its long text fields cut so that it fits in FRAME_LIMIT."""
+    def cut(text: Any, keep_end: bool) -> Any:
+        if not isinstance(text, str) or len(text) <= _FIELD_CHARS:
+            return text
+        note = f" [... {len(text) - _FIELD_CHARS} characters cut ...] "
+        return note + text[-_FIELD_CHARS:] if keep_end else text[:_FIELD_CHARS] + note
+
+    short = dict(frame, text=cut(frame["text"], False)) if "text" in frame else dict(frame)
+    if isinstance(frame.get("error"), dict):
+        # Tracebacks and output end with what matters most; a cut pickle would be useless.
+        error = {k: v if k == "exception" else cut(v, k in ("traceback", "output_tail"))
+                 for k, v in frame["error"].items()}
+        if len(json.dumps(error)) > FRAME_LIMIT // 2:
+            error["exception"] = None  # the type, message and traceback still travel
+        short["error"] = error
+    return short
 
 
 class LogSender:
@@ -169,8 +187,11 @@ class LogSender:
         with self._lock:
             if self._sock is None:
                 return False
+            payload = json.dumps(frame).encode()
+            if len(payload) > FRAME_LIMIT:
+                payload = json.dumps(_shortened(frame)).encode()
             try:
-                send_frame(self._sock, json.dumps(frame).encode())
+                send_frame(self._sock, payload)
                 return True
             except OSError as exc:
                 self.problem = f"lost the connection to the driver's log collector: {exc}"
