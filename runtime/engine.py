@@ -95,7 +95,8 @@ class Engine(Executor):
                                            config.eager_threshold)
         # Payloads of small allreduces that arrived with their announcements: (ps, name) -> rank -> bytes.
         self._eager: Dict[Tuple[int, str], Dict[int, bytes]] = {}
-        self._readers: Dict[int, FrameReader] = {peer: FrameReader(sock) for peer, sock in world.control.items()}
+        self._readers: Dict[int, FrameReader] = {peer: FrameReader(sock, what=f"rank {peer}")
+                                                 for peer, sock in world.control.items()}
         if config.timeline and config.timeline != DYNAMIC_TIMELINE and self.rank == 0:
             self.start_timeline(config.timeline, config.timeline_mark_cycles)
         # A world of one has nobody to wait for: requests complete on the caller's thread.
@@ -304,6 +305,9 @@ class Engine(Executor):
         if self._left.get(peer) == "shut down":
             return CollectiveError(f"rank {peer} has shut down; collectives that need it cannot complete",
                                    lost_rank=peer)
+        reader = self._readers.get(peer)
+        if reader is not None and reader.error:
+            return CollectiveError(f"rank {peer} was lost: {reader.error}", lost_rank=peer)
         return CollectiveError(
             f"rank {peer} was lost: its connection closed (the process exited or was killed)", lost_rank=peer)
 
