@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PETASTORM_VENV := .venv-petastorm
 PETASTORM_STAMP := $(PETASTORM_VENV)/.installed
 
-.PHONY: demo test test-main test-petastorm venv bench clean
+.PHONY: demo test test-main test-petastorm venv bench lint clean
 
 venv: $(STAMP)
 
@@ -31,11 +31,15 @@ demo: $(STAMP)
 test: test-main test-petastorm
 
 test-main: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests -m "not petastorm"
 
 # The data and estimator tests again, on the pinned versions petastorm needs (pyarrow<15, numpy<2).
 test-petastorm: $(PETASTORM_STAMP)
 	$(PETASTORM_VENV)/bin/python -m pytest -q tests/spark/test_data.py tests/spark/test_reader.py tests/spark/test_estimator_readers.py -m "petastorm or not petastorm"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 bench: $(STAMP)
 	$(PIP) install -q -c constraints/ci.txt -e ".[mpi]"

@@ -7,7 +7,6 @@ mixed asynchronous collectives through tiny response caches stay correct.
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
