@@ -143,3 +143,35 @@ def test_bind_cpus_gives_ranks_disjoint_cpus(launch):
     if usable >= 2:
         assert cpus0 and cpus1 and not set(cpus0) & set(cpus1)
         assert len(cpus0) == len(cpus1) == usable // 2
+
+
+def _dynamic_timeline(path):
+    import os
+
+    rt.init()
+    rt.allreduce(np.ones(2), name="before.start")
+    created_early = sorted(os.listdir("."))
+    rt.start_timeline(path)
+    rt.allreduce(np.ones(2), name="after.start")
+    rt.stop_timeline()
+    rt.shutdown()
+    return created_early
+
+
+def test_dynamic_timeline_writes_nothing_until_started(launch, tmp_path):
+    """HOROVOD_TIMELINE=DYNAMIC (as Horovod's own tests set it) creates no file until
+    start_timeline() is called, which then writes the operations that follow."""
+    work = tmp_path / "cwd"
+    work.mkdir()
+    path = str(tmp_path / "trace.json")
+    import os
+
+    old = os.getcwd()
+    os.chdir(work)  # ranks inherit the working directory: a file named DYNAMIC would land here
+    try:
+        results = launch(_dynamic_timeline, np=2, args=(path,), env={"HOROVOD_TIMELINE": "DYNAMIC"})
+    finally:
+        os.chdir(old)
+    assert results[0] == [] and not os.listdir(work)
+    names = {e["args"]["name"] for e in json.loads(open(path).read()) if e.get("name") == "process_name"}
+    assert "after.start" in names and "before.start" not in names
