@@ -131,7 +131,9 @@ def main(argv: List[str] | None = None) -> int:
     parser.add_argument("--np", type=int, nargs="+", default=[2, 3], help="world sizes, one launch each")
     parser.add_argument("-k", dest="keyword", default="", help="pytest -k expression (default: every test)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for one whole launch")
-    parser.add_argument("--test-timeout", type=int, default=300, help="seconds for one test (pytest-timeout)")
+    parser.add_argument("--test-timeout", type=int, default=90,
+                        help="seconds for one test (pytest-timeout); a test that fails on some ranks only leaves "
+                             "the others waiting in a collective until then, after which the suite goes on")
     parser.add_argument("--keep", type=Path, help="keep the prepared suite and the rank outputs here")
     parser.add_argument("--launcher", default=str(Path(sys.executable).with_name("spark-hvd-run")),
                         help="the spark-hvd-run executable")
