@@ -17,17 +17,18 @@ import select
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
 from .errors import CollectiveError, RankMismatchError
+from .eager import EagerAnswers
 from .execution import Executor
 from .handles import Entry, Handle
 from .messages import Announce, Meta, RequestBatch, Response, ResponseBatch
 from .negotiation import Coordinator, WorkerSignatures
-from .ops import ReduceOp, reduce_into, scale_inplace, storage_dtype
-from .timeline import MEMCPY_OUT, NEGOTIATE, QUEUE, REDUCE, Timeline
+from .ops import storage_dtype
+from .timeline import MEMCPY_OUT, NEGOTIATE, QUEUE, Timeline
 from .transport import Transport
 from .wire import FrameReader, send_frame
 
@@ -93,8 +94,7 @@ class Engine(Executor):
             self.coordinator = Coordinator(self.size, config.cache_capacity, config.fusion_threshold,
                                            config.stall_check_seconds, config.stall_shutdown_seconds,
                                            config.eager_threshold)
-        # Payloads of small allreduces that arrived with their announcements: (ps, name) -> rank -> bytes.
-        self._eager: Dict[Tuple[int, str], Dict[int, bytes]] = {}
+        self._eager = EagerAnswers(config.eager_threshold)
         self._readers: Dict[int, FrameReader] = {peer: FrameReader(sock, what=f"rank {peer}")
                                                  for peer, sock in world.control.items()}
         if config.timeline and config.timeline != DYNAMIC_TIMELINE and self.rank == 0:
@@ -314,7 +314,7 @@ class Engine(Executor):
     def _worker_cycle(self) -> None:
         new = self._take_new()
         if new:
-            items = tuple(Announce(e.name, self._signatures.encode(e.meta), self._eager_payload(e)) for e in new)
+            items = tuple(Announce(e.name, self._signatures.encode(e.meta), self._eager.payload(e)) for e in new)
             self._send(0, REQUESTS + pickle.dumps(RequestBatch(self._signatures.seq, items), protocol=5))
         self._pump()
         reader = self._readers[0]
@@ -387,7 +387,7 @@ class Engine(Executor):
                             coord.submit(peer, item.name, item.sig)
                             ps = item.sig.ps
                         if item.payload is not None:
-                            self._eager.setdefault((ps, item.name), {})[peer] = item.payload
+                            self._eager.collect(ps, item.name, peer, item.payload)
                 elif kind == ABORT:
                     message, lost = pickle.loads(frame[1:])
                     raise CollectiveError(message, lost_rank=lost)
@@ -406,7 +406,8 @@ class Engine(Executor):
         if coord.has_work() and self._cycle_allows():
             batch, metas = coord.decide()
             resolve = metas.__getitem__
-            responses = self._eagerize(batch.responses, resolve)
+            responses = self._eager.answer(batch.responses, resolve, self._local, self.process_sets,
+                                           coord.joined, self._timeline, alone=self.size == 1)
             if responses is not batch.responses:
                 batch = batch._replace(responses=responses)
             if batch.responses or batch.teach or batch.evicted:
@@ -428,77 +429,6 @@ class Engine(Executor):
             raise CollectiveError(
                 "stalled operations exceeded SPARK_HVD_STALL_SHUTDOWN_TIME_SECONDS="
                 f"{self.config.stall_shutdown_seconds}: " + "; ".join(lines))
-
-    def _eager_payload(self, entry: Entry) -> Optional[bytes]:
-        """A small allreduce's prescaled input, sent along with its announcement."""
-        meta = entry.meta
-        if meta.kind != "allreduce" or entry.array is None or meta.nbytes() > self.config.eager_threshold:
-            return None
-        if meta.prescale == 1.0:
-            return entry.array.tobytes()
-        data = entry.array.reshape(-1).copy()
-        scale_inplace(data, meta.prescale, meta.dtype)
-        return data.tobytes()
-
-    def _eagerize(self, responses: Tuple[Response, ...], resolve: Callable[[int], Meta]) -> Tuple[Response, ...]:
-        """Answer small allreduces whose every contribution came with its announcement.
-
-        The coordinator reduces them itself and sends the results in the response, so no rank
-        needs a separate data exchange; otherwise the response stays a regular allreduce.
-        """
-        if not self._eager and self.size > 1:
-            return responses
-        out = []
-        for response in responses:
-            if response.kind != "allreduce" or resolve(response.sids[0]).nbytes() > self.config.eager_threshold:
-                out.append(response)  # fused responses hold only small or only large requests
-                continue
-            results = self._eager_results(response.names, response.ps, [resolve(s) for s in response.sids])
-            out.append(response if results is None else response._replace(kind="allreduce_eager", results=results))
-        for response in responses:
-            for name in response.names:
-                self._eager.pop((response.ps, name), None)
-        return tuple(out)
-
-    def _eager_results(self, names: Sequence[str], ps: int, metas: List[Meta]) -> Optional[Tuple[bytes, ...]]:
-        members = self.process_sets.get(ps, ())
-        joined = self.coordinator.joined if (self.coordinator is not None and ps == 0) else ()
-        start = time.perf_counter()
-        results = []
-        for name, meta in zip(names, metas):
-            got = self._eager.get((ps, name), {})
-            dtype = storage_dtype(meta.dtype)
-            op = ReduceOp(meta.op)
-            acc: Optional[np.ndarray] = None
-            for r in members:
-                if r == 0:
-                    mine = self._local.get((ps, name))
-                    if mine is None or mine.array is None:
-                        part = None
-                    else:
-                        part = mine.array.reshape(-1)
-                        if meta.prescale != 1.0:
-                            part = part.copy()
-                            scale_inplace(part, meta.prescale, meta.dtype)
-                else:
-                    payload = got.get(r)
-                    part = None if payload is None else np.frombuffer(payload, dtype=dtype)
-                if part is None:
-                    if r not in joined:
-                        return None  # someone's data did not come along: use the regular path
-                    part = np.zeros(meta.count(), dtype)  # a joined rank contributes zeros
-                if acc is None:
-                    acc = part.copy()
-                else:
-                    reduce_into(acc, part, op, meta.dtype)
-            assert acc is not None
-            self._finish_scale(acc, meta, len(members))
-            results.append(acc.tobytes())
-        if self._timeline is not None:
-            now = time.perf_counter()
-            for name in names:
-                self._timeline.span(name, REDUCE, start * 1e6, now * 1e6, {"eager": True})
-        return tuple(results)
 
     def _cycle_allows(self) -> bool:
         """With a cycle time, hold ready requests back until the oldest has waited that long."""

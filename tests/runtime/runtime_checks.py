@@ -308,12 +308,20 @@ CHECKS["polled_async_rounds"] = polled_async_rounds
 
 def duplicate_names() -> None:
     """A second request under a name still in flight is refused at once with a ValueError (as in
-    Horovod) and changes nothing; once the first has finished the name is free again. (A world of
-    one finishes every request before returning, so nothing is ever in flight there.)"""
+    Horovod) and changes nothing; once the first has finished the name is free again. The last rank
+    submits only after a barrier, so on the others the first request is surely still in flight."""
     rank, size = rt.rank(), rt.size()
-    first = rt.allreduce_async(np.full(3, float(rank)), op=rt.Sum, name="dup")
-    group = rt.grouped_allreduce_async([np.ones(1), np.ones(1)], op=rt.Sum, name="dup.grouped")
-    if size > 1:
+    last = size - 1
+
+    def submit():
+        return (rt.allreduce_async(np.full(3, float(rank)), op=rt.Sum, name="dup"),
+                rt.grouped_allreduce_async([np.ones(1), np.ones(1)], op=rt.Sum, name="dup.grouped"))
+
+    if rank == last:
+        rt.barrier()
+        first, group = submit()
+    else:
+        first, group = submit()
         for name in ("dup", "dup.grouped.1"):  # the second is the name of the group's second member
             try:
                 rt.allreduce_async(np.full(3, 100.0), op=rt.Sum, name=name)
@@ -321,11 +329,11 @@ def duplicate_names() -> None:
                 assert "same name" in str(exc) and repr(name) in str(exc), exc
             else:
                 raise AssertionError(f"a second in-flight request named {name!r} was accepted")
+        rt.barrier()
     assert [a.tolist() for a in rt.synchronize(group)] == [[float(size)]] * 2
     assert rt.synchronize(first).tolist() == [float(sum(range(size)))] * 3
     again = rt.allreduce(np.full(3, 1.0), op=rt.Sum, name="dup")
     assert again.tolist() == [float(size)] * 3
-    rt.barrier()
 
 
 CHECKS["duplicate_names"] = duplicate_names
