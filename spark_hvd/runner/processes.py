@@ -1,11 +1,13 @@
 """Rank processes: start them, stream their output with a rank prefix, stop them all when one fails.
 
 Both launchers (the ``spark-hvd-run`` command and :func:`spark_hvd.runner.run`) manage their
-ranks through :class:`RankProcesses`; the Spark integration can reuse it for the processes its
-tasks start. The public surface is small:
+ranks through :class:`RankProcesses`; the Spark integration reuses it for the process its task
+starts. The public surface is small:
 
 - :func:`rank_environment` builds the environment of one rank process;
-- :meth:`RankProcesses.spawn` starts a rank (its own session, dies with the spawning thread);
+- :meth:`RankProcesses.spawn` starts a rank; on Linux under a supervisor
+  (:mod:`spark_hvd.runner.supervise`) that passes signals on and, however the rank or the launcher
+  ends, leaves no process the rank started behind;
 - :meth:`RankProcesses.wait` returns when every rank has exited, or as soon as one fails, after
   stopping the others; the failure comes back as a :class:`RankExit` (the root cause);
 - :meth:`RankProcesses.terminate` stops what still runs (signal, grace period, SIGKILL);
@@ -15,7 +17,6 @@ tasks start. The public surface is small:
 from __future__ import annotations
 
 import collections
-import ctypes
 import os
 import queue
 import signal
@@ -28,6 +29,8 @@ from pathlib import Path
 from typing import IO, Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from spark_hvd.runtime import config
+
+from . import supervise
 
 __all__ = [
     "OutputSink",
@@ -46,11 +49,15 @@ TAIL_LINES = 30
 """Lines of output kept per rank, shown when that rank turns out to be the root cause of a failure."""
 
 TERMINATE_GRACE_SECONDS = 3.0
-"""Seconds a rank gets to exit after SIGTERM before it is killed."""
+"""Seconds a rank gets to exit after SIGTERM before it is killed; also what the processes a rank
+leaves behind get, and a rank whose launcher died."""
 
 # After the last process exits, its output pipes reach EOF at once unless a grandchild still
-# holds them; do not let such a straggler hold up the launcher.
+# holds them (possible only where ranks run unsupervised); do not let it hold up the launcher.
 _PUMP_JOIN_SECONDS = 2.0
+
+# How long a SIGKILLed rank (or its supervisor) may take to be reaped.
+_KILL_WAIT_SECONDS = 5.0
 
 _MAX_LINE_BYTES = 1 << 16
 
@@ -108,6 +115,13 @@ def rank_environment(
     return env
 
 
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
+
+
 @dataclass(frozen=True)
 class RankExit:
     """How one rank ended: its exit code (negative: killed by that signal) and its last lines."""
@@ -119,47 +133,13 @@ class RankExit:
     def describe(self) -> str:
         """``rank 1 exited with code 17`` or ``rank 1 was killed by signal SIGKILL``."""
         if self.returncode < 0:
-            try:
-                name = signal.Signals(-self.returncode).name
-            except ValueError:
-                name = str(-self.returncode)
-            return f"rank {self.rank} was killed by signal {name}"
+            return f"rank {self.rank} was killed by signal {_signal_name(-self.returncode)}"
         return f"rank {self.rank} exited with code {self.returncode}"
 
     @property
     def exit_status(self) -> int:
         """The status a launcher exits with for this failure: the rank's code, or 1 for a signal."""
         return self.returncode if self.returncode > 0 else 1
-
-
-def _load_prctl() -> Optional[Callable[..., int]]:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _load_prctl()
-_PR_SET_PDEATHSIG = 1
-_SIGKILL = int(signal.SIGKILL)
-
-
-def _die_with_parent(parent_pid: int) -> Optional[Callable[[], None]]:
-    """A pre-exec hook that makes the child receive SIGKILL when its parent thread dies (Linux)."""
-    prctl = _PRCTL
-    if prctl is None:
-        return None
-
-    def hook() -> None:
-        # Runs in the forked child before exec; the death signal survives exec.
-        prctl(_PR_SET_PDEATHSIG, _SIGKILL, 0, 0, 0)
-        if os.getppid() != parent_pid:
-            # The parent died between fork and prctl; nobody would kill us later.
-            os._exit(1)
-
-    return hook
 
 
 class RankProcesses:
@@ -191,29 +171,33 @@ class RankProcesses:
         self._exits: "queue.Queue[Tuple[int, int]]" = queue.Queue()
         self._consumed: Set[int] = set()  # ranks whose exit wait() has already seen
         self._pumps: List[threading.Thread] = []
+        self._supervised = supervise.available()
 
     # -- starting -------------------------------------------------------------------------------
 
     def spawn(self, rank: int, argv: Sequence[str], env: Mapping[str, str], cwd: Optional[str] = None) -> int:
-        """Start ``argv`` as ``rank`` with exactly ``env``; return its pid.
+        """Start ``argv`` as ``rank`` with exactly ``env``; return the pid of the process started.
 
-        The child runs in its own session (so signals reach its whole process group) and, on
-        Linux, is killed when the thread that called ``spawn`` exits: call it from a thread that
-        outlives the job, such as the main thread.
+        The rank runs in its own session, so signals reach its whole process group. On Linux it
+        runs under a supervisor (whose pid is returned) that ends everything the rank started
+        when the rank ends, and ends the rank and all of that when the thread that called
+        ``spawn`` exits: call it from a thread that outlives the job, such as the main thread.
         """
         if rank in self._procs:
             raise ValueError(f"rank {rank} was already started; expected each rank to be spawned once")
+        command = list(argv)
+        if self._supervised:
+            command = supervise.command_line(command, os.getpid(), TERMINATE_GRACE_SECONDS)
         files = self._open_output_files(rank)
         try:
             proc = subprocess.Popen(
-                list(argv),
+                command,
                 env=dict(env),
                 cwd=cwd,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
-                preexec_fn=_die_with_parent(os.getpid()),
             )
         except BaseException:
             for file in files.values():
@@ -296,6 +280,7 @@ class RankProcesses:
             return sorted(r for r in self._procs if r not in self._returncodes)
 
     def pid(self, rank: int) -> int:
+        """The pid of the process started for ``rank``: its supervisor where ranks are supervised."""
         return self._procs[rank].pid
 
     def tail(self, rank: int) -> List[str]:
@@ -341,7 +326,15 @@ class RankProcesses:
         return None
 
     def send_signal(self, signum: int) -> List[int]:
-        """Send ``signum`` to the process group of every running rank; mark them as stopped by us."""
+        """Send ``signum`` to the process group of every running rank; mark them as stopped by us.
+
+        ``signum`` is SIGKILL or one of :data:`spark_hvd.runner.supervise.FORWARDED_SIGNALS`
+        (SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1, SIGUSR2, SIGALRM).
+        """
+        if signum != signal.SIGKILL and signum not in supervise.FORWARDED_SIGNALS:
+            names = ", ".join(_signal_name(s) for s in sorted(supervise.FORWARDED_SIGNALS))
+            raise ValueError(f"signal {_signal_name(signum)} cannot be passed on to ranks; expected SIGKILL or one of "
+                             f"{names}")
         with self._lock:
             running = [r for r in self._procs if r not in self._returncodes]
             self._stopped.update(running)
@@ -365,13 +358,28 @@ class RankProcesses:
             self._signal(rank, signal.SIGKILL)
         if stubborn and self._log:
             self._log(f"killed ranks {stubborn} after a grace period of {grace} s")
+        deadline = time.monotonic() + _KILL_WAIT_SECONDS
         for rank in stubborn:
-            # SIGKILL cannot be caught; this only waits for the kernel to reap.
-            self._exited[rank].wait(5.0)
+            self._exited[rank].wait(max(0.0, deadline - time.monotonic()))
+        if self._supervised:
+            for rank in stubborn:
+                if not self._exited[rank].is_set():
+                    # The supervisor did not act on KILL_NOW; its rank dies with it (parent-death signal).
+                    self._procs[rank].kill()
+                    self._exited[rank].wait(_KILL_WAIT_SECONDS)
         return running
 
     def _signal(self, rank: int, signum: int) -> None:
         proc = self._procs[rank]
+        if self._supervised:
+            # The supervisor passes the signal on to the rank's process group. SIGKILL would end
+            # the supervisor itself and strand what the rank started: ask it to kill instead.
+            assert supervise.KILL_NOW is not None
+            try:
+                proc.send_signal(supervise.KILL_NOW if signum == signal.SIGKILL else signum)
+            except ProcessLookupError:
+                pass
+            return
         try:
             os.killpg(proc.pid, signum)
         except ProcessLookupError:
