@@ -79,6 +79,12 @@ def _rank_error(rank: int, details: Dict[str, Any], tail: Sequence[str]) -> Rank
 
 def _failure_error(failure: RankExit, workdir: Path, secret: str) -> RankFailedError:
     outcome = _read_outcome(workdir, secret, failure.rank)
+    if failure.reaction is not None:
+        # The rank left early with code 0; what its peers then did is the reaction.
+        reaction = _failure_error(failure.reaction, workdir, secret)
+        how = "after fn returned" if outcome is not None and outcome[0] == "ok" else "without returning a result"
+        return RankFailedError(failure.rank, f"{failure.describe()} ({how}); then {reaction.summary}",
+                               output_tail=failure.tail, reaction=reaction)
     if outcome is not None and outcome[0] == "error":
         return _rank_error(failure.rank, outcome[1], failure.tail)
     return RankFailedError(failure.rank, failure.describe() + " before returning a result",

@@ -122,24 +122,51 @@ def _signal_name(signum: int) -> str:
         return str(signum)
 
 
+def _ranks_were(ranks: Sequence[int]) -> str:
+    """``rank 0 was`` or ``ranks 0, 1 and 3 were``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} was"
+    return "ranks " + ", ".join(str(r) for r in ranks[:-1]) + f" and {ranks[-1]} were"
+
+
 @dataclass(frozen=True)
 class RankExit:
-    """How one rank ended: its exit code (negative: killed by that signal) and its last lines."""
+    """How one rank ended: its exit code (negative: killed by that signal) and its last lines.
+
+    A rank that exited with code 0 while others were still running, and was followed by a
+    failure, is a root cause too: its peers lost it. Then ``running`` names the ranks that were
+    still running when it left, and ``reaction`` is the first failure that followed.
+    """
 
     rank: int
     returncode: int
     tail: Tuple[str, ...] = ()
+    running: Tuple[int, ...] = ()
+    """Ranks still running when this rank exited (set for a root cause that exited with code 0)."""
+    reaction: Optional["RankExit"] = None
+    """The first failure after this rank left early (set for a root cause that exited with code 0)."""
 
     def describe(self) -> str:
-        """``rank 1 exited with code 17`` or ``rank 1 was killed by signal SIGKILL``."""
+        """``rank 1 exited with code 17``, ``rank 1 was killed by signal SIGKILL``, or, for a
+        rank that left early, ``rank 2 exited with code 0 while ranks 0 and 1 were still running``."""
         if self.returncode < 0:
             return f"rank {self.rank} was killed by signal {_signal_name(-self.returncode)}"
-        return f"rank {self.rank} exited with code {self.returncode}"
+        text = f"rank {self.rank} exited with code {self.returncode}"
+        if self.reaction is not None:
+            if self.running:
+                text += f" while {_ranks_were(self.running)} still running"
+            else:
+                text += f" before rank {self.reaction.rank} failed"
+        return text
 
     @property
     def exit_status(self) -> int:
-        """The status a launcher exits with for this failure: the rank's code, or 1 for a signal."""
-        return self.returncode if self.returncode > 0 else 1
+        """The status a launcher exits with for this failure: the rank's code, else the reaction's, else 1."""
+        if self.returncode > 0:
+            return self.returncode
+        if self.reaction is not None:
+            return self.reaction.exit_status
+        return 1
 
 
 class RankProcesses:
@@ -170,6 +197,8 @@ class RankProcesses:
         self._tails: Dict[int, Deque[str]] = {}
         self._exits: "queue.Queue[Tuple[int, int]]" = queue.Queue()
         self._consumed: Set[int] = set()  # ranks whose exit wait() has already seen
+        self._running_at_exit: Dict[int, Tuple[int, ...]] = {}
+        self._left_early: List[int] = []  # ranks that exited 0 on their own, in the order wait() saw them
         self._pumps: List[threading.Thread] = []
         self._supervised = supervise.available()
 
@@ -251,6 +280,8 @@ class RankProcesses:
     def _watch(self, rank: int, proc: "subprocess.Popen[bytes]") -> None:
         code = proc.wait()
         with self._lock:
+            self._running_at_exit[rank] = tuple(r for r in sorted(self._procs)
+                                                if r != rank and r not in self._returncodes)
             self._returncodes[rank] = code
         self._exited[rank].set()
         self._exits.put((rank, code))
@@ -290,11 +321,13 @@ class RankProcesses:
     # -- waiting and stopping -------------------------------------------------------------------
 
     def wait(self, timeout: Optional[float] = None, grace: float = TERMINATE_GRACE_SECONDS) -> Optional[RankExit]:
-        """Wait for every rank; on the first failure, stop the others and return that failure.
+        """Wait for every rank; on the first failure, stop the others and return the root cause.
 
-        Returns None when every rank exited on its own with code 0 (ranks this object stopped
-        are never the root cause). Raises TimeoutError, leaving the ranks running, when
-        ``timeout`` seconds pass first.
+        The root cause is the first rank to exit with code 0 while others still ran, when a
+        failure followed (its peers lost it; the failure comes back as its ``reaction``), else
+        the first rank to fail. Returns None when every rank exited on its own with code 0.
+        Ranks this object stopped are never the root cause. Raises TimeoutError, leaving the
+        ranks running, when ``timeout`` seconds pass first; call again to go on waiting.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         pending = set(self._procs) - self._consumed
@@ -316,14 +349,28 @@ class RankProcesses:
             self._consumed.add(rank)
             with self._lock:
                 stopped_by_us = rank in self._stopped
-            if code != 0 and not stopped_by_us:
-                if self._log:
-                    self._log(f"rank {rank} failed (code {code}); stopping the other ranks")
-                self.terminate(grace=grace)
-                self._join_pumps()
-                return RankExit(rank, code, tuple(self.tail(rank)))
+            if stopped_by_us:
+                continue
+            if code == 0:
+                self._left_early.append(rank)
+                continue
+            if self._log:
+                self._log(f"rank {rank} failed (code {code}); stopping the other ranks")
+            self.terminate(grace=grace)
+            self._join_pumps()
+            return self._root_cause(RankExit(rank, code, tuple(self.tail(rank))))
         self._join_pumps()
         return None
+
+    def _root_cause(self, failure: RankExit) -> RankExit:
+        # Exits are seen in the order they happened, so every rank in _left_early exited before
+        # the failure, while the failing rank was still running.
+        if not self._left_early:
+            return failure
+        first = self._left_early[0]
+        with self._lock:
+            running = self._running_at_exit.get(first, ())
+        return RankExit(first, 0, tuple(self.tail(first)), running=running, reaction=failure)
 
     def send_signal(self, signum: int) -> List[int]:
         """Send ``signum`` to the process group of every running rank; mark them as stopped by us.
