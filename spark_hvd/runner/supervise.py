@@ -60,6 +60,13 @@ FORWARDED_SIGNALS = frozenset(
 )
 """Signals a launcher may send to a supervised rank; the supervisor passes them to its process group."""
 
+# Signals that cannot be caught, or that the kernel raises on a fault of our own, stay unblocked.
+_UNBLOCKABLE = frozenset(
+    int(_sig.__dict__[name]) for name in
+    ("SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGSYS", "SIGABRT")
+    if name in _sig.__dict__
+)
+
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -304,9 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"{_USAGE}\nerror: {exc}", file=sys.stderr)
         return 2
-    watched = {int(_sig.SIGCHLD), *FORWARDED_SIGNALS}
-    watched.update(s for s in (PARENT_DIED, KILL_NOW) if s is not None)
-    # Blocked before the death signal is armed, so it waits for sigtimedwait instead of killing us.
+    # Every signal that could end or stop us is taken through sigtimedwait (ones we do not act on
+    # are dropped): a supervisor that died would strand what the rank started. Blocked before
+    # the death signal is armed, so that one cannot kill us either.
+    watched = set(_sig.valid_signals()) - _UNBLOCKABLE
     _sig.pthread_sigmask(_sig.SIG_BLOCK, watched)
     prctl = _load_prctl()
     if prctl is not None and PARENT_DIED is not None:

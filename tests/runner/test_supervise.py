@@ -106,3 +106,21 @@ def test_signals_that_cannot_be_passed_on_are_refused():
     with pytest.raises(ValueError, match=r"signal SIGSTOP cannot be passed on to ranks; expected SIGKILL or one of "
                                          r"SIGHUP, SIGINT, .*SIGTERM"):
         processes.send_signal(signal.SIGSTOP)
+
+
+def test_signals_it_does_not_pass_on_leave_supervisor_and_rank_running(tmp_path):
+    """Signals whose default action would end a process are dropped: the rank runs on and its code comes back."""
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    code = (f"import os, time; open({str(ready)!r}, 'w').close()\n"
+            f"while not os.path.exists({str(go)!r}): time.sleep(0.02)\n"
+            "raise SystemExit(5)")
+    proc = _supervised([sys.executable, "-c", code])
+    try:
+        assert wait_until(ready.exists, timeout=30)
+        for signum in (signal.SIGVTALRM, signal.SIGPROF, signal.SIGIO, signal.SIGRTMIN + 5):
+            proc.send_signal(signum)
+        go.touch()
+        assert proc.wait(timeout=30) == 5
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
