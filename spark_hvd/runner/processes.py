@@ -363,8 +363,8 @@ class RankProcesses:
         return None
 
     def _root_cause(self, failure: RankExit) -> RankExit:
-        # Exits are seen in the order they happened, so every rank in _left_early exited before
-        # the failure, while the failing rank was still running.
+        # The watchers queue exits as the processes end, so every rank in _left_early ended
+        # before the failure, while the failing rank was still running.
         if not self._left_early:
             return failure
         first = self._left_early[0]

@@ -75,6 +75,7 @@ _POLL_SECONDS = 1.0
 # How long processes that were SIGKILLed may take to go; a process stuck in the kernel is left.
 _KILL_WAIT_SECONDS = 10.0
 _EXEC_FAILED = 127
+_EXIT_CODE_1 = 1 << 8  # the wait status of a process that exited with code 1
 
 _USAGE = "usage: supervise.py LAUNCHER_PID GRACE_SECONDS -- COMMAND [ARG ...] (started by spark_hvd.runner)"
 
@@ -140,13 +141,17 @@ def _start_rank(command: list[str], prctl: _Prctl) -> int:
         _sig.pthread_sigmask(_sig.SIG_SETMASK, ())
         os.execvp(command[0], command)
     except OSError as exc:
-        message = f"spark-hvd: cannot run {command[0]!r}: {exc.strerror or exc}\n"
-        try:
-            os.write(2, message.encode("utf-8", "replace"))
-        except OSError:
-            pass
+        _say(f"cannot run {command[0]!r}: {exc.strerror or exc}")
     finally:
         os._exit(_EXEC_FAILED)
+
+
+def _say(message: str) -> None:
+    """One line on stderr, which is the rank's: the launcher shows it among the rank's output."""
+    try:
+        os.write(2, f"spark-hvd: {message}\n".encode("utf-8", "replace"))
+    except OSError:
+        pass
 
 
 def _children() -> list[int]:
@@ -202,6 +207,10 @@ class _Supervision:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
+                if self.rank_status is None:
+                    # Someone else reaped the rank; waiting on would never end.
+                    _say("the rank's exit status was lost; reporting exit code 1")
+                    self.rank_status = _EXIT_CODE_1
                 return
             if pid == 0:
                 return
@@ -316,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     # the death signal is armed, so that one cannot kill us either.
     watched = set(_sig.valid_signals()) - _UNBLOCKABLE
     _sig.pthread_sigmask(_sig.SIG_BLOCK, watched)
+    # An ignored SIGCHLD, inherited across exec from a launcher that ignores it, would have the
+    # kernel reap our children unseen, the rank's exit status with them.
+    _sig.signal(_sig.SIGCHLD, _sig.SIG_DFL)
     prctl = _load_prctl()
     if prctl is not None and PARENT_DIED is not None:
         prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)

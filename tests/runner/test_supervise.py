@@ -124,3 +124,15 @@ def test_signals_it_does_not_pass_on_leave_supervisor_and_rank_running(tmp_path)
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+def test_rank_status_comes_back_when_the_launcher_ignores_sigchld():
+    """A supervisor that inherits an ignored SIGCHLD still sees its rank end and exits with its code."""
+    argv = supervise.command_line(["sh", "-c", "exit 7"], os.getpid(), 3.0)
+    ignoring = "import os, signal, sys; signal.signal(signal.SIGCHLD, signal.SIG_IGN); os.execv(sys.argv[1], sys.argv[1:])"
+    proc = subprocess.Popen([sys.executable, "-c", ignoring, *argv])
+    try:
+        assert proc.wait(timeout=30) == 7
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
