@@ -57,9 +57,9 @@ def _alive(pids):
     return [pid for pid in pids if is_alive(pid)]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
 def test_leftovers_die_with_the_launcher(script, leftovers_dir, signum):
-    """SIGKILL (no cleanup possible) or SIGTERM to spark-hvd-run ends every process its ranks started."""
+    """SIGKILL (no cleanup possible), SIGTERM or SIGINT to spark-hvd-run ends every process its ranks started."""
     path = _rank_script(script, leftovers_dir, then="sleep")
     launcher = subprocess.Popen(LAUNCHER + ["-np", "2", sys.executable, path],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
