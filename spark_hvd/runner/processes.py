@@ -38,6 +38,7 @@ __all__ = [
     "RankProcesses",
     "print_prefixed",
     "rank_environment",
+    "LEAVER_WAIT_SECONDS",
     "TAIL_LINES",
     "TERMINATE_GRACE_SECONDS",
 ]
@@ -58,6 +59,11 @@ _PUMP_JOIN_SECONDS = 2.0
 
 # How long a SIGKILLed rank (or its supervisor) may take to be reaped.
 _KILL_WAIT_SECONDS = 5.0
+
+LEAVER_WAIT_SECONDS = 1.0
+"""After a rank fails, how long the others may go on before they are stopped, so that a rank that
+left with code 0 and whose peers failed because of it is seen to exit: a leaver's peers learn of
+its departure when it shuts down, and often fail before its interpreter has finished exiting."""
 
 _MAX_LINE_BYTES = 1 << 16
 
@@ -197,8 +203,8 @@ class RankProcesses:
         self._tails: Dict[int, Deque[str]] = {}
         self._exits: "queue.Queue[Tuple[int, int]]" = queue.Queue()
         self._consumed: Set[int] = set()  # ranks whose exit wait() has already seen
-        self._running_at_exit: Dict[int, Tuple[int, ...]] = {}
         self._left_early: List[int] = []  # ranks that exited 0 on their own, in the order wait() saw them
+        self._failure: Optional[RankExit] = None  # the first rank seen to fail on its own
         self._pumps: List[threading.Thread] = []
         self._supervised = supervise.available()
 
@@ -280,8 +286,6 @@ class RankProcesses:
     def _watch(self, rank: int, proc: "subprocess.Popen[bytes]") -> None:
         code = proc.wait()
         with self._lock:
-            self._running_at_exit[rank] = tuple(r for r in sorted(self._procs)
-                                                if r != rank and r not in self._returncodes)
             self._returncodes[rank] = code
         self._exited[rank].set()
         self._exits.put((rank, code))
@@ -321,21 +325,30 @@ class RankProcesses:
     # -- waiting and stopping -------------------------------------------------------------------
 
     def wait(self, timeout: Optional[float] = None, grace: float = TERMINATE_GRACE_SECONDS) -> Optional[RankExit]:
-        """Wait for every rank; on the first failure, stop the others and return the root cause.
+        """Wait for every rank; once one fails, stop the others and return the root cause.
 
         The root cause is the first rank to exit with code 0 while others still ran, when a
         failure followed (its peers lost it; the failure comes back as its ``reaction``), else
-        the first rank to fail. Returns None when every rank exited on its own with code 0.
-        Ranks this object stopped are never the root cause. Raises TimeoutError, leaving the
-        ranks running, when ``timeout`` seconds pass first; call again to go on waiting.
+        the first rank to fail. A rank that exits 0 within :data:`LEAVER_WAIT_SECONDS` after the
+        failure still counts as having left first: the others run on for that long before they
+        are stopped. Returns None when every rank exited on its own with code 0; ranks this
+        object stopped are never the root cause. Raises TimeoutError, leaving the ranks running,
+        when ``timeout`` seconds pass first; call again to go on waiting.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        leavers_until: Optional[float] = None
         pending = set(self._procs) - self._consumed
         while pending:
-            if deadline is None:
+            now = time.monotonic()
+            if self._failure is not None:
+                leavers_until = leavers_until or now + LEAVER_WAIT_SECONDS
+                if now >= leavers_until:
+                    break
+                wait_s = min(0.5, leavers_until - now)
+            elif deadline is None:
                 wait_s = 0.5
             else:
-                wait_s = min(0.5, deadline - time.monotonic())
+                wait_s = min(0.5, deadline - now)
                 if wait_s <= 0:
                     raise TimeoutError(
                         f"ranks {sorted(pending)} were still running after {timeout} s"
@@ -353,23 +366,24 @@ class RankProcesses:
                 continue
             if code == 0:
                 self._left_early.append(rank)
-                continue
-            if self._log:
-                self._log(f"rank {rank} failed (code {code}); stopping the other ranks")
-            self.terminate(grace=grace)
+            elif self._failure is None:
+                self._failure = RankExit(rank, code)
+                if self._log:
+                    self._log(f"rank {rank} failed (code {code}); stopping the other ranks in "
+                              f"{LEAVER_WAIT_SECONDS} s unless they end")
+        if self._failure is None:
             self._join_pumps()
-            return self._root_cause(RankExit(rank, code, tuple(self.tail(rank))))
+            return None
+        self.terminate(grace=grace)
         self._join_pumps()
-        return None
+        return self._root_cause(self._failure)
 
     def _root_cause(self, failure: RankExit) -> RankExit:
-        # The watchers queue exits as the processes end, so every rank in _left_early ended
-        # before the failure, while the failing rank was still running.
+        failure = RankExit(failure.rank, failure.returncode, tuple(self.tail(failure.rank)))
         if not self._left_early:
             return failure
         first = self._left_early[0]
-        with self._lock:
-            running = self._running_at_exit.get(first, ())
+        running = tuple(r for r in self.ranks if r != first)
         return RankExit(first, 0, tuple(self.tail(first)), running=running, reaction=failure)
 
     def send_signal(self, signum: int) -> List[int]:

@@ -10,6 +10,7 @@ import pytest
 from runner_helpers import is_alive, launch, launcher_messages, read_pids, wait_until
 
 from spark_hvd.runner import RankExit, RankFailedError, run
+from spark_hvd.runtime.errors import CollectiveError
 
 # Ranks 0 and 1 fail on their own once rank 2 has gone, a moment later, so the order of events
 # does not depend on how fast the runtime notices a lost peer.
@@ -71,7 +72,7 @@ def leave_early_on_rank_2(directory: str) -> str:
         return "done"
     _wait_for_rank_2_to_end(directory)
     time.sleep(0.5)
-    raise ConnectionError("lost rank 2")
+    raise CollectiveError("lost rank 2")
 
 
 def test_run_names_the_rank_that_returned_early_with_the_reaction_attached(tmp_path):
@@ -84,10 +85,11 @@ def test_run_names_the_rank_that_returned_early_with_the_reaction_attached(tmp_p
     assert "[2]<stdout>:rank 2 returns at once" in error.output_tail
     reaction = error.reaction
     assert reaction is not None and reaction.rank in (0, 1)
-    assert reaction.exc_type == "ConnectionError" and isinstance(reaction.original, ConnectionError)
+    assert reaction.exc_type == "spark_hvd.runtime.errors.CollectiveError"
+    assert isinstance(reaction.original, CollectiveError)
     assert error.summary == (
         f"rank 2 exited with code 0 while ranks 0 and 1 were still running (after fn returned); "
-        f"then rank {reaction.rank} raised ConnectionError: lost rank 2"
+        f"then rank {reaction.rank} raised spark_hvd.runtime.errors.CollectiveError: lost rank 2"
     )
     assert f"Traceback from rank {reaction.rank}:" in str(error)
     assert "Last 1 lines of output of rank 2:" in str(error)
@@ -116,6 +118,55 @@ def test_run_names_a_rank_that_left_a_world_still_in_collectives(tmp_path):
     assert info.value.rank == 2
     assert info.value.summary.startswith("rank 2 exited with code 0 while ranks 0 and 1 were still running")
     assert info.value.reaction is not None and info.value.reaction.rank in (0, 1)
+
+
+def fail_on_rank_1_after_rank_0_returned(directory: str) -> None:
+    rank = os.environ["SPARK_HVD_RANK"]
+    pid_file = os.path.join(directory, "rank0.pid")
+    if rank == "0":
+        with open(pid_file + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(pid_file + ".tmp", pid_file)
+        return
+    [rank0] = read_pids([pid_file], timeout=60)
+    assert wait_until(lambda: not is_alive(rank0), timeout=60)
+    raise AssertionError("rank 1 got a wrong value")
+
+
+def test_run_names_a_rank_failing_on_its_own_even_after_another_returned(tmp_path):
+    """run(): rank 1 raising its own error after rank 0 returned is the root cause; rank 0 is no cause."""
+    with pytest.raises(RankFailedError) as info:
+        run(fail_on_rank_1_after_rank_0_returned, args=(str(tmp_path),), np=2, timeout=120)
+    assert info.value.rank == 1
+    assert info.value.exc_type == "AssertionError"
+    assert info.value.reaction is None
+
+
+# Rank 2 announces that it is leaving, as the runtime's shutdown tells peers, and exits only a
+# moment later; its peers fail as soon as they hear of it, often before it has exited.
+PEERS_FAIL_BEFORE_RANK_2_EXITS = """
+import os, sys, time
+sys.path.insert(0, {helpers!r})
+from runner_helpers import wait_until
+leaving = os.path.join({directory!r}, "rank2.leaving")
+if os.environ["SPARK_HVD_RANK"] == "2":
+    open(leaving, "w").close()
+    time.sleep(0.3)
+    sys.exit(0)
+wait_until(lambda: os.path.exists(leaving), timeout=60)
+sys.exit(1)
+"""
+
+
+def test_cli_names_a_leaver_whose_peers_failed_before_it_had_exited(script, tmp_path):
+    """Ranks 0 and 1 fail as soon as rank 2 announces it leaves; rank 2 exits 0 after them and is still named first."""
+    helpers = os.path.dirname(os.path.abspath(__file__))
+    path = script(PEERS_FAIL_BEFORE_RANK_2_EXITS.format(helpers=helpers, directory=str(tmp_path)))
+    done = launch(["-np", "3", sys.executable, path], timeout=120)
+    assert done.returncode == 1
+    messages = launcher_messages(done.stderr)
+    assert messages[0] == "spark-hvd-run: rank 2 exited with code 0 while ranks 0 and 1 were still running"
+    assert messages[1] in ("spark-hvd-run: then rank 0 exited with code 1", "spark-hvd-run: then rank 1 exited with code 1")
 
 
 def return_at_different_times() -> int:
