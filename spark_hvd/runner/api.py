@@ -8,12 +8,18 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
+from spark_hvd.runtime.errors import CollectiveError, RendezvousTimeout
+
 from .errors import RankFailedError
 from .local import LocalJob
 from .payload import FUNCTION_FILE, read_sealed, result_file, write_sealed
 from .processes import RankExit
 
 __all__ = ["run"]
+
+
+# What a rank raises when a peer it needs has gone: the failure is a reaction, not a cause.
+_PEER_LOSS = (CollectiveError, RendezvousTimeout)
 
 
 def _log_to_stderr(message: str) -> None:
@@ -77,8 +83,23 @@ def _rank_error(rank: int, details: Dict[str, Any], tail: Sequence[str]) -> Rank
     )
 
 
+def _lost_a_peer(error: RankFailedError) -> bool:
+    """Whether a rank failed the way ranks fail when a peer has left: a collective or the rendezvous gave up."""
+    if error.original is not None:
+        return isinstance(error.original, _PEER_LOSS)
+    return error.exc_type in {f"{kind.__module__}.{kind.__qualname__}" for kind in _PEER_LOSS}
+
+
 def _failure_error(failure: RankExit, workdir: Path, secret: str) -> RankFailedError:
     outcome = _read_outcome(workdir, secret, failure.rank)
+    if failure.reaction is not None:
+        reaction = _failure_error(failure.reaction, workdir, secret)
+        if not _lost_a_peer(reaction):
+            # The failing rank raised an error of its own: the ranks that had finished did not cause it.
+            return reaction
+        how = "after fn returned" if outcome is not None and outcome[0] == "ok" else "without returning a result"
+        return RankFailedError(failure.rank, f"{failure.describe()} ({how}); then {reaction.summary}",
+                               output_tail=failure.tail, reaction=reaction)
     if outcome is not None and outcome[0] == "error":
         return _rank_error(failure.rank, outcome[1], failure.tail)
     return RankFailedError(failure.rank, failure.describe() + " before returning a result",
@@ -108,7 +129,10 @@ def run(
     ``init()`` waits for all ranks; ``timeout`` bounds the whole call (TimeoutError after it).
 
     When a rank raises or dies, the other ranks are stopped and :class:`RankFailedError` is raised
-    naming that rank, with its exception type, message and traceback. No rank outlives the call.
+    naming that rank, with its exception type, message and traceback. When a rank's ``fn``
+    returned while others still ran and they then failed for want of it (a ``CollectiveError`` or
+    ``RendezvousTimeout``), that rank is named instead, with their error as ``.reaction``. Nothing
+    the ranks started outlives the call.
     """
     kwargs = {} if kwargs is None else kwargs
     _check_arguments(fn, args, kwargs, np, env, timeout)

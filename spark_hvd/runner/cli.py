@@ -228,19 +228,22 @@ def _fate_of_other(rank: int, code: Optional[int], stopped: bool) -> str:
 
 
 def _report_failure(failure: RankExit, processes: RankProcesses) -> None:
-    """The root cause first, then its last output, then what became of the other ranks."""
-    _say(failure.describe())
-    if failure.tail:
-        _say(f"last {len(failure.tail)} lines of output of rank {failure.rank}:")
-        for line in failure.tail:
-            print(line, file=sys.stderr)
+    """The root cause first with its last output, then the failure it caused if any, then the other ranks."""
+    reported = [failure] if failure.reaction is None else [failure, failure.reaction]
+    for position, ended in enumerate(reported):
+        _say(("then " if position else "") + ended.describe())
+        if ended.tail:
+            _say(f"last {len(ended.tail)} lines of output of rank {ended.rank}:")
+            for line in ended.tail:
+                print(line, file=sys.stderr)
     codes = processes.returncodes
     stopped = set(processes.stopped)
+    named = {ended.rank for ended in reported}
     others = [
-        _fate_of_other(rank, codes.get(rank), rank in stopped) for rank in processes.ranks if rank != failure.rank
+        _fate_of_other(rank, codes.get(rank), rank in stopped) for rank in processes.ranks if rank not in named
     ]
     if others:
-        _say(f"after rank {failure.rank} failed: " + ", ".join(others))
+        _say(f"after rank {reported[-1].rank} failed: " + ", ".join(others))
     sys.stderr.flush()
 
 

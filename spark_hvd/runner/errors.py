@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 from spark_hvd.runtime.errors import SparkHvdError
 
@@ -16,6 +16,9 @@ class RankFailedError(SparkHvdError, RuntimeError):
     when it died without raising, e.g. killed by a signal); ``remote_traceback`` the formatted
     traceback from that rank; ``output_tail`` its last lines of output; ``original`` the
     exception object itself when it could be sent back, else None.
+
+    When the root cause is a rank that ended early with exit code 0 (its peers lost it), that
+    rank is ``rank`` and ``reaction`` is the error of the first rank that failed after it.
     """
 
     def __init__(
@@ -27,16 +30,24 @@ class RankFailedError(SparkHvdError, RuntimeError):
         remote_traceback: Optional[str] = None,
         output_tail: Sequence[str] = (),
         original: Optional[BaseException] = None,
+        reaction: Optional["RankFailedError"] = None,
     ) -> None:
-        parts = [summary]
-        if remote_traceback:
-            parts.append(f"Traceback from rank {rank}:\n{remote_traceback.rstrip()}")
-        elif output_tail:
-            parts.append(f"Last {len(output_tail)} lines of output of rank {rank}:\n" + "\n".join(output_tail))
-        super().__init__("\n\n".join(parts))
         self.rank = rank
         self.summary = summary
         self.exc_type = exc_type
         self.remote_traceback = remote_traceback
         self.output_tail = tuple(output_tail)
         self.original = original
+        self.reaction = reaction
+        parts = [summary, *self.details()]
+        if reaction is not None:
+            parts.extend(reaction.details())
+        super().__init__("\n\n".join(parts))
+
+    def details(self) -> List[str]:
+        """What is known of this rank beyond the summary: its traceback, else its last lines."""
+        if self.remote_traceback:
+            return [f"Traceback from rank {self.rank}:\n{self.remote_traceback.rstrip()}"]
+        if self.output_tail:
+            return [f"Last {len(self.output_tail)} lines of output of rank {self.rank}:\n" + "\n".join(self.output_tail)]
+        return []

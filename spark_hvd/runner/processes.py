@@ -1,11 +1,13 @@
 """Rank processes: start them, stream their output with a rank prefix, stop them all when one fails.
 
 Both launchers (the ``spark-hvd-run`` command and :func:`spark_hvd.runner.run`) manage their
-ranks through :class:`RankProcesses`; the Spark integration can reuse it for the processes its
-tasks start. The public surface is small:
+ranks through :class:`RankProcesses`; the Spark integration reuses it for the process its task
+starts. The public surface is small:
 
 - :func:`rank_environment` builds the environment of one rank process;
-- :meth:`RankProcesses.spawn` starts a rank (its own session, dies with the spawning thread);
+- :meth:`RankProcesses.spawn` starts a rank; on Linux under a supervisor
+  (:mod:`spark_hvd.runner.supervise`) that passes signals on and, however the rank or the launcher
+  ends, leaves no process the rank started behind;
 - :meth:`RankProcesses.wait` returns when every rank has exited, or as soon as one fails, after
   stopping the others; the failure comes back as a :class:`RankExit` (the root cause);
 - :meth:`RankProcesses.terminate` stops what still runs (signal, grace period, SIGKILL);
@@ -15,7 +17,6 @@ tasks start. The public surface is small:
 from __future__ import annotations
 
 import collections
-import ctypes
 import os
 import queue
 import signal
@@ -29,12 +30,15 @@ from typing import IO, Any, Callable, Deque, Dict, List, Mapping, Optional, Sequ
 
 from spark_hvd.runtime import config
 
+from . import supervise
+
 __all__ = [
     "OutputSink",
     "RankExit",
     "RankProcesses",
     "print_prefixed",
     "rank_environment",
+    "LEAVER_WAIT_SECONDS",
     "TAIL_LINES",
     "TERMINATE_GRACE_SECONDS",
 ]
@@ -46,11 +50,20 @@ TAIL_LINES = 30
 """Lines of output kept per rank, shown when that rank turns out to be the root cause of a failure."""
 
 TERMINATE_GRACE_SECONDS = 3.0
-"""Seconds a rank gets to exit after SIGTERM before it is killed."""
+"""Seconds a rank gets to exit after SIGTERM before it is killed; also what the processes a rank
+leaves behind get, and a rank whose launcher died."""
 
 # After the last process exits, its output pipes reach EOF at once unless a grandchild still
-# holds them; do not let such a straggler hold up the launcher.
+# holds them (possible only where ranks run unsupervised); do not let it hold up the launcher.
 _PUMP_JOIN_SECONDS = 2.0
+
+# How long a SIGKILLed rank (or its supervisor) may take to be reaped.
+_KILL_WAIT_SECONDS = 5.0
+
+LEAVER_WAIT_SECONDS = 1.0
+"""After a rank fails, how long the others may go on before they are stopped, so that a rank that
+left with code 0 and whose peers failed because of it is seen to exit: a leaver's peers learn of
+its departure when it shuts down, and often fail before its interpreter has finished exiting."""
 
 _MAX_LINE_BYTES = 1 << 16
 
@@ -108,58 +121,58 @@ def rank_environment(
     return env
 
 
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
+
+
+def _ranks_were(ranks: Sequence[int]) -> str:
+    """``rank 0 was`` or ``ranks 0, 1 and 3 were``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} was"
+    return "ranks " + ", ".join(str(r) for r in ranks[:-1]) + f" and {ranks[-1]} were"
+
+
 @dataclass(frozen=True)
 class RankExit:
-    """How one rank ended: its exit code (negative: killed by that signal) and its last lines."""
+    """How one rank ended: its exit code (negative: killed by that signal) and its last lines.
+
+    A rank that exited with code 0 while others were still running, and was followed by a
+    failure, is a root cause too: its peers lost it. Then ``running`` names the ranks that were
+    still running when it left, and ``reaction`` is the first failure that followed.
+    """
 
     rank: int
     returncode: int
     tail: Tuple[str, ...] = ()
+    running: Tuple[int, ...] = ()
+    """Ranks still running when this rank exited (set for a root cause that exited with code 0)."""
+    reaction: Optional["RankExit"] = None
+    """The first failure after this rank left early (set for a root cause that exited with code 0)."""
 
     def describe(self) -> str:
-        """``rank 1 exited with code 17`` or ``rank 1 was killed by signal SIGKILL``."""
+        """``rank 1 exited with code 17``, ``rank 1 was killed by signal SIGKILL``, or, for a
+        rank that left early, ``rank 2 exited with code 0 while ranks 0 and 1 were still running``."""
         if self.returncode < 0:
-            try:
-                name = signal.Signals(-self.returncode).name
-            except ValueError:
-                name = str(-self.returncode)
-            return f"rank {self.rank} was killed by signal {name}"
-        return f"rank {self.rank} exited with code {self.returncode}"
+            return f"rank {self.rank} was killed by signal {_signal_name(-self.returncode)}"
+        text = f"rank {self.rank} exited with code {self.returncode}"
+        if self.reaction is not None:
+            if self.running:
+                text += f" while {_ranks_were(self.running)} still running"
+            else:
+                text += f" before rank {self.reaction.rank} failed"
+        return text
 
     @property
     def exit_status(self) -> int:
-        """The status a launcher exits with for this failure: the rank's code, or 1 for a signal."""
-        return self.returncode if self.returncode > 0 else 1
-
-
-def _load_prctl() -> Optional[Callable[..., int]]:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _load_prctl()
-_PR_SET_PDEATHSIG = 1
-_SIGKILL = int(signal.SIGKILL)
-
-
-def _die_with_parent(parent_pid: int) -> Optional[Callable[[], None]]:
-    """A pre-exec hook that makes the child receive SIGKILL when its parent thread dies (Linux)."""
-    prctl = _PRCTL
-    if prctl is None:
-        return None
-
-    def hook() -> None:
-        # Runs in the forked child before exec; the death signal survives exec.
-        prctl(_PR_SET_PDEATHSIG, _SIGKILL, 0, 0, 0)
-        if os.getppid() != parent_pid:
-            # The parent died between fork and prctl; nobody would kill us later.
-            os._exit(1)
-
-    return hook
+        """The status a launcher exits with for this failure: the rank's code, else the reaction's, else 1."""
+        if self.returncode > 0:
+            return self.returncode
+        if self.reaction is not None:
+            return self.reaction.exit_status
+        return 1
 
 
 class RankProcesses:
@@ -190,30 +203,36 @@ class RankProcesses:
         self._tails: Dict[int, Deque[str]] = {}
         self._exits: "queue.Queue[Tuple[int, int]]" = queue.Queue()
         self._consumed: Set[int] = set()  # ranks whose exit wait() has already seen
+        self._left_early: List[int] = []  # ranks that exited 0 on their own, in the order wait() saw them
+        self._failure: Optional[RankExit] = None  # the first rank seen to fail on its own
         self._pumps: List[threading.Thread] = []
+        self._supervised = supervise.available()
 
     # -- starting -------------------------------------------------------------------------------
 
     def spawn(self, rank: int, argv: Sequence[str], env: Mapping[str, str], cwd: Optional[str] = None) -> int:
-        """Start ``argv`` as ``rank`` with exactly ``env``; return its pid.
+        """Start ``argv`` as ``rank`` with exactly ``env``; return the pid of the process started.
 
-        The child runs in its own session (so signals reach its whole process group) and, on
-        Linux, is killed when the thread that called ``spawn`` exits: call it from a thread that
-        outlives the job, such as the main thread.
+        The rank runs in its own session, so signals reach its whole process group. On Linux it
+        runs under a supervisor (whose pid is returned) that ends everything the rank started
+        when the rank ends, and ends the rank and all of that when the thread that called
+        ``spawn`` exits: call it from a thread that outlives the job, such as the main thread.
         """
         if rank in self._procs:
             raise ValueError(f"rank {rank} was already started; expected each rank to be spawned once")
+        command = list(argv)
+        if self._supervised:
+            command = supervise.command_line(command, os.getpid(), TERMINATE_GRACE_SECONDS)
         files = self._open_output_files(rank)
         try:
             proc = subprocess.Popen(
-                list(argv),
+                command,
                 env=dict(env),
                 cwd=cwd,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
-                preexec_fn=_die_with_parent(os.getpid()),
             )
         except BaseException:
             for file in files.values():
@@ -296,6 +315,7 @@ class RankProcesses:
             return sorted(r for r in self._procs if r not in self._returncodes)
 
     def pid(self, rank: int) -> int:
+        """The pid of the process started for ``rank``: its supervisor where ranks are supervised."""
         return self._procs[rank].pid
 
     def tail(self, rank: int) -> List[str]:
@@ -305,19 +325,30 @@ class RankProcesses:
     # -- waiting and stopping -------------------------------------------------------------------
 
     def wait(self, timeout: Optional[float] = None, grace: float = TERMINATE_GRACE_SECONDS) -> Optional[RankExit]:
-        """Wait for every rank; on the first failure, stop the others and return that failure.
+        """Wait for every rank; once one fails, stop the others and return the root cause.
 
-        Returns None when every rank exited on its own with code 0 (ranks this object stopped
-        are never the root cause). Raises TimeoutError, leaving the ranks running, when
-        ``timeout`` seconds pass first.
+        The root cause is the first rank to exit with code 0 while others still ran, when a
+        failure followed (its peers lost it; the failure comes back as its ``reaction``), else
+        the first rank to fail. A rank that exits 0 within :data:`LEAVER_WAIT_SECONDS` after the
+        failure still counts as having left first: the others run on for that long before they
+        are stopped. Returns None when every rank exited on its own with code 0; ranks this
+        object stopped are never the root cause. Raises TimeoutError, leaving the ranks running,
+        when ``timeout`` seconds pass first; call again to go on waiting.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        leavers_until: Optional[float] = None
         pending = set(self._procs) - self._consumed
         while pending:
-            if deadline is None:
+            now = time.monotonic()
+            if self._failure is not None:
+                leavers_until = leavers_until or now + LEAVER_WAIT_SECONDS
+                if now >= leavers_until:
+                    break
+                wait_s = min(0.5, leavers_until - now)
+            elif deadline is None:
                 wait_s = 0.5
             else:
-                wait_s = min(0.5, deadline - time.monotonic())
+                wait_s = min(0.5, deadline - now)
                 if wait_s <= 0:
                     raise TimeoutError(
                         f"ranks {sorted(pending)} were still running after {timeout} s"
@@ -331,17 +362,40 @@ class RankProcesses:
             self._consumed.add(rank)
             with self._lock:
                 stopped_by_us = rank in self._stopped
-            if code != 0 and not stopped_by_us:
+            if stopped_by_us:
+                continue
+            if code == 0:
+                self._left_early.append(rank)
+            elif self._failure is None:
+                self._failure = RankExit(rank, code)
                 if self._log:
-                    self._log(f"rank {rank} failed (code {code}); stopping the other ranks")
-                self.terminate(grace=grace)
-                self._join_pumps()
-                return RankExit(rank, code, tuple(self.tail(rank)))
+                    self._log(f"rank {rank} failed (code {code}); stopping the other ranks in "
+                              f"{LEAVER_WAIT_SECONDS} s unless they end")
+        if self._failure is None:
+            self._join_pumps()
+            return None
+        self.terminate(grace=grace)
         self._join_pumps()
-        return None
+        return self._root_cause(self._failure)
+
+    def _root_cause(self, failure: RankExit) -> RankExit:
+        failure = RankExit(failure.rank, failure.returncode, tuple(self.tail(failure.rank)))
+        if not self._left_early:
+            return failure
+        first = self._left_early[0]
+        running = tuple(r for r in self.ranks if r != first)
+        return RankExit(first, 0, tuple(self.tail(first)), running=running, reaction=failure)
 
     def send_signal(self, signum: int) -> List[int]:
-        """Send ``signum`` to the process group of every running rank; mark them as stopped by us."""
+        """Send ``signum`` to the process group of every running rank; mark them as stopped by us.
+
+        ``signum`` is SIGKILL or one of :data:`spark_hvd.runner.supervise.FORWARDED_SIGNALS`
+        (SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1, SIGUSR2, SIGALRM).
+        """
+        if signum != signal.SIGKILL and signum not in supervise.FORWARDED_SIGNALS:
+            names = ", ".join(_signal_name(s) for s in sorted(supervise.FORWARDED_SIGNALS))
+            raise ValueError(f"signal {_signal_name(signum)} cannot be passed on to ranks; expected SIGKILL or one of "
+                             f"{names}")
         with self._lock:
             running = [r for r in self._procs if r not in self._returncodes]
             self._stopped.update(running)
@@ -365,13 +419,28 @@ class RankProcesses:
             self._signal(rank, signal.SIGKILL)
         if stubborn and self._log:
             self._log(f"killed ranks {stubborn} after a grace period of {grace} s")
+        deadline = time.monotonic() + _KILL_WAIT_SECONDS
         for rank in stubborn:
-            # SIGKILL cannot be caught; this only waits for the kernel to reap.
-            self._exited[rank].wait(5.0)
+            self._exited[rank].wait(max(0.0, deadline - time.monotonic()))
+        if self._supervised:
+            for rank in stubborn:
+                if not self._exited[rank].is_set():
+                    # The supervisor did not act on KILL_NOW; its rank dies with it (parent-death signal).
+                    self._procs[rank].kill()
+                    self._exited[rank].wait(_KILL_WAIT_SECONDS)
         return running
 
     def _signal(self, rank: int, signum: int) -> None:
         proc = self._procs[rank]
+        if self._supervised:
+            # The supervisor passes the signal on to the rank's process group. SIGKILL would end
+            # the supervisor itself and strand what the rank started: ask it to kill instead.
+            assert supervise.KILL_NOW is not None
+            try:
+                proc.send_signal(supervise.KILL_NOW if signum == signal.SIGKILL else signum)
+            except ProcessLookupError:
+                pass
+            return
         try:
             os.killpg(proc.pid, signum)
         except ProcessLookupError:
