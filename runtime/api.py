@@ -86,11 +86,18 @@ def init(config: Optional[RuntimeConfig] = None, **overrides: Any) -> None:
     """Join the job described by the worker contract (a world of one without a launcher).
 
     Calling it again while initialized does nothing; after :func:`shutdown` it joins the job
-    anew, as often as needed (every rank must do the same).
+    anew, as often as needed (every rank must do the same). A runtime that has failed (a lost
+    peer, an abort, a stall past its deadline) can do nothing more, so init() then shuts it down
+    and joins anew, as the other ranks, which failed too, will.
     """
     with _state.lock:
-        if _state.session is not None:
-            return
+        stale = _state.session
+        if stale is not None:
+            if stale.engine.failure is None:
+                return
+            log.info("spark-hvd: initializing again after the runtime failed: %s", stale.engine.failure)
+            _state.session = None
+            stale.shutdown()
         cfg = config if config is not None else RuntimeConfig.from_env(**overrides)
         logging.getLogger("spark_hvd").setLevel(cfg.log_level.upper())
         _state.generation += 1

@@ -219,9 +219,10 @@ class Engine(Executor):
 
         Handing work to the engine thread and back costs two thread wake-ups (tens of
         microseconds each); a waiting caller that finds the engine idle runs the cycles itself and
-        polls the sockets, for at most a short budget before it blocks. A KeyboardInterrupt that
-        lands here reaches the caller as such; if it cut a cycle short, this rank's part of the
-        job is in an unknown state, so the job is aborted too (the other ranks learn why).
+        polls the sockets, for at most a short budget before it blocks. A KeyboardInterrupt (or any
+        other BaseException that is not an Exception) that lands here reaches the caller as such;
+        if it cut a cycle short, this rank's part of the job is in an unknown state, so the job is
+        aborted too (the other ranks learn why).
         """
         if self._inline_lock is not None or self._failure is not None or self._stopping:
             return
@@ -237,15 +238,15 @@ class Engine(Executor):
                 if handle._done or time.perf_counter() > deadline:
                     break
                 os.sched_yield()
-        except KeyboardInterrupt:
+        except Exception as exc:
+            self._in_cycle = False
+            self._abort(self._as_collective_error(exc))
+        except BaseException as exc:  # KeyboardInterrupt, SystemExit, a test runner's timeout ...
             if self._in_cycle:
                 self._in_cycle = False
                 self._abort(CollectiveError(
-                    f"rank {self.rank} was interrupted (KeyboardInterrupt) in the middle of a collective"))
+                    f"rank {self.rank} was interrupted ({type(exc).__name__}) in the middle of a collective"))
             raise
-        except BaseException as exc:
-            self._in_cycle = False
-            self._abort(self._as_collective_error(exc))
         finally:
             self._progress.release()
         if not handle._done or self._queue or any(r.frames for r in self._readers.values()):

@@ -9,7 +9,8 @@ import at a copy of ``test/utils/common.py`` (whose one Horovod import, a thread
 by GPU tests, gets a stand-in), and runs it unmodified otherwise under
 ``spark-hvd-run -np N python -m pytest`` in one launch per size. The suite's ``tearDown`` calls
 ``hvd.barrier(); hvd.shutdown()`` after every test, so one launch re-initializes the runtime once
-per test.
+per test. The ranks run with a stall deadline (``--stall-shutdown``), as a job would, so that a test
+failing on some ranks only ends its pending collective everywhere instead of hanging the launch.
 
 It prints the counts per size and rank, and every test that did not pass with its first error
 line. The exit status is 0 when every launch ran to its end (whatever the tests said), so the
@@ -100,20 +101,27 @@ def parse_rank_output(text: str) -> Tuple[Dict[str, int], Dict[str, str]]:
 
 
 def run_size(suite: Path, np: int, launcher: str, keyword: str, timeout: float, test_timeout: int,
-             outdir: Path) -> Tuple[int, float, List[Tuple[Dict[str, int], Dict[str, str]]]]:
+             stall_shutdown: float, outdir: Path) -> Tuple[int, float, List[Tuple[Dict[str, int], Dict[str, str]]]]:
     cmd = [launcher, "-np", str(np), "--output-filename", str(outdir),
            sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", "--color=no",
            f"--timeout={test_timeout}", str(suite)]
     if keyword:
         cmd[cmd.index("-rA")+1:cmd.index("-rA")+1] = ["-k", keyword]
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", COLUMNS="400")
+    # A test that fails on some ranks only (an assertion before a collective the others then never
+    # join) would leave them waiting: the stall deadline fails that collective on every rank, and
+    # the next test's init() starts a fresh world everywhere.
+    env.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", "10")
+    env.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(stall_shutdown))
     start = time.monotonic()
     try:
-        proc = subprocess.run(cmd, cwd=suite.parent, env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True, timeout=timeout)
+        outdir.mkdir(parents=True, exist_ok=True)
+        with open(outdir / "launcher.stderr", "w") as launcher_err:
+            proc = subprocess.run(cmd, cwd=suite.parent, env=env, stdout=subprocess.DEVNULL,
+                                  stderr=launcher_err, text=True, timeout=timeout)
         code = proc.returncode
         if code not in (0, 1):
-            sys.stderr.write(proc.stderr[-4000:])
+            sys.stderr.write((outdir / "launcher.stderr").read_text()[-4000:])
     except subprocess.TimeoutExpired:
         code = -1
     elapsed = time.monotonic() - start
@@ -131,9 +139,10 @@ def main(argv: List[str] | None = None) -> int:
     parser.add_argument("--np", type=int, nargs="+", default=[2, 3], help="world sizes, one launch each")
     parser.add_argument("-k", dest="keyword", default="", help="pytest -k expression (default: every test)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for one whole launch")
-    parser.add_argument("--test-timeout", type=int, default=90,
-                        help="seconds for one test (pytest-timeout); a test that fails on some ranks only leaves "
-                             "the others waiting in a collective until then, after which the suite goes on")
+    parser.add_argument("--test-timeout", type=int, default=300, help="seconds for one test (pytest-timeout)")
+    parser.add_argument("--stall-shutdown", type=float, default=30.0,
+                        help="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS for the ranks (default 30): ends a collective "
+                             "that a rank's failed assertion left the others waiting on")
     parser.add_argument("--keep", type=Path, help="keep the prepared suite and the rank outputs here")
     parser.add_argument("--launcher", default=str(Path(sys.executable).with_name("spark-hvd-run")),
                         help="the spark-hvd-run executable")
@@ -149,7 +158,7 @@ def main(argv: List[str] | None = None) -> int:
     try:
         for np in args.np:
             code, elapsed, per_rank = run_size(suite, np, args.launcher, args.keyword, args.timeout,
-                                               args.test_timeout, workdir / f"np{np}")
+                                               args.test_timeout, args.stall_shutdown, workdir / f"np{np}")
             print(f"== {SUITE} under spark-hvd-run -np {np}: one launch, {elapsed:.0f} s, exit {code} ==")
             for rank, (counts, problems) in enumerate(per_rank):
                 shown = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no summary (launch died)"
