@@ -43,7 +43,7 @@ HOROVOD_SIGNATURES = {
     "broadcast_object": "obj, root_rank=0, name=None, process_set=<global>",
     "allgather_object": "obj, name=None, process_set=<global>",
     "broadcast_parameters": "params, root_rank, prefix=Parameter., process_set=<global>",
-    "broadcast_optimizer_state": "optimizer, root_rank, prefix=Parameter., process_set=<global>",
+    "broadcast_optimizer_state": "optimizer, root_rank, model=None, process_set=<global>",
     "DistributedOptimizer": "optimizer, named_parameters=None, compression=<none>, backward_passes_per_step=1, "
                             "op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None, "
                             "sparse_as_dense=False, process_set=<global>",
