@@ -9,7 +9,7 @@ import torch
 
 import spark_hvd.runtime as _rt
 from spark_hvd.torch.basics import global_process_set, rank
-from spark_hvd.torch.mpi_ops import Handle, enqueue
+from spark_hvd.torch.handles import Handle, enqueue
 from spark_hvd.torch.optimizer import _DistributedOptimizer
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]

@@ -15,7 +15,8 @@ import torch
 
 from spark_hvd.torch.basics import Adasum, Average, global_process_set
 from spark_hvd.torch.compression import Compression, Compressor
-from spark_hvd.torch.mpi_ops import Handle, enqueue, sparse_allreduce_async
+from spark_hvd.torch.handles import Handle, enqueue
+from spark_hvd.torch.mpi_ops import sparse_allreduce_async
 
 __all__ = ["DistributedOptimizer"]
 

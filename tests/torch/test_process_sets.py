@@ -47,7 +47,6 @@ def check_collectives_within_a_set(hvd, rank, size):
         else:
             raise AssertionError("a non-member was allowed to use the process set")
         return
-    me = members.index(rank)
     close(hvd.allreduce(torch.full((2,), float(rank)), op=hvd.Sum, process_set=ps),
           torch.full((2,), float(sum(members))))
     outs = hvd.grouped_allreduce([torch.full((1,), float(rank))], op=hvd.Max, process_set=ps)
