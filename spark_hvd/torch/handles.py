@@ -22,7 +22,8 @@ __all__ = ["Handle", "poll", "synchronize", "enqueue", "resolve_op"]
 
 class Handle:
     """An operation in flight. Pass it to :func:`poll` or :func:`synchronize`; hashable, like
-    Horovod's integer handles, so it can key a dict."""
+    Horovod's integer handles, so it can key a dict. Calling it, ``handle()``, is
+    ``synchronize(handle)``, which is how Horovod's ``sparse_allreduce_async`` result is used."""
 
     __slots__ = ("_inner", "_finish", "_result", "_finished", "__weakref__")
 
@@ -50,6 +51,10 @@ class Handle:
             self._inner = None
             self._finish = _no_finish
         return self._result
+
+    def __call__(self) -> Any:
+        """Wait for the operation and return its result, as :func:`synchronize` does."""
+        return self.wait()
 
 
 def _no_finish(raw: List[Any]) -> Any:
@@ -130,6 +135,18 @@ def _op_name(kind: str, name: Optional[str]) -> Optional[str]:
     return f"{kind}.{name}"
 
 
+def _refuse_scalars(tensors: Sequence[Any], grouped: bool) -> None:
+    # The bridge gives 0-dim tensors one row so they can be gathered and broadcast; a reducescatter
+    # of that row would hand a meaningless piece to one rank, so Horovod refuses scalars here.
+    for i, tensor in enumerate(tensors):
+        if isinstance(tensor, torch.Tensor) and tensor.dim() == 0:
+            what = f"tensors[{i}]" if grouped else "tensor"
+            raise ValueError(
+                f"{what} is 0-dimensional (shape ()), but reducescatter splits dimension 0 across ranks "
+                "and needs at least one dimension; reshape it, e.g. tensor.reshape(1), or use allreduce"
+            )
+
+
 def enqueue(
     kind: str,
     tensors: Sequence[torch.Tensor],
@@ -155,6 +172,8 @@ def enqueue(
         tensors = list(tensors)
         if not tensors:
             raise ValueError(f"grouped_{kind} got an empty list of tensors; expected at least one tensor")
+    if kind == "reducescatter":
+        _refuse_scalars(tensors, grouped)
     what = "tensors[{}]" if grouped else "tensor"
     staged = [stage(t, reduction=kind in _REDUCTIONS, what=what.format(i)) for i, t in enumerate(tensors)]
     wire = _common_wire(staged, kind)

@@ -174,7 +174,8 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str], op: int,
                            process_set: Any = global_process_set) -> Handle:
     """Start combining a sparse COO tensor over the ranks by allgathering its indices and values.
 
-    Returns a Handle; ``synchronize(handle)`` returns a sparse tensor of the input's shape holding every rank's entries (coalescing sums duplicates); with
+    Returns a Handle; ``handle()`` (as in Horovod) or ``synchronize(handle)`` returns a sparse
+    tensor of the input's shape holding every rank's entries (coalescing sums duplicates); with
     op=Average the values are divided by the number of ranks. Afterwards the result is identical
     on all ranks.
 

@@ -137,6 +137,21 @@ def test_every_horovod_name_is_exported():
     assert not missing
 
 
+def test_a_handle_is_callable():
+    """Calling a handle returns what synchronize() returns, as Horovod's sparse_allreduce_async
+    callers expect; poll() and synchronize() still accept it."""
+    hvd.init()
+    try:
+        handle = hvd.sparse_allreduce_async(torch.eye(3).to_sparse(), name="callable", op=hvd.Sum)
+        result = handle()
+        assert hvd.poll(handle) and hvd.synchronize(handle) is result
+        assert result.is_sparse and torch.equal(result.to_dense(), torch.eye(3))
+        dense = hvd.allreduce_async(torch.ones(2), op=hvd.Sum)
+        assert torch.equal(dense(), torch.ones(2))
+    finally:
+        hvd.shutdown()
+
+
 def test_public_modules_have_docstrings_and_all():
     """Every module of spark_hvd.torch has a one-line docstring and __all__."""
     for info in pkgutil.iter_modules(hvd.__path__):

@@ -375,7 +375,8 @@ def check_timeline(hvd, rank, size):
 ALL = [check_topology, check_timeline, check_allreduce_every_dtype_and_op, check_allreduce_variants,
        check_allreduce_scaling_and_average_flag, check_allreduce_fp16_compression, check_non_contiguous_tensors,
        check_scalar_and_zero_dim, check_grouped_allreduce, check_allgather_uneven, check_broadcast_forms,
-       check_alltoall, check_reducescatter, check_other_dtypes_move, check_adasum_and_bool_average_refused,
+       check_alltoall, check_reducescatter, check_reducescatter_refuses_scalars, check_sparse_allreduce_async,
+       check_other_dtypes_move, check_adasum_and_bool_average_refused,
        check_shape_mismatch_fails_every_rank, check_names_are_per_kind, check_barrier_poll_handles]
 
 
