@@ -57,8 +57,8 @@ from spark_hvd.torch.functions import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from spark_hvd.torch.handles import Handle, poll, synchronize
 from spark_hvd.torch.mpi_ops import (
-    Handle,
     allgather_async,
     allreduce_,
     allreduce_async,
@@ -74,10 +74,8 @@ from spark_hvd.torch.mpi_ops import (
     grouped_allreduce_async_,
     grouped_reducescatter_async,
     join,
-    poll,
     reducescatter_async,
     sparse_allreduce_async,
-    synchronize,
 )
 from spark_hvd.torch.optimizer import DistributedOptimizer
 from spark_hvd.torch.sync_batch_norm import SyncBatchNorm

@@ -1,7 +1,8 @@
 """The differentiable collectives, with the gradients Horovod defines.
 
 ``allreduce``, ``allgather``, ``broadcast``, ``alltoall``, ``reducescatter`` and their grouped
-forms are ``torch.autograd.Function`` applications. Gradients, for a rank's output gradient ``g``:
+forms are ``torch.autograd.Function`` applications over the one enqueue path. Gradients, for a
+rank's output gradient ``g``:
 
 - allreduce: ``allreduce(g)`` with the same op and scale factors;
 - allgather: ``allreduce(g, op=Average)``, then this rank's rows of it;
@@ -12,26 +13,13 @@ forms are ``torch.autograd.Function`` applications. Gradients, for a rank's outp
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from spark_hvd.torch.basics import Average, Sum, global_process_set, rank
+from spark_hvd.torch.basics import Average, Sum, global_process_set, rank, size
 from spark_hvd.torch.compression import Compression, Compressor
-from spark_hvd.torch.mpi_ops import (
-    ALLGATHER,
-    ALLREDUCE,
-    ALLTOALL,
-    BROADCAST,
-    GROUPED_ALLGATHER,
-    GROUPED_ALLREDUCE,
-    GROUPED_REDUCESCATTER,
-    REDUCESCATTER,
-    dress,
-    enqueue,
-    resolve_op,
-)
+from spark_hvd.torch.handles import enqueue, resolve_op
 
 __all__ = [
     "allreduce",
@@ -58,8 +46,6 @@ def _set_rank(process_set: Any) -> int:
 
 
 def _set_size(process_set: Any) -> int:
-    from spark_hvd.torch.basics import size
-
     return process_set.size() if process_set is not None else size()
 
 
@@ -67,10 +53,6 @@ def _row_offset(rows: int, process_set: Any) -> int:
     """Where this rank's rows start in an allgather result: the rows of the ranks before it."""
     counts = enqueue("allgather", [torch.tensor([rows], dtype=torch.int64)], process_set=process_set).wait()
     return int(counts[: _set_rank(process_set)].sum())
-
-
-def _rows(tensor: torch.Tensor) -> int:
-    return tensor.shape[0] if tensor.dim() > 0 else 1
 
 
 class HorovodAllreduce(torch.autograd.Function):
@@ -221,84 +203,171 @@ def _scatter_grad_scale(op: int, process_set: Any, prescale_factor: float, posts
     return scale * _set_size(process_set) if op == Sum else scale
 
 
+def _compress_all(compression: Compressor, tensors: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], List[Any]]:
+    pairs = [compression.compress(t) for t in tensors]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
 # --- Public differentiable functions ------------------------------------------------------------
 
 
-def _allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-               compression: type = Compression.none, op: Optional[int] = None, prescale_factor: float = 1.0,
-               postscale_factor: float = 1.0, process_set: Any = global_process_set) -> torch.Tensor:
+def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+              compression: Compressor = Compression.none, op: Optional[int] = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, process_set: Any = global_process_set) -> torch.Tensor:
+    """Reduce ``tensor`` element-wise over the ranks and return the result as a new tensor.
+
+    Afterwards the result is identical on all ranks, with the input's shape and dtype; the input
+    is not modified. Differentiable: the gradient is the same reduction of the output gradients.
+
+    Arguments:
+        tensor: The tensor to reduce (CUDA tensors travel through host memory).
+        average: Deprecated: True means op=Average, False op=Sum. Pass op instead.
+        name: Matches this operation across ranks; None draws a name from a per-kind counter,
+            so unnamed operations must then be issued in the same order on every rank.
+        compression: Compression.none (the default) or Compression.fp16 (travels as float16).
+        op: Average (the default), Sum, Min, Max or Product.
+        prescale_factor: Multiplies the input before the reduction.
+        postscale_factor: Multiplies the result after the reduction.
+        process_set: The ranks taking part (default: all ranks).
+    """
     sent, ctx = compression.compress(tensor)
     out = HorovodAllreduce.apply(sent, name, resolve_op(op, average), prescale_factor, postscale_factor,
                                  process_set)
     return compression.decompress(out, ctx)
 
 
-def _grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
-                       name: Optional[str] = None, compression: type = Compression.none,
-                       op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                       process_set: Any = global_process_set) -> List[torch.Tensor]:
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
+                      compression: Compressor = Compression.none, op: Optional[int] = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: Any = global_process_set) -> List[torch.Tensor]:
+    """Reduce each tensor of ``tensors`` over the ranks as one operation; return new tensors.
+
+    Afterwards each result is identical on all ranks; the inputs are not modified.
+    Differentiable, like :func:`allreduce`.
+
+    Arguments:
+        tensors: The tensors to reduce; the i-th is combined with the i-th of every rank.
+        average: Deprecated: True means op=Average, False op=Sum. Pass op instead.
+        name: Matches this operation across ranks; None draws a name from a per-kind counter.
+        compression: Compression.none (the default) or Compression.fp16 (travels as float16).
+        op: Average (the default), Sum, Min, Max or Product.
+        prescale_factor: Multiplies each input before the reduction.
+        postscale_factor: Multiplies each result after the reduction.
+        process_set: The ranks taking part (default: all ranks).
+    """
     sent, ctxs = _compress_all(compression, tensors)
     outs = HorovodGroupedAllreduce.apply(name, resolve_op(op, average), prescale_factor, postscale_factor,
                                          process_set, *sent)
     return [compression.decompress(o, c) for o, c in zip(outs, ctxs)]
 
 
-def _allgather(tensor: torch.Tensor, name: Optional[str] = None,
-               process_set: Any = global_process_set) -> torch.Tensor:
+def allgather(tensor: torch.Tensor, name: Optional[str] = None,
+              process_set: Any = global_process_set) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along dimension 0, in rank order.
+
+    Afterwards the result is identical on all ranks. The first dimension may differ between
+    ranks; the others and the dtype must agree. Differentiable: this rank's gradient is its rows
+    of the averaged output gradient.
+
+    Arguments:
+        tensor: This rank's rows.
+        name: Matches this operation across ranks; None draws a name from a per-kind counter.
+        process_set: The ranks taking part (default: all ranks).
+    """
     return HorovodAllgather.apply(tensor, name, process_set)
 
 
-def _grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
-                       process_set: Any = global_process_set) -> List[torch.Tensor]:
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                      process_set: Any = global_process_set) -> List[torch.Tensor]:
+    """Allgather each tensor of ``tensors`` as one operation.
+
+    Afterwards every concatenation (along dimension 0, in rank order) is identical on all ranks.
+    Differentiable, like :func:`allgather`.
+
+    Arguments:
+        tensors: This rank's rows of each gathered tensor.
+        name: Matches this operation across ranks; None draws a name from a per-kind counter.
+        process_set: The ranks taking part (default: all ranks).
+    """
     return list(HorovodGroupedAllgather.apply(name, process_set, *tensors))
 
 
-def _broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
-               process_set: Any = global_process_set) -> torch.Tensor:
+def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+              process_set: Any = global_process_set) -> torch.Tensor:
+    """Return ``root_rank``'s tensor on every rank, as a new tensor.
+
+    Afterwards the result holds root_rank's values on all ranks; the input is not modified.
+    Differentiable: the root's gradient is the averaged output gradient, the others' zeros.
+
+    Arguments:
+        tensor: The root's data on root_rank; elsewhere a tensor of the same shape and dtype.
+        root_rank: The rank whose tensor is sent.
+        name: Matches this operation across ranks; None draws a name from a per-kind counter.
+        process_set: The ranks taking part (default: all ranks).
+    """
     return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
 
 
-def _alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
-              process_set: Any = global_process_set) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
+             process_set: Any = global_process_set) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Send ``splits[i]`` rows of dimension 0 to rank i and return what every rank sent here.
+
+    Afterwards each rank holds the rows sent to it, concatenated in rank order. With ``splits``
+    the result is ``(received, received_splits)`` (int32, or the dtype of a ``splits`` tensor);
+    without, only ``received``. Differentiable: gradients travel back along the received splits.
+
+    Arguments:
+        tensor: The rows to send, grouped by destination rank.
+        splits: Rows for each rank, in rank order (list or integer tensor); None splits dimension
+            0 evenly, which needs it to divide by the number of ranks.
+        name: Matches this operation across ranks; None draws a name from a per-kind counter.
+        process_set: The ranks taking part (default: all ranks).
+    """
     return HorovodAlltoall.apply(tensor, splits, name, process_set)
 
 
-def _reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression: type = Compression.none,
-                   op: int = Average, process_set: Any = global_process_set, prescale_factor: float = 1.0,
-                   postscale_factor: float = 1.0) -> torch.Tensor:
+def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression: Compressor = Compression.none,
+                  op: int = Average, process_set: Any = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce ``tensor`` over the ranks and return this rank's block of the result.
+
+    Afterwards rank r holds block r of the reduction along dimension 0 (blocks as even as
+    possible, earlier ranks taking the extra rows). The input must have at least one dimension;
+    a 0-dimensional tensor raises ValueError. Differentiable: the gradient is the allgather of
+    the output gradients, times the number of ranks for op=Sum.
+
+    Arguments:
+        tensor: The tensor to reduce; the same shape on every rank.
+        name: Matches this operation across ranks; None draws a name from a per-kind counter.
+        compression: Compression.none (the default) or Compression.fp16 (travels as float16).
+        op: Average (the default), Sum, Min, Max or Product.
+        process_set: The ranks taking part (default: all ranks).
+        prescale_factor: Multiplies the input before the reduction.
+        postscale_factor: Multiplies the result after the reduction.
+    """
     sent, ctx = compression.compress(tensor)
     out = HorovodReducescatter.apply(sent, name, op, process_set, prescale_factor, postscale_factor)
     return compression.decompress(out, ctx)
 
 
-def _grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
-                           compression: type = Compression.none, op: int = Average,
-                           process_set: Any = global_process_set, prescale_factor: float = 1.0,
-                           postscale_factor: float = 1.0) -> List[torch.Tensor]:
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                          compression: Compressor = Compression.none, op: int = Average,
+                          process_set: Any = global_process_set, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> List[torch.Tensor]:
+    """Reducescatter each tensor of ``tensors`` as one operation.
+
+    Afterwards rank r holds block r of each reduction along dimension 0. Every tensor must have
+    at least one dimension. Differentiable, like :func:`reducescatter`.
+
+    Arguments:
+        tensors: The tensors to reduce; the i-th has the same shape on every rank.
+        name: Matches this operation across ranks; None draws a name from a per-kind counter.
+        compression: Compression.none (the default) or Compression.fp16 (travels as float16).
+        op: Average (the default), Sum, Min, Max or Product.
+        process_set: The ranks taking part (default: all ranks).
+        prescale_factor: Multiplies each input before the reduction.
+        postscale_factor: Multiplies each result after the reduction.
+    """
     sent, ctxs = _compress_all(compression, tensors)
     outs = HorovodGroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor, *sent)
     return [compression.decompress(o, c) for o, c in zip(outs, ctxs)]
-
-
-def _compress_all(compression: Compressor, tensors: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], List[Any]]:
-    pairs = [compression.compress(t) for t in tensors]
-    return [p[0] for p in pairs], [p[1] for p in pairs]
-
-
-def _public(func: Any, verb: Any) -> Any:
-    # The hand-written signature must be the one the grid documents (Horovod's).
-    def shape(sig: inspect.Signature) -> list:
-        return [(p.name, p.kind, p.default) for p in sig.parameters.values()]
-
-    assert shape(inspect.signature(func)) == shape(verb.signature(with_compression=verb.compressible)), func
-    return dress(func, verb, blocking=True, inplace=False, module=__name__, differentiable=True)
-
-
-allreduce = _public(_allreduce, ALLREDUCE)
-grouped_allreduce = _public(_grouped_allreduce, GROUPED_ALLREDUCE)
-allgather = _public(_allgather, ALLGATHER)
-grouped_allgather = _public(_grouped_allgather, GROUPED_ALLGATHER)
-broadcast = _public(_broadcast, BROADCAST)
-alltoall = _public(_alltoall, ALLTOALL)
-reducescatter = _public(_reducescatter, REDUCESCATTER)
-grouped_reducescatter = _public(_grouped_reducescatter, GROUPED_REDUCESCATTER)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import Any, Iterable, List, Mapping, Optional, Set, Tuple, Union
 
 import torch
 
 import spark_hvd.runtime as _rt
 from spark_hvd.torch.basics import global_process_set, rank
-from spark_hvd.torch.mpi_ops import Handle, enqueue
+from spark_hvd.torch.handles import Handle, enqueue
+from spark_hvd.torch.optimizer import _DistributedOptimizer
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]
 
@@ -62,8 +63,9 @@ class _TensorSlot:
 
 
 def _hollow(value: Any, tensors: List[torch.Tensor]) -> Any:
-    """``value`` with every tensor replaced by a :class:`_TensorSlot` (tensors collected in order)."""
-    if isinstance(value, torch.Tensor):
+    """``value`` with every dense tensor replaced by a :class:`_TensorSlot` (tensors collected in
+    order); sparse tensors, such as SGD's momentum for sparse gradients, stay in the pickled part."""
+    if isinstance(value, torch.Tensor) and value.layout == torch.strided:
         tensors.append(value)
         return _TensorSlot(len(tensors) - 1, tuple(value.shape), value.dtype)
     if isinstance(value, dict):
@@ -83,19 +85,72 @@ def _fill(value: Any, tensors: List[torch.Tensor]) -> Any:
     return value
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, prefix: str = "Parameter.",
-                              process_set: Any = global_process_set) -> None:
-    """Make every rank's optimizer state equal to ``root_rank``'s.
+def _sparse_gradient_params(optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module]) -> Set[int]:
+    """Ids of the parameters whose gradients are sparse in training: all of them for SparseAdam,
+    else those of the model's sparse embeddings."""
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        return {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if model is None:
+        return set()
+    return {id(p) for m in model.modules()
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse for p in m.parameters()}
 
-    Covers the per-parameter state (momentum buffers, Adam moments, ``step``) and every
-    param-group option (learning rate, betas, weight decay ...), whatever their types: numbers
-    keep their exact type and value. Works for any optimizer whose ``state_dict()`` holds
-    tensors, numbers and other picklable values. An optimizer that has not stepped yet on the
-    root leaves every rank with empty state rather than taking a step to create one.
-    ``prefix`` is accepted for Horovod compatibility.
+
+def _create_state(optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module]) -> None:
+    """Give an optimizer that has not stepped yet its state, as Horovod does: one step of the
+    wrapped optimizer on zero gradients.
+
+    The step must not train: parameters get their values back afterwards (weight decay would
+    otherwise move them), and gradients that existed are restored. Parameters that had no
+    gradient keep the zero gradient, as in Horovod, in the layout they have in training.
+    """
+    sparse = _sparse_gradient_params(optimizer, model)
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    saved = [(p, p.detach().clone(), p.grad) for p in params]
+    for p in params:
+        zeros = torch.zeros_like(p)
+        p.grad = zeros.to_sparse() if id(p) in sparse else zeros
+    try:
+        if isinstance(optimizer, _DistributedOptimizer):
+            # Its own step() would reduce gradients, a collective that ranks which already have
+            # state (a loaded checkpoint) never join: take the wrapped optimizer's step.
+            super(_DistributedOptimizer, optimizer).step()
+        else:
+            optimizer.step()
+    finally:
+        with torch.no_grad():
+            for p, value, grad in saved:
+                p.copy_(value)
+                if grad is not None:
+                    p.grad = grad
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              model: Optional[torch.nn.Module] = None,
+                              process_set: Any = global_process_set) -> None:
+    """Make every rank's optimizer state and options equal to ``root_rank``'s.
+
+    Afterwards every rank holds root_rank's per-parameter state (momentum buffers, Adam moments,
+    ``step``) and the options of every param group (learning rate, momentum, betas, weight decay
+    ...), numbers with their exact type and value. As in Horovod, an optimizer that has no state
+    yet first creates it with one step on zero gradients (parameters keep their values, and
+    parameters without a gradient get a zero one), so that a fresh optimizer on the root still
+    sends state of the shape training will have. L-BFGS, whose step needs a closure, is
+    broadcast as it is.
+
+    Arguments:
+        optimizer: A torch optimizer or a DistributedOptimizer.
+        root_rank: The rank whose state is sent.
+        model: The model the optimizer trains; its sparse embeddings get sparse zero gradients
+            for the state-creating step (needed by optimizers that take sparse gradients).
+        process_set: The ranks taking part (default: all ranks).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
+    if not optimizer.state and not isinstance(optimizer, torch.optim.LBFGS):
+        _create_state(optimizer, model)
     is_root = rank() == root_rank
     tensors: List[torch.Tensor] = []
     skeleton = _hollow(optimizer.state_dict(), tensors) if is_root else None

@@ -15,7 +15,8 @@ import torch
 
 from spark_hvd.torch.basics import Adasum, Average, global_process_set
 from spark_hvd.torch.compression import Compression, Compressor
-from spark_hvd.torch.mpi_ops import Handle, enqueue, sparse_allreduce_async
+from spark_hvd.torch.handles import Handle, enqueue
+from spark_hvd.torch.mpi_ops import sparse_allreduce_async
 
 __all__ = ["DistributedOptimizer"]
 
@@ -173,16 +174,18 @@ class _DistributedOptimizer:
             return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
         return 1.0, 1.0
 
-    def _dense_grad(self, p: torch.Tensor) -> torch.Tensor:
+    def _outgoing(self, p: torch.Tensor) -> torch.Tensor:
+        """The tensor that carries ``p``'s gradient: ``p.grad`` itself, or a dense copy of a sparse
+        gradient with sparse_as_dense (``p.grad`` stays sparse, see :meth:`_unpack`)."""
         if p.grad is None:
             # Another rank may have used this parameter this step; contribute zeros so it is not kept waiting.
             p.grad = torch.zeros_like(p)
-        elif p.grad.is_sparse and self.sparse_as_dense:
-            p.grad = p.grad.to_dense()
+        if p.grad.is_sparse and self.sparse_as_dense:
+            return p.grad.to_dense()
         return p.grad
 
     def _start(self, p: torch.Tensor) -> _Pending:
-        grad = self._dense_grad(p)
+        grad = self._outgoing(p)
         name = self._parameter_names[p]
         if grad.is_sparse:
             return sparse_allreduce_async(grad, name=name, op=self.op, process_set=self.process_set), "sparse"
@@ -193,7 +196,7 @@ class _DistributedOptimizer:
         return handle, (sent, ctx)
 
     def _start_group(self, group: Tuple[torch.Tensor, ...]) -> _Pending:
-        grads = [self._dense_grad(p) for p in group]
+        grads = [self._outgoing(p) for p in group]
         packed = [self._compression.compress(g) for g in grads]
         sent = [s for s, _ in packed]
         pre, post = self._scales()
@@ -219,7 +222,11 @@ class _DistributedOptimizer:
 
     def _unpack(self, p: torch.Tensor, result: torch.Tensor, sent: torch.Tensor, ctx: Any) -> None:
         """Make ``p.grad`` hold a reduced gradient (already there when it was reduced in place)."""
-        if sent is not p.grad:
+        if p.grad.is_sparse:
+            # Reduced as dense (sparse_as_dense); the wrapped optimizer gets the layout backward
+            # produced, which optimizers such as SparseAdam require: whole rows for an embedding.
+            p.grad = self._compression.decompress(result, ctx).to_sparse(p.grad.sparse_dim())
+        elif sent is not p.grad:
             with torch.no_grad():
                 p.grad.copy_(self._compression.decompress(result, ctx))
 
@@ -328,13 +335,14 @@ def DistributedOptimizer(
             must be unique). Without them, parameters are numbered.
         compression: ``Compression.none`` or ``Compression.fp16`` (gradients travel as float16).
         backward_passes_per_step: Backward passes accumulated locally before one reduction.
-        op: ``Average`` (default) or ``Sum``. ``Adasum`` is not supported yet.
+        op: ``Average`` (default) or ``Sum``. ``Adasum`` is not supported yet (NotImplementedError).
         gradient_predivide_factor: With op=Average, gradients are scaled by 1/factor before the
             sum and factor/size after it.
         num_groups: Deprecated spelling of ``groups`` as a number.
         groups: A number of groups to split the parameters into, or a list of lists of parameters;
             each group is reduced as one grouped operation once all its gradients are ready.
-        sparse_as_dense: Reduce sparse gradients as dense tensors (otherwise they are allgathered).
+        sparse_as_dense: Reduce sparse gradients as dense tensors (otherwise they are allgathered);
+            the reduced gradient is made sparse again before the wrapped optimizer's step.
         process_set: Ranks that average their gradients (default: all ranks).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -342,7 +350,10 @@ def DistributedOptimizer(
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
     if op == Adasum:
-        raise ValueError("op=Adasum is not supported yet by spark-hvd; use op=Average (the default) or op=Sum")
+        # The same refusal, and type, as the collectives' (NotImplementedError is a RuntimeError).
+        raise NotImplementedError(
+            "op=Adasum is not supported yet by spark-hvd; use op=Average (the default) or op=Sum"
+        )
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError(
             f"gradient_predivide_factor={gradient_predivide_factor} is only supported with op=Average, got op={op!r}"

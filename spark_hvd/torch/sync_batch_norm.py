@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from spark_hvd.torch.basics import Sum, global_process_set
-from spark_hvd.torch.mpi_ops import enqueue
+from spark_hvd.torch.handles import enqueue
 
 __all__ = ["SyncBatchNorm"]
 

@@ -244,15 +244,78 @@ def check_other_dtypes_move(hvd, rank, size):
 
 
 def check_adasum_and_bool_average_refused(hvd, rank, size):
-    """op=Adasum raises a 'not supported yet' NotImplementedError (a RuntimeError, as in Horovod) before any
-    communication; Average of bool a ValueError."""
-    for op, dtype, error in ((hvd.Adasum, torch.float32, NotImplementedError), (hvd.Average, torch.bool, ValueError)):
+    """op=Adasum raises a 'not supported yet' NotImplementedError (a RuntimeError, as Horovod's
+    reducescatter test expects) before any communication, from every allreduce and reducescatter
+    form and from DistributedOptimizer alike; Average of bool raises a ValueError."""
+    x = torch.ones(2 * size)
+    calls = {
+        "allreduce": lambda: hvd.allreduce(x, op=hvd.Adasum),
+        "allreduce_async_": lambda: hvd.allreduce_async_(x.clone(), op=hvd.Adasum),
+        "grouped_allreduce": lambda: hvd.grouped_allreduce([x], op=hvd.Adasum),
+        "reducescatter": lambda: hvd.reducescatter(x, op=hvd.Adasum),
+        "grouped_reducescatter_async": lambda: hvd.grouped_reducescatter_async([x], op=hvd.Adasum),
+        "DistributedOptimizer": lambda: hvd.DistributedOptimizer(
+            torch.optim.SGD([torch.nn.Parameter(x.clone())], lr=0.1), op=hvd.Adasum),
+    }
+    for what, call in calls.items():
         try:
-            hvd.allreduce(torch.ones(2, dtype=dtype), op=op)
-        except error as exc:
-            assert "not" in str(exc)
+            call()
+        except NotImplementedError as exc:
+            assert isinstance(exc, RuntimeError) and "Adasum is not supported yet" in str(exc), (what, str(exc))
         else:
-            raise AssertionError(f"op={op!r} on {dtype} did not raise {error.__name__}")
+            raise AssertionError(f"{what} with op=Adasum did not raise NotImplementedError")
+    try:
+        hvd.allreduce(torch.ones(2, dtype=torch.bool), op=hvd.Average)
+    except ValueError as exc:
+        assert "not" in str(exc)
+    else:
+        raise AssertionError("Average of bool did not raise ValueError")
+    close(hvd.allreduce(x, op=hvd.Sum), torch.full((2 * size,), float(size)), what="after the refusals")
+
+
+def check_reducescatter_refuses_scalars(hvd, rank, size):
+    """A 0-dimensional tensor given to reducescatter, reducescatter_async or grouped_reducescatter
+    raises a ValueError naming it (as Horovod refuses scalars), on every rank and before any
+    communication, so the next collective still agrees."""
+    scalar = torch.tensor(float(rank))
+    calls = [("tensor", lambda: hvd.reducescatter(scalar, op=hvd.Average)),
+             ("tensor", lambda: hvd.reducescatter_async(scalar)),
+             ("tensors[1]", lambda: hvd.grouped_reducescatter([torch.zeros(3, 1), scalar])),
+             ("tensors[0]", lambda: hvd.grouped_reducescatter_async([scalar]))]
+    for what, call in calls:
+        try:
+            call()
+        except ValueError as exc:
+            assert f"{what} is 0-dimensional" in str(exc) and "reshape" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"reducescatter of a scalar as {what} did not raise ValueError")
+    close(hvd.reducescatter(torch.ones(size), op=hvd.Sum), torch.full((1,), float(size)))
+
+
+def _sparse_rows(rank, rows=6, cols=3):
+    """Rank r's sparse tensor: rows r % rows and (r + 2) % rows hold r + 1."""
+    dense = torch.zeros(rows, cols)
+    dense[rank % rows] += rank + 1
+    dense[(rank + 2) % rows] += rank + 1
+    return dense
+
+
+def check_sparse_allreduce_async(hvd, rank, size):
+    """sparse_allreduce_async returns a handle that can be called, as in Horovod, or passed to
+    poll/synchronize; either way the result is a sparse tensor whose dense form equals the dense
+    allreduce (Average and Sum), identical on every rank."""
+    mine = _sparse_rows(rank).to_sparse()
+    want = sum(_sparse_rows(r) for r in range(size))
+    for i, op in enumerate((hvd.Average, hvd.Sum)):
+        handle = hvd.sparse_allreduce_async(mine, name=f"sparse.{i}", op=op)
+        got = handle()
+        assert got.is_sparse
+        close(got.to_dense(), want / size if op == hvd.Average else want, 1e-6, f"handle() op={op!r}")
+        assert hvd.poll(handle) and hvd.synchronize(handle) is got
+    handle = hvd.sparse_allreduce_async(mine, None, hvd.Sum)
+    close(hvd.synchronize(handle).to_dense(), want, 1e-6, "synchronize(handle)")
+    empty = torch.zeros(4, 2).to_sparse()
+    close(hvd.sparse_allreduce_async(empty, "sparse.empty", hvd.Average)().to_dense(), torch.zeros(4, 2))
 
 
 def check_shape_mismatch_fails_every_rank(hvd, rank, size):
@@ -313,7 +376,8 @@ def check_timeline(hvd, rank, size):
 ALL = [check_topology, check_timeline, check_allreduce_every_dtype_and_op, check_allreduce_variants,
        check_allreduce_scaling_and_average_flag, check_allreduce_fp16_compression, check_non_contiguous_tensors,
        check_scalar_and_zero_dim, check_grouped_allreduce, check_allgather_uneven, check_broadcast_forms,
-       check_alltoall, check_reducescatter, check_other_dtypes_move, check_adasum_and_bool_average_refused,
+       check_alltoall, check_reducescatter, check_reducescatter_refuses_scalars, check_sparse_allreduce_async,
+       check_other_dtypes_move, check_adasum_and_bool_average_refused,
        check_shape_mismatch_fails_every_rank, check_names_are_per_kind, check_barrier_poll_handles]
 
 

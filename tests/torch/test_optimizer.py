@@ -296,8 +296,9 @@ def check_wrapping_keeps_optimizer_identity(hvd, rank, size):
 
 
 def check_sparse_gradients(hvd, rank, size):
-    """Sparse embedding gradients reduce both as sparse (allgather) and with sparse_as_dense, and
-    both match single-process training."""
+    """Sparse embedding gradients reduce both as sparse (allgather) and with sparse_as_dense, for
+    SGD and for SparseAdam (which takes only sparse gradients: sparse_as_dense hands it a sparse
+    gradient again), and every case matches single-process training."""
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 10, (size, 5), generator=g)
 
@@ -305,29 +306,34 @@ def check_sparse_gradients(hvd, rank, size):
         torch.manual_seed(0)
         return torch.nn.Embedding(10, 3, sparse=True)
 
-    ref = make()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-    (ref(ids).sum(dim=(1, 2)).mean()).backward()
-    ref_opt.step()
-    for dense in (False, True):
-        emb = make()
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5),
-                                       named_parameters=emb.named_parameters(), sparse_as_dense=dense)
-        emb(ids[rank]).sum().backward()
-        opt.step()
-        close(emb.weight.detach(), ref.weight.detach(), 1e-6, f"sparse_as_dense={dense}")
+    for kind in ("SGD", "SparseAdam"):
+        ref = make()
+        ref_opt = getattr(torch.optim, kind)(ref.parameters(), lr=0.5)
+        for _ in range(2):
+            ref_opt.zero_grad()
+            (ref(ids).sum(dim=(1, 2)).mean()).backward()
+            ref_opt.step()
+        for dense in (False, True):
+            emb = make()
+            opt = hvd.DistributedOptimizer(getattr(torch.optim, kind)(emb.parameters(), lr=0.5),
+                                           named_parameters=emb.named_parameters(), sparse_as_dense=dense)
+            for _ in range(2):
+                opt.zero_grad()
+                emb(ids[rank]).sum().backward()
+                opt.step()
+                assert emb.weight.grad.is_sparse, f"{kind} sparse_as_dense={dense}: gradient no longer sparse"
+            close(emb.weight.detach(), ref.weight.detach(), 1e-6, f"{kind} sparse_as_dense={dense}")
 
 
 def check_argument_errors(hvd, rank, size):
-    """Duplicate names, unnamed parameters, non-tuple entries, Adasum and predivide with Sum are
-    refused with ValueErrors that name the problem."""
+    """Duplicate names, unnamed parameters, non-tuple entries and predivide with Sum are refused
+    with ValueErrors that name the problem; Adasum with the collectives' NotImplementedError."""
     model = _model()
     params = list(model.named_parameters())
     cases = [
         ({"named_parameters": [("w", params[0][1]), ("w", params[1][1])] + params[2:]}, "duplicates"),
         ({"named_parameters": params[:2]}, "not named"),
         ({"named_parameters": [p for _, p in params]}, "tuples"),
-        ({"op": hvd.Adasum}, "not supported yet"),
         ({"op": hvd.Sum, "gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
         ({"backward_passes_per_step": 0}, "backward_passes_per_step"),
     ]
@@ -338,6 +344,12 @@ def check_argument_errors(hvd, rank, size):
             assert phrase in str(exc), (phrase, str(exc))
         else:
             raise AssertionError(f"{options} did not raise ValueError")
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum)
+    except NotImplementedError as exc:
+        assert "not supported yet" in str(exc)
+    else:
+        raise AssertionError("op=Adasum did not raise NotImplementedError")
 
 
 ALL = [check_matches_single_process_training, check_backward_passes_per_step, check_fp16_compression,
