@@ -114,6 +114,9 @@ def init(config: Optional[RuntimeConfig] = None, **overrides: Any) -> None:
             raise
         _state.session = session
         global_process_set.ranks = tuple(range(world.size))
+        for stale_set in _state.process_sets.values():
+            if stale_set is not global_process_set:
+                stale_set.process_set_id = None  # ids belong to the world that registered them
         _state.process_sets = {0: global_process_set}
         if not _state.atexit_registered:
             atexit.register(shutdown)

@@ -92,14 +92,14 @@ def init(comm: Optional[Sequence[int]] = None,
     is refused with an explanation. ``process_sets`` is a list of :class:`ProcessSet` objects (or
     rank lists) registered on every rank right after start-up, or ``"dynamic"``; process sets can
     always be added later with :func:`add_process_set`. Calling ``init()`` again while
-    initialized does nothing.
+    initialized does nothing; after :func:`shutdown` (or once the runtime has failed) it forms a
+    fresh world, and process sets of the previous one must be registered again.
     """
     if process_sets is not None and not isinstance(process_sets, str):
         process_sets = list(process_sets)
     elif isinstance(process_sets, str) and process_sets != "dynamic":
         raise ValueError(f"process_sets={process_sets!r} is invalid: expected a list of ProcessSet or 'dynamic'")
-    if not _rt.is_initialized():
-        _rt.init()
+    _rt.init()  # a no-op while initialized, a fresh world after shutdown() or a failure
     _check_comm(comm)
     for entry in process_sets if isinstance(process_sets, list) else ():
         _register(entry)

@@ -10,7 +10,11 @@ START_TIMEOUT_S = 60.0
 
 def _socket_inodes(pid):
     inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:  # gone, or not ours to look at
+        return inodes
+    for fd in fds:
         try:
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
@@ -39,7 +43,10 @@ def _listening(pid):
     return found
 
 
-def _rank0_pid(secret):
+def _rank0_pids(secret):
+    """Processes with rank 0's worker environment: the rank itself, and the launcher's supervisor
+    of it, which has no sockets."""
+    pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
@@ -49,8 +56,8 @@ def _rank0_pid(secret):
         except OSError:
             continue
         if env.get(b"SPARK_HVD_SECRET") == secret.encode() and env.get(b"SPARK_HVD_RANK") == b"0":
-            return int(entry)
-    return None
+            pids.append(int(entry))
+    return pids
 
 
 def _start_with_strangers(per_listener):
@@ -66,10 +73,9 @@ def _start_with_strangers(per_listener):
     if read_setting("rank") == 1:
         # Rank 0 listens before it waits for us at the rendezvous: occupy its sockets first.
         deadline = time.monotonic() + 30
-        pid, addresses = None, []
+        addresses = []
         while time.monotonic() < deadline and not (addresses and any(isinstance(a, tuple) for a in addresses)):
-            pid = pid or _rank0_pid(read_setting("secret"))
-            addresses = _listening(pid) if pid else []
+            addresses = [a for pid in _rank0_pids(read_setting("secret")) for a in _listening(pid)]
             time.sleep(0.02)
         assert addresses, "rank 0's listening sockets were not found"
         for address in addresses:
