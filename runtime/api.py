@@ -378,7 +378,7 @@ def _object_bytes(obj: Any) -> np.ndarray:
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set: Optional[ProcessSet] = None) -> Any:
     """Return root_rank's ``obj`` on every rank (pickled with cloudpickle)."""
-    base = _session("broadcast_object")._name("broadcast_object", name)
+    base = _session("broadcast_object").name("broadcast_object", name, _ps_id(process_set))
     payload = _object_bytes(obj) if rank() == root_rank else np.empty(0, np.uint8)
     length = broadcast(np.array([payload.size], dtype=np.int64), root_rank, name=f"{base}.len",
                        process_set=process_set)
@@ -389,7 +389,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
 
 def allgather_object(obj: Any, name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> List[Any]:
     """Every rank's ``obj``, in rank order, on every rank."""
-    base = _session("allgather_object")._name("allgather_object", name)
+    base = _session("allgather_object").name("allgather_object", name, _ps_id(process_set))
     payload = _object_bytes(obj)
     sizes = allgather(np.array([payload.size], dtype=np.int64), name=f"{base}.len", process_set=process_set)
     data = allgather(payload, name=f"{base}.data", process_set=process_set)

@@ -57,7 +57,7 @@ class Session:
         self.world = world
         self.config = config
         self.engine = Engine(world, config)
-        self._counters: Dict[str, itertools.count] = {}
+        self._counters: Dict[Tuple[str, int], itertools.count] = {}
 
     @property
     def rank(self) -> int:
@@ -80,18 +80,23 @@ class Session:
         """Start the per-kind counters of unnamed operations afresh (ranks agree again after join)."""
         self._counters = {}
 
-    def _name(self, kind: str, name: Optional[str]) -> str:
+    def name(self, kind: str, name: Optional[str], ps: int = 0) -> str:
+        """``name``, or the next automatic name of ``kind`` in process set ``ps``.
+
+        Counters are kept per kind and per process set: the members of a set issue the same
+        unnamed operations on it in the same order, so their names agree, while ranks outside
+        it, which issue none of them, stay in step with everyone on the other sets.
+        """
         if name is not None:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"name={name!r} must be a non-empty string")
             return name
-        # Per-kind counters: ranks that call the same collectives in the same order agree on names.
-        counter = self._counters.setdefault(kind, itertools.count())
+        counter = self._counters.setdefault((kind, ps), itertools.count())
         return f"{kind}.noname.{next(counter)}"
 
     def _submit(self, kind: str, name: Optional[str], metas_and_data: List[Tuple[Meta, Any, Any]],
-                grouped: bool, will_wait: bool) -> Handle:
-        base = self._name(("grouped_" if grouped else "") + kind, name)
+                grouped: bool, will_wait: bool, ps: int = 0) -> Handle:
+        base = self.name(("grouped_" if grouped else "") + kind, name, ps)
         handle = Handle(base, parts=len(metas_and_data), single=not grouped, engine=self.engine)
         if not metas_and_data:
             handle._finish()
@@ -125,7 +130,7 @@ class Session:
             meta = Meta(kind=kind, dtype=wire, shape=tuple(array.shape), op=int(reduce_op), prescale=pre,
                         postscale=post, ps=ps)
             parts.append((meta, array, out))
-        return self._submit(kind, name, parts, grouped, will_wait)
+        return self._submit(kind, name, parts, grouped, will_wait, ps)
 
     def allgather(self, arrays: Sequence[np.ndarray], *, name: Optional[str], dtype: Optional[str], ps: int,
                   grouped: bool, will_wait: bool = False) -> Handle:
@@ -133,7 +138,7 @@ class Session:
         for raw in arrays:
             array, wire = prepare_array(raw, dtype)
             parts.append((Meta(kind="allgather", dtype=wire, shape=tuple(array.shape), ps=ps), array, None))
-        return self._submit("allgather", name, parts, grouped, will_wait)
+        return self._submit("allgather", name, parts, grouped, will_wait, ps)
 
     def broadcast(self, array: np.ndarray, root_rank: int, *, name: Optional[str], out: Optional[np.ndarray],
                   dtype: Optional[str], ps: int, will_wait: bool = False) -> Handle:
@@ -143,7 +148,7 @@ class Session:
         array_c, wire = prepare_array(array, dtype)
         target = _target(array, array_c, out, "broadcast")
         meta = Meta(kind="broadcast", dtype=wire, shape=tuple(array_c.shape), root=int(root_rank), ps=ps)
-        return self._submit("broadcast", name, [(meta, array_c, target)], False, will_wait)
+        return self._submit("broadcast", name, [(meta, array_c, target)], False, will_wait, ps)
 
     def alltoall(self, array: np.ndarray, splits: Optional[Sequence[int]], *, name: Optional[str],
                  dtype: Optional[str], ps: int, will_wait: bool = False) -> Handle:
@@ -166,11 +171,11 @@ class Session:
                     f"to dim 0 of the array ({array_c.shape[0]})"
                 )
         meta = Meta(kind="alltoall", dtype=wire, shape=tuple(array_c.shape), ps=ps, splits=tuple(split_list))
-        return self._submit("alltoall", name, [(meta, array_c, None)], False, will_wait)
+        return self._submit("alltoall", name, [(meta, array_c, None)], False, will_wait, ps)
 
     def barrier(self, *, ps: int, name: Optional[str] = None, will_wait: bool = False) -> Handle:
         return self._submit("barrier", name, [(Meta(kind="barrier", dtype="", shape=(), ps=ps), None, None)],
-                            False, will_wait)
+                            False, will_wait, ps)
 
     def join(self) -> Handle:
         return self._submit("join", f"join.{self.rank}", [(Meta(kind="join", dtype="", shape=()), None, None)],

@@ -105,8 +105,8 @@ class _DistributedOptimizer:
         self._group_ready: Dict[Tuple[torch.Tensor, ...], int] = {}
         self._hook_handles: List[Any] = []
         self._set_groups(groups, trainable)
-        size = process_set.size() if process_set is not None else 1
-        self._communicate = size > 1
+        # A rank outside the process set, like a world of one, just applies its own gradients.
+        self._communicate = process_set is not None and process_set.size() > 1 and process_set.included()
         if self._communicate:
             self._register_hooks(trainable)
 

@@ -1,13 +1,12 @@
-"""Checks that run inside a launched world; expected values come from (rank, size) alone.
+"""Checks of the runtime's collectives that run inside launched worlds (see tests/harness.py).
 
-Each check raises AssertionError with a description on failure. Test modules launch one world per
-size and run many checks in it, so process start-up is paid once per world.
+Each is ``check(rt, rank, size)`` with ``rt`` the spark_hvd.runtime module; expected values come
+from (rank, size) alone, and a failure raises AssertionError with a description.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List
 
 import numpy as np
 
@@ -65,9 +64,8 @@ def _close(got: np.ndarray, want: np.ndarray, dtype: str, size: int, what: str) 
             f"{what}: got {got64[:8]} want {want[:8]}"
 
 
-def allreduce_matrix() -> int:
+def allreduce_matrix(rt, rank: int, size: int) -> int:
     """Every op x dtype x length, in place and out of place; returns the number of cases."""
-    rank, size = rt.rank(), rt.size()
     cases = 0
     for dtype in DTYPES:
         for op in OPS:
@@ -90,8 +88,7 @@ def allreduce_matrix() -> int:
     return cases
 
 
-def scaled_allreduce() -> None:
-    rank, size = rt.rank(), rt.size()
+def scaled_allreduce(rt, rank: int, size: int) -> None:
     data = np.full(5, rank + 1.0, dtype=np.float32)
     out = rt.allreduce(data, op=rt.Sum, prescale_factor=2.0, postscale_factor=0.25)
     assert np.allclose(out, 0.5 * size * (size + 1) / 2), out
@@ -99,8 +96,7 @@ def scaled_allreduce() -> None:
     assert np.array_equal(ints, np.full(3, int(np.trunc(size * (size + 1) / 2 / size)) * 2)), ints
 
 
-def allgather_cases() -> None:
-    rank, size = rt.rank(), rt.size()
+def allgather_cases(rt, rank: int, size: int) -> None:
     for dtype in DTYPES:
         mine = to_wire(np.full((rank, 3), rank, dtype=np.float64), dtype)  # rank 0 sends no rows
         extra = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
@@ -117,8 +113,7 @@ def allgather_cases() -> None:
     assert grouped[0].tolist() == list(range(size)) and grouped[1].shape == (2 * size, 2)
 
 
-def broadcast_cases() -> None:
-    rank, size = rt.rank(), rt.size()
+def broadcast_cases(rt, rank: int, size: int) -> None:
     for root in range(size):
         for dtype in ("float32", "int8", "bfloat16", "float64"):
             for length in (0, 1, 1001, 700_001):
@@ -134,8 +129,7 @@ def broadcast_cases() -> None:
                 _close(inplace, want, dtype, 1, f"in-place broadcast root={root} {dtype}")
 
 
-def alltoall_cases() -> None:
-    rank, size = rt.rank(), rt.size()
+def alltoall_cases(rt, rank: int, size: int) -> None:
     for dtype in ("float32", "int64", "uint8", "bfloat16"):
         splits = [(rank + j) % 3 for j in range(size)]
         rows = [np.full((splits[j], 2), rank * 10 + j, dtype=np.float64) for j in range(size)]
@@ -151,8 +145,7 @@ def alltoall_cases() -> None:
     assert even.tolist() == [100 * j + 2 * rank + k for j in range(size) for k in range(2)]
 
 
-def reducescatter_cases() -> None:
-    rank, size = rt.rank(), rt.size()
+def reducescatter_cases(rt, rank: int, size: int) -> None:
     rows = 2 * size + 1
     for dtype in ("float32", "int32", "float16", "bfloat16"):
         for op in (rt.Sum, rt.Average, rt.Max):
@@ -174,8 +167,7 @@ def reducescatter_cases() -> None:
     assert grouped[0].tolist() == [[size, size]] and grouped[1].tolist() == [size] * 3
 
 
-def grouped_and_async_cases() -> None:
-    rank, size = rt.rank(), rt.size()
+def grouped_and_async_cases(rt, rank: int, size: int) -> None:
     outs = rt.grouped_allreduce([np.full(3, rank, np.float32), np.full(2, rank, np.int64)], op=rt.Sum)
     assert outs[0].tolist() == [sum(range(size))] * 3 and outs[1].tolist() == [sum(range(size))] * 2
     # Submit 40 named requests in a rank-dependent order; the engine agrees on one order.
@@ -189,8 +181,7 @@ def grouped_and_async_cases() -> None:
         assert rt.poll(handles[n])
 
 
-def object_cases() -> None:
-    rank, size = rt.rank(), rt.size()
+def object_cases(rt, rank: int, size: int) -> None:
     # Ranks pass objects of different types; names come from counters, so nobody waits forever.
     sent = {"rank": rank, "fn": (lambda x: x + rank)} if rank == 0 else [rank]
     got = rt.broadcast_object(sent, root_rank=0)
@@ -199,8 +190,9 @@ def object_cases() -> None:
     assert gathered == [("r", r, "x" * r) for r in range(size)]
 
 
-def barrier_and_process_sets() -> None:
-    rank, size = rt.rank(), rt.size()
+def barrier_and_process_sets(rt, rank: int, size: int) -> None:
+    """Collectives inside a set of the even ranks; afterwards unnamed collectives of the whole job
+    still pair up, although only the members issued the set's unnamed ones."""
     rt.barrier()
     evens = rt.add_process_set([r for r in range(size) if r % 2 == 0])
     if evens.included():
@@ -208,14 +200,15 @@ def barrier_and_process_sets() -> None:
         assert out.tolist() == [sum(r + 1.0 for r in range(size) if r % 2 == 0)]
         got = rt.broadcast(np.array([rank]), root_rank=evens.ranks[-1], process_set=evens)
         assert got.tolist() == [evens.ranks[-1]]
+        rt.barrier(process_set=evens)
+    assert rt.allreduce(np.array([1.0]), op=rt.Sum).tolist() == [float(size)]
     rt.barrier()
 
 
-def join_cases() -> int:
+def join_cases(rt, rank: int, size: int) -> int:
     """Rank r runs r + 1 steps, then joins. Allreduces go on with joined ranks contributing zeros;
     an allgather that would need a joined rank fails (a RuntimeError, as in Horovod) on the ranks
     that asked for it, and the next operations work."""
-    rank, size = rt.rank(), rt.size()
     for step in range(rank + 1):
         got = rt.allreduce(np.full(4, 1.0, np.float32), op=rt.Sum, name=f"join.step.{step}")
         active = sum(1 for r in range(size) if r >= step)
@@ -234,37 +227,8 @@ def join_cases() -> int:
     return rt.join()
 
 
-CHECKS: Dict[str, Callable[[], object]] = {
-    "allreduce_matrix": allreduce_matrix,
-    "scaled_allreduce": scaled_allreduce,
-    "allgather": allgather_cases,
-    "broadcast": broadcast_cases,
-    "alltoall": alltoall_cases,
-    "reducescatter": reducescatter_cases,
-    "grouped_and_async": grouped_and_async_cases,
-    "objects": object_cases,
-    "barrier_and_process_sets": barrier_and_process_sets,
-    "join": join_cases,
-}
-
-
-def run_checks(names: List[str]) -> Dict[str, object]:
-    """Entry point inside a world: run the named checks in order, reporting each one's outcome."""
-    rt.init()
-    results: Dict[str, object] = {}
-    try:
-        for name in names:
-            start = time.perf_counter()
-            value = CHECKS[name]()
-            results[name] = {"value": value, "seconds": time.perf_counter() - start}
-    finally:
-        rt.shutdown()
-    return results
-
-
-def storage_views_and_counters() -> None:
+def storage_views_and_counters(rt, rank: int, size: int) -> None:
     """bfloat16 given as int16 storage works for every collective; unnamed names agree after join."""
-    rank, size = rt.rank(), rt.size()
     raw = to_wire(np.full(3, rank + 1.0), "bfloat16").view(np.int16)
     gathered = rt.allgather(raw, dtype="bfloat16")
     assert from_wire(gathered.view(np.uint16), "bfloat16").tolist() == [r + 1.0 for r in range(size) for _ in range(3)]
@@ -278,13 +242,10 @@ def storage_views_and_counters() -> None:
     assert rt.is_homogeneous()
 
 
-CHECKS["storage_views_and_counters"] = storage_views_and_counters
 
-
-def polled_async_rounds() -> int:
+def polled_async_rounds(rt, rank: int, size: int) -> int:
     """Requests submitted while earlier ones are in flight, waited for with poll() alone: the
     engine thread must pick every one up by itself (no wake-up may be lost). Returns rounds."""
-    rank, size = rt.rank(), rt.size()
     rng = np.random.default_rng(rank)
     rounds = 300
     for step in range(rounds):
@@ -303,14 +264,11 @@ def polled_async_rounds() -> int:
     return rounds
 
 
-CHECKS["polled_async_rounds"] = polled_async_rounds
 
-
-def duplicate_names() -> None:
+def duplicate_names(rt, rank: int, size: int) -> None:
     """A second request under a name still in flight is refused at once with a ValueError (as in
     Horovod) and changes nothing; once the first has finished the name is free again. The last rank
     submits only after a barrier, so on the others the first request is surely still in flight."""
-    rank, size = rt.rank(), rt.size()
     last = size - 1
 
     def submit():
@@ -336,4 +294,8 @@ def duplicate_names() -> None:
     assert again.tolist() == [float(size)] * 3
 
 
-CHECKS["duplicate_names"] = duplicate_names
+ALL = [
+    allreduce_matrix, scaled_allreduce, allgather_cases, broadcast_cases, alltoall_cases, reducescatter_cases,
+    grouped_and_async_cases, object_cases, barrier_and_process_sets, join_cases, storage_views_and_counters,
+    polled_async_rounds, duplicate_names,
+]

@@ -3,8 +3,10 @@
 import pytest
 
 import runtime_checks as checks
+from harness import assert_passed, launch
 
-SUBSET = ["allreduce_matrix", "grouped_and_async", "objects", "reducescatter", "join"]
+SUBSET = [checks.allreduce_matrix, checks.grouped_and_async_cases, checks.object_cases, checks.reducescatter_cases,
+          checks.join_cases]
 
 
 @pytest.mark.parametrize(
@@ -19,7 +21,8 @@ SUBSET = ["allreduce_matrix", "grouped_and_async", "objects", "reducescatter", "
     ],
     ids=["fusion-off", "cache-off", "cache-tiny-evicting", "cycle-time", "eager-off", "tcp-only"],
 )
-def test_checks_pass_with_settings(launch, settings):
+def test_checks_pass_with_settings(settings):
     """Results do not depend on fusion, caching or the cycle time: every check passes at np=2."""
-    results = launch(checks.run_checks, np=2, args=(SUBSET,), settings=settings)
-    assert all(set(SUBSET) <= set(r) for r in results)
+    results = launch(SUBSET, np=2, settings=settings)
+    for check in SUBSET:
+        assert_passed(results, check)

@@ -3,33 +3,28 @@
 import pytest
 
 import runtime_checks as checks
+from harness import SIZES, assert_passed, launch
 
-ALL = list(checks.CHECKS)
 
-
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"np{n}")
-def world_results(request, launch):
+@pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"np{n}")
+def world(request):
     """Launch a world of the given size once and run every check in it."""
-    return request.param, launch(checks.run_checks, np=request.param, args=(ALL,))
+    return request.param, launch(checks.ALL, np=request.param)
 
 
-@pytest.mark.parametrize("check", ALL)
-def test_check_passes_on_every_rank(world_results, check):
+@pytest.mark.parametrize("check", checks.ALL, ids=lambda c: c.__name__)
+def test_check_passes_on_every_rank(world, check):
     """Each check ran to completion on every rank of the world (values derived from rank and size)."""
-    size, results = world_results
-    assert len(results) == size
-    for rank, per_rank in enumerate(results):
-        assert check in per_rank, f"rank {rank} did not run {check}"
+    assert_passed(world[1], check)
 
 
-def test_allreduce_matrix_covers_every_case(world_results):
+def test_allreduce_matrix_covers_every_case(world):
     """The allreduce matrix ran the same number of dtype x op x length cases on every rank."""
-    size, results = world_results
-    counts = {r["allreduce_matrix"]["value"] for r in results}
+    counts = set(assert_passed(world[1], checks.allreduce_matrix))
     assert counts == {2 * (9 * 5 * 4 + 3 * 5)}
 
 
-def test_join_returns_last_rank(world_results):
+def test_join_returns_last_rank(world):
     """join() returns, on every rank, the rank that joined last (the one with most steps)."""
-    size, results = world_results
-    assert [r["join"]["value"] for r in results] == [size - 1] * size
+    size, results = world
+    assert assert_passed(results, checks.join_cases) == [size - 1] * size

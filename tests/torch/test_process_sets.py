@@ -93,8 +93,26 @@ def check_distributed_optimizer_within_a_set(hvd, rank, size):
     hvd.remove_process_set(ps)
 
 
+def check_distributed_optimizer_outside_its_set_trains_alone(hvd, rank, size):
+    """An optimizer restricted to the even ranks, built on every rank as Horovod scripts do: the
+    even ranks average their gradients, an odd rank steps on its own gradient without waiting for
+    anyone."""
+    evens = hvd.add_process_set([r for r in range(size) if r % 2 == 0])
+    model = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                   named_parameters=model.named_parameters(), process_set=evens)
+    model(torch.full((1, 2), float(rank + 1))).sum().backward()
+    opt.step()
+    grad = sum(r + 1 for r in evens.ranks) / evens.size() if rank % 2 == 0 else rank + 1
+    close(model.weight.detach(), torch.full((1, 2), -float(grad)), 1e-6)
+    hvd.barrier()
+    hvd.remove_process_set(evens)
+
+
 ALL = [check_init_registers_process_sets, check_collectives_within_a_set, check_autograd_within_a_set,
-       check_distributed_optimizer_within_a_set]
+       check_distributed_optimizer_within_a_set, check_distributed_optimizer_outside_its_set_trains_alone]
 
 
 @pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"np{n}")

@@ -1,0 +1,82 @@
+"""One harness for checks that run inside launched worlds: the runtime's and spark_hvd.torch's.
+
+A check is a function ``check(hvd, rank, size)``: ``hvd`` is the framework module
+(``spark_hvd.runtime`` or ``spark_hvd.torch``). It raises AssertionError when the behaviour is
+wrong and may return a value for the test to look at. Its expected values come from
+``(rank, size)`` alone, so one check serves sizes 1, 2 and 3. A world is launched once per size
+and runs a whole batch of checks in the same order on every rank, so process start-up is paid once
+per batch. The first failure on a rank ends that rank's batch (its peers then fail fast instead of
+waiting on collectives it will never join), and its traceback is reported under that check.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+__all__ = ["SIZES", "Check", "run_checks", "launch", "assert_passed"]
+
+SIZES = (1, 2, 3)
+
+Check = Callable[..., Any]
+
+_FRAMEWORKS = {"runtime": "spark_hvd.runtime", "torch": "spark_hvd.torch"}
+
+
+def _prepare(framework: str) -> Callable[[], None]:
+    """Per-framework set-up in the rank; returns what to do before each check."""
+    if framework != "torch":
+        return lambda: None
+    import torch
+
+    torch.set_num_threads(1)
+    return lambda: torch.manual_seed(1234)
+
+
+def run_checks(checks: Sequence[Check], framework: str = "runtime") -> Dict[str, Dict[str, Any]]:
+    """Runs inside each rank: initialize, run every check, and report each one's outcome as
+    ``{"error": traceback or None, "value": what it returned, "seconds": how long it took}``."""
+    before_each = _prepare(framework)
+    hvd = importlib.import_module(_FRAMEWORKS[framework])
+    hvd.init()
+    outcomes: Dict[str, Dict[str, Any]] = {}
+    try:
+        for check in checks:
+            before_each()
+            start = time.perf_counter()
+            try:
+                value = check(hvd, hvd.rank(), hvd.size())
+            except BaseException:
+                outcomes[check.__name__] = {"error": traceback.format_exc(), "value": None,
+                                            "seconds": time.perf_counter() - start}
+                break
+            outcomes[check.__name__] = {"error": None, "value": value, "seconds": time.perf_counter() - start}
+    finally:
+        hvd.shutdown()
+    return outcomes
+
+
+def launch(checks: Sequence[Check], np: int, framework: str = "runtime", timeout: float = 180,
+           env: Optional[Dict[str, str]] = None,
+           settings: Optional[Dict[str, object]] = None) -> List[Dict[str, Dict[str, Any]]]:
+    """Launch a world of ``np`` ranks that runs ``checks``; return each rank's outcomes."""
+    if framework not in _FRAMEWORKS:
+        raise ValueError(f"framework={framework!r} is not known; expected one of {sorted(_FRAMEWORKS)}")
+    from spark_hvd.runner import run
+
+    return run(run_checks, args=(list(checks), framework), np=np, timeout=timeout, env=env, settings=settings)
+
+
+def assert_passed(results: List[Dict[str, Dict[str, Any]]], check: Check) -> List[Any]:
+    """Fail with the rank's traceback unless ``check`` ran and passed on every rank; return the
+    value it returned on each rank."""
+    name = check.__name__
+    for rank, outcomes in enumerate(results):
+        if name not in outcomes:
+            failed = [k for k, v in outcomes.items() if v["error"] is not None]
+            raise AssertionError(f"rank {rank} did not run {name}: the earlier check {failed} failed")
+        if outcomes[name]["error"] is not None:
+            raise AssertionError(f"{name} failed on rank {rank}:\n{outcomes[name]['error']}")
+    return [outcomes[name]["value"] for outcomes in results]
