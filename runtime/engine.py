@@ -25,7 +25,8 @@ from .errors import CollectiveError, RankMismatchError
 from .eager import EagerAnswers
 from .execution import Executor
 from .handles import Entry, Handle
-from .messages import Announce, Meta, RequestBatch, Response, ResponseBatch
+from .messages import (Announce, Meta, RequestBatch, Response, dump_requests, dump_responses, load_requests,
+                       load_responses)
 from .negotiation import Coordinator, WorkerSignatures
 from .ops import storage_dtype
 from .timeline import MEMCPY_OUT, NEGOTIATE, QUEUE, Timeline
@@ -63,9 +64,9 @@ class Engine(Executor):
         self.config = config
         self._queue: Deque[Entry] = deque()
         self._local: Dict[Tuple[int, str], Entry] = {}
-        # Names submitted and not yet finished, guarded so a check never races a completion.
-        self._in_flight: Set[Tuple[int, str]] = set()
-        self._names_lock = threading.Lock()
+        # Names submitted and not yet finished. Only single dict operations touch it (atomic in
+        # CPython), so callers and the engine thread never wait on each other for it.
+        self._in_flight: Dict[Tuple[int, str], Entry] = {}
         self._failure: Optional[CollectiveError] = None
         self._stopping = False
         self._left: Dict[int, str] = {}
@@ -88,6 +89,9 @@ class Engine(Executor):
         self._data_stall_warned = False
         self._worker_stall_warned: Set[Tuple[int, str]] = set()
         self._last_worker_stall_check = 0.0
+        # How often stalls are looked for: a quarter of the shortest stall time, at most a second.
+        stall_times = [x for x in (config.stall_check_seconds, config.stall_shutdown_seconds) if x > 0]
+        self._stall_period: Optional[float] = min(1.0, min(stall_times) / 4.0) if stall_times else None
         self.coordinator: Optional[Coordinator] = None
         self._signatures = WorkerSignatures()
         if self.rank == 0:
@@ -117,17 +121,17 @@ class Engine(Executor):
             raise copy.copy(self._failure)
         if self._stopping:
             raise CollectiveError("spark-hvd has been shut down on this rank; call init() again to restart")
-        keys = [(entry.meta.ps, entry.name) for entry in entries]
-        with self._names_lock:
-            busy = [key for key in keys if key in self._in_flight]
-            if busy or len(set(keys)) < len(keys):
-                name = busy[0][1] if busy else entries[0].name
+        in_flight = self._in_flight
+        for i, entry in enumerate(entries):
+            key = (entry.meta.ps, entry.name)
+            if in_flight.setdefault(key, entry) is not entry:
+                for taken in entries[:i]:
+                    in_flight.pop((taken.meta.ps, taken.name), None)
                 raise ValueError(
-                    f"a {entries[0].meta.kind} named {name!r} is already in progress on rank {self.rank}: "
+                    f"a {entry.meta.kind} named {entry.name!r} is already in progress on rank {self.rank}: "
                     "requested an operation with the same name as another one that is still being processed. "
                     "Wait for the first (synchronize its handle) or give the new one a different name."
                 )
-            self._in_flight.update(keys)
         now = time.perf_counter()
         for entry in entries:
             entry.submitted = now
@@ -144,13 +148,11 @@ class Engine(Executor):
             self._wake()
 
     def _complete(self, entry: Entry, value: Any) -> None:
-        with self._names_lock:
-            self._in_flight.discard((entry.meta.ps, entry.name))
+        self._in_flight.pop((entry.meta.ps, entry.name), None)  # before the caller can see the result
         entry.handle._set(entry.index, value)
 
     def _fail(self, entry: Entry, error: BaseException) -> None:
-        with self._names_lock:
-            self._in_flight.discard((entry.meta.ps, entry.name))
+        self._in_flight.pop((entry.meta.ps, entry.name), None)
         entry.handle._fail(error)
 
     def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
@@ -282,13 +284,9 @@ class Engine(Executor):
         # byte while leaving the flag set, and every later wake-up would be skipped.
         self._wake_pending = False
 
-    def _stall_interval(self) -> Optional[float]:
-        checks = [x for x in (self.config.stall_check_seconds, self.config.stall_shutdown_seconds) if x > 0]
-        return min(1.0, min(checks) / 4.0) if checks else None
-
     def _idle_timeout(self) -> Optional[float]:
         waiting = self.coordinator.pending if self.coordinator is not None else self._local
-        return self._stall_interval() if waiting else None
+        return self._stall_period if waiting else None
 
     def _take_new(self) -> List[Entry]:
         new = []
@@ -316,14 +314,14 @@ class Engine(Executor):
         new = self._take_new()
         if new:
             items = tuple(Announce(e.name, self._signatures.encode(e.meta), self._eager.payload(e)) for e in new)
-            self._send(0, REQUESTS + pickle.dumps(RequestBatch(self._signatures.seq, items), protocol=5))
+            self._send(0, REQUESTS + dump_requests(RequestBatch(self._signatures.seq, items)))
         self._pump()
         reader = self._readers[0]
         while reader.frames:
             frame = reader.frames.popleft()
             kind = frame[:1]
             if kind == RESPONSES:
-                batch: ResponseBatch = pickle.loads(frame[1:])
+                batch = load_responses(frame[1:])
                 resolver = self._signatures.learn(batch)
                 arrived = time.perf_counter()
                 for response in batch.responses:
@@ -342,9 +340,8 @@ class Engine(Executor):
     def _check_worker_stalls(self) -> None:
         """Warn about requests rank 0 has not answered for the stall time (it warns about the ranks
         it is waiting for; this catches rank 0 itself stopped), and give up at the shutdown time."""
-        interval = self._stall_interval()
         now = time.perf_counter()
-        if interval is None or now - self._last_worker_stall_check < interval:
+        if self._stall_period is None or now - self._last_worker_stall_check < self._stall_period:
             return
         self._last_worker_stall_check = now
         check, shutdown = self.config.stall_check_seconds, self.config.stall_shutdown_seconds
@@ -378,9 +375,9 @@ class Engine(Executor):
                 frame = reader.frames.popleft()
                 kind = frame[:1]
                 if kind == REQUESTS:
-                    batch: RequestBatch = pickle.loads(frame[1:])
-                    coord.sigs.ack(peer, batch.seq)
-                    for item in batch.items:
+                    requests = load_requests(frame[1:])
+                    coord.sigs.ack(peer, requests.seq)
+                    for item in requests.items:
                         if isinstance(item.sig, int):
                             coord.submit_id(peer, item.name, item.sig)
                             ps = coord.sigs.resolve(item.sig).ps
@@ -412,7 +409,7 @@ class Engine(Executor):
             if responses is not batch.responses:
                 batch = batch._replace(responses=responses)
             if batch.responses or batch.teach or batch.evicted:
-                frame = RESPONSES + pickle.dumps(batch, protocol=5)
+                frame = RESPONSES + dump_responses(batch)
                 for peer in self._readers:
                     if peer not in self._left:
                         self._send(peer, frame)

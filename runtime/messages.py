@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import pickle
 from typing import NamedTuple, Optional, Tuple, Union
 
 from .ops import storage_dtype
 
-__all__ = ["Meta", "Announce", "RequestBatch", "Response", "ResponseBatch", "KINDS"]
+__all__ = ["Meta", "Announce", "RequestBatch", "Response", "ResponseBatch", "KINDS", "dump_requests",
+           "load_requests", "dump_responses", "load_responses"]
 
 KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier", "join", "add_process_set")
 
@@ -95,3 +97,24 @@ class ResponseBatch(NamedTuple):
     """Ids used by these responses that workers do not hold: valid for this batch only."""
     evicted: Tuple[int, ...] = ()
     """Ids workers must forget and no longer announce."""
+
+
+# On the wire, batches travel as plain tuples: pickling a named tuple costs several times more
+# (a Python-level call per instance), and every step of training sends these.
+def dump_requests(batch: RequestBatch) -> bytes:
+    return pickle.dumps((batch.seq, [tuple(item) for item in batch.items]), protocol=5)
+
+
+def load_requests(data: bytes) -> RequestBatch:
+    seq, items = pickle.loads(data)
+    return RequestBatch(seq, tuple(map(Announce._make, items)))
+
+
+def dump_responses(batch: ResponseBatch) -> bytes:
+    return pickle.dumps((batch.seq, [tuple(r) for r in batch.responses], batch.teach, batch.resolve, batch.evicted),
+                        protocol=5)
+
+
+def load_responses(data: bytes) -> ResponseBatch:
+    seq, responses, teach, resolve, evicted = pickle.loads(data)
+    return ResponseBatch(seq, tuple(map(Response._make, responses)), teach, resolve, evicted)

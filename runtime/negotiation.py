@@ -62,7 +62,8 @@ class SignatureTable:
         self.capacity = capacity
         self.persist = capacity > 0
         self._meta: Dict[int, Meta] = {}  # every id that may still be announced or used
-        self._live: "OrderedDict[Meta, int]" = OrderedDict()  # ids new requests get; LRU first
+        self._by_meta: Dict[Meta, int] = {}  # the id new requests with this meta get
+        self._live: "OrderedDict[int, None]" = OrderedDict()  # those ids, least recently used first
         self._known: Set[int] = set()  # ids every worker holds (taught, not evicted)
         self._retiring: Dict[int, int] = {}  # evicted id -> seq of the batch that announced it
         self._refs: Dict[int, int] = {}  # id -> pending requests carrying it
@@ -79,26 +80,27 @@ class SignatureTable:
         return len(self._live)
 
     def intern(self, meta: Meta) -> int:
-        sid = self._live.get(meta)
+        sid = self._by_meta.get(meta)
         if sid is None:
             sid = self._next
             self._next += 1
-            self._live[meta] = sid
+            self._by_meta[meta] = sid
             self._meta[sid] = meta
+            self._live[sid] = None
         else:
-            self._live.move_to_end(meta)
+            self._live.move_to_end(sid)
         return sid
 
     def resolve(self, sid: int) -> Meta:
         return self._meta[sid]
 
     def touch(self, sid: int) -> None:
-        meta = self._meta[sid]
-        if self._live.get(meta) == sid:
-            self._live.move_to_end(meta)
+        if sid in self._live:
+            self._live.move_to_end(sid)
 
     def hold(self, sid: int) -> None:
-        self._refs[sid] = self._refs.get(sid, 0) + 1
+        refs = self._refs
+        refs[sid] = refs.get(sid, 0) + 1
 
     def release(self, sid: int) -> None:
         left = self._refs[sid] - 1
@@ -106,7 +108,8 @@ class SignatureTable:
             self._refs[sid] = left
         else:
             del self._refs[sid]
-            self._maybe_forget(sid)
+            if sid not in self._live and sid not in self._known:
+                self._maybe_forget(sid)
 
     def ack(self, worker: int, seq: int) -> None:
         """``worker`` has processed every batch up to ``seq``."""
@@ -131,8 +134,7 @@ class SignatureTable:
                 del self._meta[sid]
 
     def _maybe_forget(self, sid: int) -> None:
-        meta = self._meta.get(sid)
-        if meta is None or sid in self._refs or self._live.get(meta) == sid or sid in self._known:
+        if sid not in self._meta or sid in self._refs or sid in self._live or sid in self._known:
             return
         seq = self._retiring.get(sid)
         if seq is None or seq <= self._floor():
@@ -146,12 +148,13 @@ class SignatureTable:
         limit = self.capacity if self.persist else 0
         excess = len(self._live) - limit
         if excess > 0:
-            for meta, sid in list(self._live.items()):
+            for sid in list(self._live):
                 if excess <= 0:
                     break
                 if sid in self._refs or sid in used:
                     continue
-                del self._live[meta]
+                del self._live[sid]
+                del self._by_meta[self._meta[sid]]
                 excess -= 1
                 if sid in self._known:
                     self._known.discard(sid)
@@ -160,8 +163,8 @@ class SignatureTable:
                 else:
                     self._maybe_forget(sid)
         teach = []
-        if self.persist:
-            for sid in self._live.values():
+        if self.persist and len(self._known) < len(self._live):
+            for sid in self._live:
                 if sid not in self._known:
                     self._known.add(sid)
                     teach.append((sid, self._meta[sid]))
@@ -200,11 +203,13 @@ class Coordinator:
 
     # -- input ------------------------------------------------------------------------------------
     def submit(self, rank: int, name: str, meta: Meta) -> None:
-        self.submit_id(rank, name, self.sigs.intern(meta))
+        self._add(rank, name, self.sigs.intern(meta), meta)
 
     def submit_id(self, rank: int, name: str, sid: int) -> None:
-        meta = self.sigs.resolve(sid)
         self.sigs.touch(sid)
+        self._add(rank, name, sid, self.sigs.resolve(sid))
+
+    def _add(self, rank: int, name: str, sid: int, meta: Meta) -> None:
         if meta.kind == "join":
             if rank not in self.joined:
                 self.joined.append(rank)
@@ -248,9 +253,8 @@ class Coordinator:
     # -- output -----------------------------------------------------------------------------------
     def decide(self) -> Tuple[ResponseBatch, Dict[int, Meta]]:
         """The batch answering everything ready, and the metas of the ids it uses (for rank 0)."""
-        responses: List[Response] = []
-        fused: Dict[tuple, int] = {}  # fusion key -> index of its open response in ``responses``
-        fused_bytes: Dict[int, int] = {}
+        responses: List[object] = []  # Responses, and fused allreduces still open: [names, sids, ps, bytes]
+        fused: Dict[tuple, list] = {}  # fusion key -> its open fused allreduce
         groups: Dict[Tuple[int, str], list] = {}
         finished: List[_Pending] = []
         for key in self.ready:
@@ -278,21 +282,21 @@ class Coordinator:
                 eager = size <= self.eager_threshold
                 fkey = (ps, sample.dtype, sample.op, sample.prescale, sample.postscale, eager)
                 limit = min(self.fusion_threshold, 64 * self.eager_threshold) if eager else self.fusion_threshold
-                at = fused.get(fkey)
-                if at is not None and fused_bytes[at] + size <= limit:
-                    open_response = responses[at]
-                    responses[at] = open_response._replace(names=open_response.names + (name,),
-                                                           sids=open_response.sids + (sid,))
-                    fused_bytes[at] += size
+                bucket = fused.get(fkey)
+                if bucket is not None and bucket[3] + size <= limit:
+                    bucket[0].append(name)
+                    bucket[1].append(sid)
+                    bucket[3] += size
                     continue
-                fused[fkey] = len(responses)
-                fused_bytes[len(responses)] = size
-                responses.append(Response(kind="allreduce", names=(name,), ps=ps, sids=(sid,)))
+                bucket = fused[fkey] = [[name], [sid], ps, size]
+                responses.append(bucket)
                 continue
             responses.append(self._single_response(name, entry, sample))
         # Group members still waiting for their siblings stay ready for the next decision.
         self.ready = [(ps, name) for (ps, _), members in groups.items() for name, _, _ in members]
         self._ready_set = set(self.ready)
+        responses = [r if isinstance(r, Response) else
+                     Response(kind="allreduce", names=tuple(r[0]), ps=r[2], sids=tuple(r[1])) for r in responses]
         if self.joined and len(self.joined) == self.size:
             responses.append(Response(kind="join", names=(), ps=0, value=self.joined[-1]))
             self.joined = []
