@@ -8,7 +8,6 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
-from spark_hvd.runtime.errors import CollectiveError, RendezvousTimeout
 
 from .errors import RankFailedError
 from .local import LocalJob
@@ -18,8 +17,6 @@ from .processes import RankExit
 __all__ = ["run"]
 
 
-# What a rank raises when a peer it needs has gone: the failure is a reaction, not a cause.
-_PEER_LOSS = (CollectiveError, RendezvousTimeout)
 
 
 def _log_to_stderr(message: str) -> None:
@@ -83,18 +80,11 @@ def _rank_error(rank: int, details: Dict[str, Any], tail: Sequence[str]) -> Rank
     )
 
 
-def _lost_a_peer(error: RankFailedError) -> bool:
-    """Whether a rank failed the way ranks fail when a peer has left: a collective or the rendezvous gave up."""
-    if error.original is not None:
-        return isinstance(error.original, _PEER_LOSS)
-    return error.exc_type in {f"{kind.__module__}.{kind.__qualname__}" for kind in _PEER_LOSS}
-
-
 def _failure_error(failure: RankExit, workdir: Path, secret: str) -> RankFailedError:
     outcome = _read_outcome(workdir, secret, failure.rank)
     if failure.reaction is not None:
         reaction = _failure_error(failure.reaction, workdir, secret)
-        if not _lost_a_peer(reaction):
+        if not reaction.lost_a_peer():
             # The failing rank raised an error of its own: the ranks that had finished did not cause it.
             return reaction
         how = "after fn returned" if outcome is not None and outcome[0] == "ok" else "without returning a result"

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
-from spark_hvd.runtime.errors import SparkHvdError
+from spark_hvd.runtime.errors import CollectiveError, RendezvousTimeout, SparkHvdError
 
 __all__ = ["RankFailedError"]
+
+# What a rank raises when a peer it needs has gone: such a failure is a reaction, not a cause.
+_PEER_LOSS = (CollectiveError, RendezvousTimeout)
 
 
 class RankFailedError(SparkHvdError, RuntimeError):
@@ -51,3 +54,10 @@ class RankFailedError(SparkHvdError, RuntimeError):
         if self.output_tail:
             return [f"Last {len(self.output_tail)} lines of output of rank {self.rank}:\n" + "\n".join(self.output_tail)]
         return []
+
+    def lost_a_peer(self) -> bool:
+        """Whether the rank failed the way ranks fail when a peer has left: a collective or the
+        rendezvous gave up."""
+        if self.original is not None:
+            return isinstance(self.original, _PEER_LOSS)
+        return self.exc_type in {f"{kind.__module__}.{kind.__qualname__}" for kind in _PEER_LOSS}

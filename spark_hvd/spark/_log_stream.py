@@ -58,6 +58,7 @@ class LogCollector(ServerLoop):
         self._closed_connections = 0
         self._readers: Dict[socket.socket, FrameReader] = {}
         self.failures: List[Dict[str, Any]] = []
+        self.finished: Dict[int, float] = {}  # rank -> when its function's return was reported
         self._start()
 
     def _shut_down(self) -> None:
@@ -107,6 +108,10 @@ class LogCollector(ServerLoop):
             with self._cond:
                 self.failures.append(dict(frame["error"], rank=rank, received=time.monotonic()))
                 self._cond.notify_all()
+            return
+        if frame.get("finished"):
+            with self._cond:
+                self.finished.setdefault(rank, time.monotonic())
             return
         stream = "stderr" if frame.get("stream") == "stderr" else "stdout"
         if self._verbose <= 0:
@@ -206,6 +211,10 @@ class LogSender:
     def failure(self, details: Dict[str, str]) -> bool:
         """Report this rank's failure (type, message, traceback, output tail)."""
         return self._send({"rank": self.rank, "error": details})
+
+    def finished(self) -> bool:
+        """Report that this rank's function returned (the driver names a rank that left early)."""
+        return self._send({"rank": self.rank, "finished": True})
 
     def close(self) -> None:
         with self._lock:

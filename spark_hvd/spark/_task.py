@@ -234,6 +234,7 @@ def run_task(spec: TaskSpec, _partition: Iterable[Any]) -> Iterator[Tuple[int, b
         if not ok:
             sender.failure(details)
             raise RuntimeError(failure_summary(rank, details))
+        sender.finished()
         streamed = sender.connected
         sender.close()
         # Partition 0 serves the rendezvous until every rank is done with it.

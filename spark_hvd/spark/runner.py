@@ -175,6 +175,20 @@ def _rank_error(failure: Optional[Mapping[str, Any]], spark_error: BaseException
     return RuntimeError(f"the barrier stage of spark_hvd.spark.run() failed: {text}")
 
 
+def _root_cause(error: BaseException, failure: Optional[Mapping[str, Any]],
+                finished: Mapping[int, float]) -> BaseException:
+    """A rank whose function returned while the others still ran, when they then failed for want of
+    it, is the root cause: named first, with their failure as the reaction."""
+    if failure is None or not isinstance(error, RankFailedError) or not error.lost_a_peer():
+        return error
+    early = [(at, rank) for rank, at in finished.items() if at <= failure["received"] and rank != error.rank]
+    if not early:
+        return error
+    _, rank = min(early)
+    return RankFailedError(rank, f"rank {rank} returned while the other ranks were still running; then "
+                                 f"{error.summary}", reaction=error)
+
+
 class _JobGroup:
     """A Spark job group of its own for the stage, so an interrupted driver can cancel it."""
 
@@ -298,7 +312,7 @@ def run(
                 raise
             except Exception as exc:
                 failure = collector.wait_failure(_FAILURE_REPORT_WAIT_S)
-                raise _rank_error(failure, exc) from None
+                raise _root_cause(_rank_error(failure, exc), failure, dict(collector.finished)) from None
         collector.wait_closed(sum(1 for row in rows if row[2]), _DRAIN_WAIT_S)
     finally:
         collector.close()

@@ -264,3 +264,31 @@ def test_ranks_started_by_run_can_allreduce(spark):
     """Ranks placed by run() meet at the rendezvous and sum 1 + 2 = 3 on both ranks."""
     results = run(_allreduce_rank_plus_one, num_proc=2, start_timeout=60, use_gpu=False, verbose=0)
     assert [r.tolist() for r in results] == [[3.0], [3.0]]
+
+
+def _return_early_on_rank_1() -> int:
+    import time
+
+    import numpy as np
+
+    import spark_hvd.runtime as rt
+
+    rt.init()
+    if rt.rank() == 1:
+        rt.shutdown()
+        return 1
+    time.sleep(2.0)
+    rt.allreduce(np.ones(1), name="needs.rank.1")  # rank 1 has left: this fails
+    return 0
+
+
+def test_a_rank_that_returned_early_is_named_before_the_rank_that_lost_it(spark):
+    """Rank 1 returns at once while rank 0 still needs it; rank 0 then fails for want of it. The
+    driver names rank 1 first and gives rank 0's error as the reaction, as spark-hvd-run does."""
+    with pytest.raises(RankFailedError) as info:
+        run(_return_early_on_rank_1, num_proc=2)
+    error = info.value
+    assert error.rank == 1, error
+    assert "rank 1 returned while the other ranks were still running" in str(error)
+    assert error.reaction is not None and error.reaction.rank == 0
+    assert "rank 1 has shut down" in error.reaction.summary, error.reaction.summary
