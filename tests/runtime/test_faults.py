@@ -182,6 +182,9 @@ def _interrupted_rounds(rounds: int):
 
     import spark_hvd.runtime as rt
 
+    # A job started in the background inherits SIGINT ignored; give this rank Python's own handler,
+    # as an interactive session has it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     outcomes = []
     for round_no in range(rounds):
         rt.init()
