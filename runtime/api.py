@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import pickle
@@ -14,7 +15,9 @@ import numpy as np
 from .config import RuntimeConfig
 from .errors import NotInitializedError
 from .handles import Handle
+from .membership import join_next_world, read_updates
 from .ops import Average
+from .rendezvous import RendezvousClient
 from .session import Session
 from .world import World, connect_world, single_world
 
@@ -27,7 +30,7 @@ __all__ = [
     "reducescatter", "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async",
     "barrier", "barrier_async", "join", "join_async", "broadcast_object", "allgather_object",
     "start_timeline", "stop_timeline", "ProcessSet", "global_process_set", "add_process_set",
-    "remove_process_set",
+    "remove_process_set", "host_updates",
 ]
 
 log = logging.getLogger("spark_hvd")
@@ -68,6 +71,8 @@ class _State:
         self.lock = threading.RLock()
         self.session: Optional[Session] = None
         self.generation = 0  # init() calls so far in this process: keys and segments are per generation
+        self.updates_seen = 0  # an elastic launcher's updates counter when this world formed
+        self.updates_client: Optional[RendezvousClient] = None
         self.atexit_registered = False
         self.process_sets: Dict[int, ProcessSet] = {}
 
@@ -96,12 +101,14 @@ def init(config: Optional[RuntimeConfig] = None, **overrides: Any) -> None:
             if stale.engine.failure is None:
                 return
             log.info("spark-hvd: initializing again after the runtime failed: %s", stale.engine.failure)
-            _state.session = None
-            stale.shutdown()
+            shutdown()
         cfg = config if config is not None else RuntimeConfig.from_env(**overrides)
         logging.getLogger("spark_hvd").setLevel(cfg.log_level.upper())
         _state.generation += 1
-        if cfg.rank is None and cfg.size is None and cfg.rendezvous_addr is None:
+        if cfg.elastic and cfg.rank is None:
+            cfg, generation = _join_elastic(cfg)
+            world = connect_world(cfg, generation=generation)
+        elif cfg.rank is None and cfg.size is None and cfg.rendezvous_addr is None:
             world = single_world()
         else:
             world = connect_world(cfg, generation=_state.generation)
@@ -123,6 +130,36 @@ def init(config: Optional[RuntimeConfig] = None, **overrides: Any) -> None:
             _state.atexit_registered = True
 
 
+def _join_elastic(cfg: RuntimeConfig) -> Tuple[RuntimeConfig, int]:
+    """An elastic worker's place in the world the launcher forms next; the launcher numbers the
+    generations, so every member agrees on its keys."""
+    cfg = cfg.require_worker()
+    assignment = join_next_world(cfg, _state.generation)
+    _state.updates_seen = assignment.updates
+    placed = dataclasses.replace(cfg, rank=assignment.rank, size=assignment.size, local_rank=assignment.local_rank,
+                                 local_size=assignment.local_size, cross_rank=assignment.cross_rank,
+                                 cross_size=assignment.cross_size)
+    return placed, assignment.generation
+
+
+def host_updates() -> Tuple[bool, bool]:
+    """Whether the elastic launcher has changed the available workers since this world formed, and
+    whether it added any; the same answer on every rank (False, False outside elastic jobs)."""
+    session = _session("host_updates()")
+    cfg = session.config
+    if not cfg.elastic:
+        return False, False
+    version, added = 0, False
+    if session.rank == 0:
+        if _state.updates_client is None:  # one connection for the world's life: commits are frequent
+            _state.updates_client = RendezvousClient(cfg.rendezvous_addr, cfg.secret, cfg.start_timeout)
+        version, added = read_updates(_state.updates_client, cfg.start_timeout)
+    changed = version > _state.updates_seen
+    flags = session.broadcast(np.array([int(changed), int(changed and added)], dtype=np.int64), 0,
+                              name="elastic.host_updates", out=None, dtype=None, ps=0, will_wait=True).wait()
+    return bool(flags[0]), bool(flags[1])
+
+
 def _bind_cpus(local_rank: int, local_size: int) -> None:
     """Give this rank a disjoint share of the usable CPUs; threads started later inherit it."""
     try:
@@ -141,6 +178,9 @@ def shutdown() -> None:
     with _state.lock:
         session = _state.session
         _state.session = None
+        client, _state.updates_client = _state.updates_client, None
+    if client is not None:
+        client.close()
     if session is not None:
         session.shutdown()
 

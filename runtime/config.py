@@ -18,6 +18,7 @@ __all__ = [
     "SETTINGS",
     "RuntimeConfig",
     "worker_environment",
+    "elastic_worker_environment",
     "new_secret",
     "read_setting",
     "environ_snapshot",
@@ -73,6 +74,11 @@ SETTINGS: Tuple[Setting, ...] = (
             "Address this rank listens on and advertises to its peers.", ("HOROVOD_HOSTNAME",)),
     Setting("host_key", "SPARK_HVD_HOST_KEY", str, None,
             "Identifies the physical host; ranks with equal keys use shared memory (default: hostname)."),
+    Setting("elastic", "SPARK_HVD_ELASTIC", _parse_bool, False,
+            "This process is a worker of an elastic job: init() asks the launcher for its place in each world.",
+            ("HOROVOD_ELASTIC",)),
+    Setting("worker_id", "SPARK_HVD_WORKER_ID", str, None,
+            "Identity of an elastic worker, stable across the worlds it takes part in."),
     # Tuning.
     Setting("fusion_threshold", "SPARK_HVD_FUSION_THRESHOLD", int, 64 * MiB,
             "Bytes up to which ready allreduce requests are packed into one fusion buffer (0 disables).",
@@ -99,6 +105,9 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("start_timeout", "SPARK_HVD_START_TIMEOUT", float, 60.0,
             "Seconds init() waits for every rank to arrive at the rendezvous and connect.",
             ("HOROVOD_START_TIMEOUT",)),
+    Setting("elastic_timeout", "SPARK_HVD_ELASTIC_TIMEOUT", float, 600.0,
+            "Seconds an elastic worker waits in init() for the launcher to form the next world.",
+            ("HOROVOD_ELASTIC_TIMEOUT",)),
     Setting("peer_timeout", "SPARK_HVD_PEER_TIMEOUT", float, 10.0,
             "Seconds within which a silent or vanished peer is declared lost."),
     Setting("shm", "SPARK_HVD_SHM", _parse_bool, True,
@@ -155,6 +164,8 @@ class RuntimeConfig:
     secret: Optional[str] = _default("secret")
     hostname: str = _default("hostname")
     host_key: Optional[str] = _default("host_key")
+    elastic: bool = _default("elastic")
+    worker_id: Optional[str] = _default("worker_id")
     fusion_threshold: int = _default("fusion_threshold")
     cycle_time_ms: float = _default("cycle_time_ms")
     eager_threshold: int = _default("eager_threshold")
@@ -164,6 +175,7 @@ class RuntimeConfig:
     stall_check_seconds: float = _default("stall_check_seconds")
     stall_shutdown_seconds: float = _default("stall_shutdown_seconds")
     start_timeout: float = _default("start_timeout")
+    elastic_timeout: float = _default("elastic_timeout")
     peer_timeout: float = _default("peer_timeout")
     shm: bool = _default("shm")
     bind_cpus: bool = _default("bind_cpus")
@@ -179,6 +191,7 @@ class RuntimeConfig:
             ("stall_check_seconds", self.stall_check_seconds >= 0, "seconds >= 0"),
             ("stall_shutdown_seconds", self.stall_shutdown_seconds >= 0, "seconds >= 0"),
             ("start_timeout", self.start_timeout > 0, "seconds > 0"),
+            ("elastic_timeout", self.elastic_timeout > 0, "seconds > 0"),
             ("peer_timeout", self.peer_timeout > 0, "seconds > 0"),
             ("chunk_bytes", self.chunk_bytes >= 4096 and self.chunk_bytes % 64 == 0,
              "a multiple of 64 of at least 4096"),
@@ -208,11 +221,9 @@ class RuntimeConfig:
 
     def require_worker(self) -> "RuntimeConfig":
         """Check that the worker contract is complete; name each missing variable."""
-        missing = [
-            _BY_FIELD[f].env
-            for f in ("rank", "size", "rendezvous_addr", "secret")
-            if getattr(self, f) is None
-        ]
+        needed = ("worker_id", "rendezvous_addr", "secret") if self.elastic and self.rank is None else \
+            ("rank", "size", "rendezvous_addr", "secret")
+        missing = [_BY_FIELD[f].env for f in needed if getattr(self, f) is None]
         if missing:
             raise ValueError(
                 "environment variable(s) " + ", ".join(missing) + " expected, but not set. "
@@ -275,6 +286,12 @@ def worker_environment(
     }
     if host_key is not None:
         env["SPARK_HVD_HOST_KEY"] = host_key
+    env.update(_setting_environment(settings))
+    return env
+
+
+def _setting_environment(settings: Optional[Mapping[str, Any]]) -> Dict[str, str]:
+    env = {}
     for field, value in (settings or {}).items():
         if field not in _BY_FIELD:
             raise TypeError(f"unknown runtime setting {field!r}; known: {sorted(_BY_FIELD)}")
@@ -283,4 +300,29 @@ def worker_environment(
         if isinstance(value, bool):
             value = int(value)
         env[_BY_FIELD[field].env] = str(value)
+    return env
+
+
+def elastic_worker_environment(
+    *,
+    worker_id: str,
+    rendezvous_addr: str,
+    secret: str,
+    hostname: str = "127.0.0.1",
+    host_key: Optional[str] = None,
+    settings: Optional[Mapping[str, Any]] = None,
+) -> Dict[str, str]:
+    """The environment of an elastic worker: its identity instead of a rank, which the launcher
+    assigns anew for every world the worker joins (see :func:`worker_environment`)."""
+    env = {
+        "SPARK_HVD_ELASTIC": "1",
+        "SPARK_HVD_WORKER_ID": worker_id,
+        "SPARK_HVD_RENDEZVOUS_ADDR": rendezvous_addr,
+        "SPARK_HVD_SECRET": secret,
+        "SPARK_HVD_HOSTNAME": hostname,
+        "HOROVOD_ELASTIC": "1",
+    }
+    if host_key is not None:
+        env["SPARK_HVD_HOST_KEY"] = host_key
+    env.update(_setting_environment(settings))
     return env

@@ -12,6 +12,7 @@ __all__ = [
     "AuthenticationError",
     "NotInitializedError",
     "HorovodInternalError",
+    "HostsUpdatedInterrupt",
 ]
 
 
@@ -59,3 +60,15 @@ class NotInitializedError(SparkHvdError, ValueError):
             f"spark-hvd has not been initialized; call init() before {what} "
             "(and do not call it after shutdown())."
         )
+
+
+class HostsUpdatedInterrupt(SparkHvdError):
+    """Raised by an elastic state's ``commit()`` on every rank at once when the launcher has slots
+    for more workers: ``hvd.elastic.run`` then forms a new world with them.
+
+    ``skip_sync`` is True when no worker was added (the state need not be sent again).
+    """
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("the hosts of the elastic job changed; the world is formed again")
+        self.skip_sync = skip_sync

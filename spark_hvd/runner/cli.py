@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -15,6 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from spark_hvd.runtime import config
 
+from .elastic import DEFAULT_ELASTIC_TIMEOUT, ElasticJob, ElasticOptions
 from .local import LocalJob
 from .processes import TERMINATE_GRACE_SECONDS, RankExit, RankProcesses
 
@@ -44,6 +46,8 @@ class LaunchOptions:
     """Environment variables set for every rank on top of ours and the worker contract."""
     verbose: bool
     """Log what is started and stopped."""
+    elastic: Optional[ElasticOptions] = None
+    """Set for elastic jobs."""
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -73,6 +77,16 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="also write each rank's output to DIR/rank.<r>/stdout and DIR/rank.<r>/stderr")
     parser.add_argument("--bind-cpus", action="store_true",
                         help="pin each rank to its own share of this machine's CPUs (steadier latency)")
+    elastic = parser.add_argument_group(
+        "elastic training", "any of these makes the job elastic: workers may be lost or added, and scripts written "
+        "with hvd.elastic.run go on from their last commit")
+    elastic.add_argument("--min-np", type=int, metavar="N", help="fewest workers a world may have (default: -np)")
+    elastic.add_argument("--max-np", type=int, metavar="N", help="most workers a world may have (default: -np)")
+    elastic.add_argument("--host-discovery-script", metavar="SCRIPT",
+                         help="prints the available slots as HOST:SLOTS lines (this machine only); run every second")
+    elastic.add_argument("--reset-limit", type=int, metavar="K", help="most new worlds after the first (default: no limit)")
+    elastic.add_argument("--elastic-timeout", type=float, metavar="S",
+                         help="seconds to wait for enough workers or for a new world (default 600)")
     parser.add_argument("--verbose", action="store_true", help="log what is started and stopped")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program to run, e.g. python train.py")
     return parser
@@ -190,6 +204,7 @@ def parse_options(argv: Sequence[str], environ: Optional[Dict[str, str]] = None)
         "timeline": None if args.timeline_filename is None
         else _check_writable_file("--timeline-filename", args.timeline_filename),
     }
+    elastic = _elastic_options(args)
     env = _child_path(environ)
     _check_command(command, env, environ)
     output_dir = None if args.output_filename is None else _prepare_output_dir(args.output_filename)
@@ -200,7 +215,33 @@ def parse_options(argv: Sequence[str], environ: Optional[Dict[str, str]] = None)
         output_dir=output_dir,
         env=env,
         verbose=args.verbose,
+        elastic=elastic,
     )
+
+
+def _elastic_options(args: argparse.Namespace) -> Optional[ElasticOptions]:
+    given = [args.min_np, args.max_np, args.host_discovery_script, args.reset_limit, args.elastic_timeout]
+    if all(value is None for value in given):
+        return None
+    if args.hosts is not None:
+        raise UsageError("-H cannot be combined with elastic options; the slots come from --host-discovery-script "
+                         "(or -np when there is none)")
+    script = args.host_discovery_script
+    if script is not None and shutil.which(shlex.split(script)[0]) is None and not os.access(
+            shlex.split(script)[0], os.X_OK):
+        raise UsageError(f"--host-discovery-script {script!r} is not an executable program; expected a script that "
+                         "prints HOST:SLOTS lines, e.g. `echo localhost:4`")
+    try:
+        return ElasticOptions(
+            num_proc=args.num_proc,
+            min_np=args.min_np if args.min_np is not None else args.num_proc,
+            max_np=args.max_np if args.max_np is not None else args.num_proc,
+            discovery_script=script,
+            reset_limit=args.reset_limit,
+            elastic_timeout=args.elastic_timeout if args.elastic_timeout is not None else DEFAULT_ELASTIC_TIMEOUT,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _say(message: str) -> None:
@@ -253,8 +294,36 @@ def _forward_only(job: LocalJob, signums: Sequence[int]) -> None:
         signal.signal(signum, lambda n, f: job.processes.send_signal(n))
 
 
+def _launch_elastic(options: LaunchOptions) -> int:
+    assert options.elastic is not None
+    log = _say if options.verbose else None
+    job = ElasticJob(options.elastic, options.command, local_names=sorted(_local_names()), settings=options.settings,
+                     env=options.env, output_dir=options.output_dir, say=_say, log=log)
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    forwarded = (signal.SIGINT, signal.SIGTERM) if in_main_thread else ()
+    previous = {signum: signal.signal(signum, _raise_interrupted) for signum in forwarded}
+    try:
+        status = job.run()
+    except _Interrupted as interrupt:
+        name = signal.Signals(interrupt.signum).name
+        _say(f"received {name}; forwarding it to all workers")
+        job.processes.terminate(signum=interrupt.signum, grace=TERMINATE_GRACE_SECONDS)
+        return 128 + interrupt.signum
+    finally:
+        try:
+            job.close()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+    if job.resets:
+        _say(f"{len(job.resets)} reset(s): " + "; ".join(f"({i}) {r.describe()}" for i, r in enumerate(job.resets, 1)))
+    return status
+
+
 def launch(options: LaunchOptions) -> int:
     """Run a validated job to its end; return the exit status for the command line."""
+    if options.elastic is not None:
+        return _launch_elastic(options)
     log = _say if options.verbose else None
     job = LocalJob(options.num_proc, settings=options.settings, env=options.env,
                    output_dir=options.output_dir, log=log)

@@ -386,8 +386,19 @@ class RankProcesses:
         running = tuple(r for r in self.ranks if r != first)
         return RankExit(first, 0, tuple(self.tail(first)), running=running, reaction=failure)
 
-    def send_signal(self, signum: int) -> List[int]:
-        """Send ``signum`` to the process group of every running rank; mark them as stopped by us.
+    def next_exit(self, timeout: float) -> Optional[Tuple[int, int]]:
+        """The next rank to exit and its exit code, stopping nobody (an elastic launcher decides
+        itself what an exit means); None when none exits within ``timeout`` seconds."""
+        try:
+            rank, code = self._exits.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        self._consumed.add(rank)
+        return rank, code
+
+    def send_signal(self, signum: int, ranks: Optional[Sequence[int]] = None) -> List[int]:
+        """Send ``signum`` to the process group of every running rank (or of those of ``ranks``
+        still running); mark them as stopped by us.
 
         ``signum`` is SIGKILL or one of :data:`spark_hvd.runner.supervise.FORWARDED_SIGNALS`
         (SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1, SIGUSR2, SIGALRM).
@@ -397,18 +408,20 @@ class RankProcesses:
             raise ValueError(f"signal {_signal_name(signum)} cannot be passed on to ranks; expected SIGKILL or one of "
                              f"{names}")
         with self._lock:
-            running = [r for r in self._procs if r not in self._returncodes]
+            running = [r for r in self._procs if r not in self._returncodes and (ranks is None or r in ranks)]
             self._stopped.update(running)
         for rank in running:
             self._signal(rank, signum)
         return running
 
-    def terminate(self, signum: int = signal.SIGTERM, grace: float = TERMINATE_GRACE_SECONDS) -> List[int]:
-        """Stop every running rank: ``signum``, up to ``grace`` seconds, then SIGKILL.
+    def terminate(self, signum: int = signal.SIGTERM, grace: float = TERMINATE_GRACE_SECONDS,
+                  ranks: Optional[Sequence[int]] = None) -> List[int]:
+        """Stop every running rank (or those of ``ranks``): ``signum``, up to ``grace`` seconds,
+        then SIGKILL.
 
         Returns the ranks that were still running. Safe to call more than once.
         """
-        running = self.send_signal(signum)
+        running = self.send_signal(signum, ranks)
         if running and self._log:
             self._log(f"sent {signal.Signals(signum).name} to ranks {running}")
         deadline = time.monotonic() + grace

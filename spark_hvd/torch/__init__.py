@@ -79,6 +79,7 @@ from spark_hvd.torch.mpi_ops import (
 )
 from spark_hvd.torch.optimizer import DistributedOptimizer
 from spark_hvd.torch.sync_batch_norm import SyncBatchNorm
+from spark_hvd.torch import elastic  # noqa: E402  (hvd.elastic, as in Horovod)
 
 __all__ = [
     # lifecycle and topology
@@ -104,4 +105,6 @@ __all__ = [
     # training
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
     "DistributedOptimizer", "SyncBatchNorm",
+    # elastic training
+    "elastic",
 ]

@@ -105,10 +105,16 @@ class _DistributedOptimizer:
         self._group_ready: Dict[Tuple[torch.Tensor, ...], int] = {}
         self._hook_handles: List[Any] = []
         self._set_groups(groups, trainable)
-        # A rank outside the process set, like a world of one, just applies its own gradients.
-        self._communicate = process_set is not None and process_set.size() > 1 and process_set.included()
-        if self._communicate:
-            self._register_hooks(trainable)
+        # Hooks always: an elastic world of one may grow, and reductions start in the first
+        # backward after that.
+        self._register_hooks(trainable)
+
+    @property
+    def _communicate(self) -> bool:
+        """Whether gradients are reduced now: a rank outside the process set, like a world of one,
+        just applies its own gradients (asked each time, as an elastic world changes size)."""
+        ps = self.process_set
+        return ps is not None and ps.size() > 1 and ps.included()
 
     # -- configuration ---------------------------------------------------------------------------
     def _set_groups(self, groups: Any, trainable: List[torch.Tensor]) -> None:
@@ -205,6 +211,8 @@ class _DistributedOptimizer:
         return handle, packed
 
     def _gradient_ready(self, p: torch.Tensor) -> None:
+        if not self._communicate:
+            return
         if self._allreduce_delay[p] <= 0:
             raise AssertionError(_TOO_MANY_PASSES)
         self._allreduce_delay[p] -= 1
