@@ -31,7 +31,7 @@ from .negotiation import Coordinator, WorkerSignatures
 from .ops import storage_dtype
 from .timeline import MEMCPY_OUT, NEGOTIATE, QUEUE, Timeline
 from .transport import Transport
-from .wire import FrameReader, send_frame
+from .control import ControlLink
 
 __all__ = ["Engine", "DYNAMIC_TIMELINE"]
 
@@ -99,8 +99,9 @@ class Engine(Executor):
                                            config.stall_check_seconds, config.stall_shutdown_seconds,
                                            config.eager_threshold)
         self._eager = EagerAnswers(config.eager_threshold)
-        self._readers: Dict[int, FrameReader] = {peer: FrameReader(sock, what=f"rank {peer}")
-                                                 for peer, sock in world.control.items()}
+        self._links: Dict[int, ControlLink] = dict(world.control)
+        # Links without a descriptor to wait on (MPI) are polled this often while idle.
+        self._poll_interval = 0.0002 if any(link.fileno() is None for link in self._links.values()) else None
         if config.timeline and config.timeline != DYNAMIC_TIMELINE and self.rank == 0:
             self.start_timeline(config.timeline, config.timeline_mark_cycles)
         # A world of one has nobody to wait for: requests complete on the caller's thread.
@@ -251,7 +252,7 @@ class Engine(Executor):
             raise
         finally:
             self._progress.release()
-        if not handle._done or self._queue or any(r.frames for r in self._readers.values()):
+        if not handle._done or self._queue or any(r.frames for r in self._links.values()):
             self._wake()  # the engine thread takes over (and recomputes its stall-check timeout)
 
     def _wake(self) -> None:
@@ -263,13 +264,15 @@ class Engine(Executor):
                 pass
 
     def _wait_for_work(self) -> None:
-        if self._queue or any(r.frames for r in self._readers.values()):
+        if self._queue or any(r.frames for r in self._links.values()):
             timeout = 0.0
         elif self.coordinator is not None and self.coordinator.has_work():
             timeout = 0.0
         else:
             timeout = self._idle_timeout()
-        fds = [self._wake_r] + [r.sock for r in self._readers.values() if not r.closed]
+        fds = [self._wake_r] + [fd for fd in (link.fileno() for link in self._links.values()) if fd is not None]
+        if self._poll_interval is not None:
+            timeout = self._poll_interval if timeout is None else min(timeout, self._poll_interval)
         try:
             select.select(fds, [], [], timeout)
         except (InterruptedError, ValueError, OSError):
@@ -297,14 +300,14 @@ class Engine(Executor):
         return new
 
     def _pump(self) -> None:
-        for reader in self._readers.values():
+        for reader in self._links.values():
             reader.pump()
 
     def _lost(self, peer: int) -> CollectiveError:
         if self._left.get(peer) == "shut down":
             return CollectiveError(f"rank {peer} has shut down; collectives that need it cannot complete",
                                    lost_rank=peer)
-        reader = self._readers.get(peer)
+        reader = self._links.get(peer)
         if reader is not None and reader.error:
             return CollectiveError(f"rank {peer} was lost: {reader.error}", lost_rank=peer)
         return CollectiveError(
@@ -316,7 +319,7 @@ class Engine(Executor):
             items = tuple(Announce(e.name, self._signatures.encode(e.meta), self._eager.payload(e)) for e in new)
             self._send(0, REQUESTS + dump_requests(RequestBatch(self._signatures.seq, items)))
         self._pump()
-        reader = self._readers[0]
+        reader = self._links[0]
         while reader.frames:
             frame = reader.frames.popleft()
             kind = frame[:1]
@@ -370,7 +373,7 @@ class Engine(Executor):
         for entry in self._take_new():
             coord.submit(0, entry.name, entry.meta)
         self._pump()
-        for peer, reader in self._readers.items():
+        for peer, reader in self._links.items():
             while reader.frames:
                 frame = reader.frames.popleft()
                 kind = frame[:1]
@@ -410,7 +413,7 @@ class Engine(Executor):
                 batch = batch._replace(responses=responses)
             if batch.responses or batch.teach or batch.evicted:
                 frame = RESPONSES + dump_responses(batch)
-                for peer in self._readers:
+                for peer in self._links:
                     if peer not in self._left:
                         self._send(peer, frame)
                 arrived = time.perf_counter()
@@ -442,7 +445,7 @@ class Engine(Executor):
 
     def _send(self, peer: int, frame: bytes) -> None:
         try:
-            send_frame(self.world.control[peer], frame)
+            self._links[peer].send(frame)
         except OSError as exc:
             raise CollectiveError(f"rank {peer} was lost: sending to it failed ({exc})", lost_rank=peer) from None
 
@@ -454,7 +457,7 @@ class Engine(Executor):
         if self._stopping:
             raise CollectiveError("spark-hvd is shutting down on this rank")
         self._pump()
-        for peer, reader in self._readers.items():
+        for peer, reader in self._links.items():
             for frame in reader.frames:
                 if frame[:1] == ABORT:
                     message, lost = pickle.loads(frame[1:])
@@ -462,10 +465,10 @@ class Engine(Executor):
                 if frame[:1] == BYE:
                     self._left.setdefault(peer, "shut down")
         for peer in peers:
-            reader = self._readers.get(peer)
+            reader = self._links.get(peer)
             if peer in self._left or (reader is not None and reader.closed):
                 raise self._lost(peer)
-        if self.rank != 0 and self._readers[0].closed and 0 not in self._left:
+        if self.rank != 0 and self._links[0].closed and 0 not in self._left:
             raise self._lost(0)  # the coordinator crashed: nothing can complete
         now = time.monotonic()
         if now - self._last_liveness > 0.2:
@@ -506,15 +509,9 @@ class Engine(Executor):
 
     def _send_quietly(self, frame: bytes, skip: Optional[int] = None) -> None:
         """Best effort, bounded: the peer may already be gone or stuck."""
-        for peer in list(self._readers):
-            if peer in self._left or peer == skip:
-                continue
-            sock = self.world.control[peer]
-            try:
-                sock.settimeout(1.0)
-                send_frame(sock, frame)
-            except OSError:
-                pass
+        for peer, link in list(self._links.items()):
+            if peer not in self._left and peer != skip:
+                link.send_quietly(frame)
 
     def _fail_all(self, error: BaseException) -> None:
         while self._queue:

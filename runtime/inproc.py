@@ -113,12 +113,13 @@ def run_threads(size: int, fn: Callable[[Transport], T], chunk_bytes: int = 4096
 def inproc_worlds(size: int, chunk_bytes: int = 4096) -> list:
     """Whole worlds (data channels and control connections) for ``size`` ranks of one process, so
     that one engine per rank can run on threads: control travels over socket pairs."""
+    from .control import SocketLink
     from .world import World
 
     transports = inproc_world(size, chunk_bytes)
-    control: Dict[int, Dict[int, socket.socket]] = {r: {} for r in range(size)}
+    control: Dict[int, Dict[int, SocketLink]] = {r: {} for r in range(size)}
     for worker in range(1, size):
         coordinator_end, worker_end = socket.socketpair()
-        control[0][worker] = coordinator_end
-        control[worker][0] = worker_end
-    return [World(r, size, r, size, 0, 1, transports[r], control[r]) for r in range(size)]
+        control[0][worker] = SocketLink(coordinator_end, what=f"rank {worker}")
+        control[worker][0] = SocketLink(worker_end, what="rank 0")
+    return [World(r, size, r, size, 0, 1, transports[r], control[r], hosts=["inproc"] * size) for r in range(size)]

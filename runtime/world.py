@@ -20,6 +20,7 @@ from typing import Dict, List
 
 from .config import RuntimeConfig
 from .acceptor import Acceptor
+from .control import ControlLink, SocketLink
 from .errors import CollectiveError, RendezvousTimeout
 from .rendezvous import RendezvousClient
 from .shm import ShmChannel, ShmRing, ring_tag, shm_available
@@ -44,16 +45,15 @@ class World:
     cross_rank: int
     cross_size: int
     transport: Transport
-    control: Dict[int, socket.socket] = field(default_factory=dict)
+    control: Dict[int, ControlLink] = field(default_factory=dict)
     rejected: int = 0
     homogeneous: bool = True
+    hosts: List[str] = field(default_factory=list)
+    """Each rank's host key, in rank order (which ranks share shared memory)."""
 
     def close(self) -> None:
-        for sock in self.control.values():
-            try:
-                sock.close()
-            except OSError:
-                pass
+        for link in self.control.values():
+            link.close()
         self.transport.close()
 
 
@@ -150,8 +150,10 @@ def connect_world(cfg: RuntimeConfig, generation: int = 1) -> World:
         per_host: Dict[str, int] = {}
         for peer in peers:
             per_host[peer["host_key"]] = per_host.get(peer["host_key"], 0) + 1
+        links = {peer: SocketLink(sock, what=f"rank {peer}") for peer, sock in control.items()}
         return World(rank, size, cfg.local_rank, cfg.local_size, cfg.cross_rank, cfg.cross_size,  # type: ignore[arg-type]
-                     Transport(rank, size, channels), control, rejected, len(set(per_host.values())) == 1)
+                     Transport(rank, size, channels), links, rejected, len(set(per_host.values())) == 1,
+                     hosts=[peer["host_key"] for peer in peers])
     except BaseException:
         for sock in control.values():
             sock.close()
