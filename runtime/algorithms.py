@@ -21,6 +21,7 @@ __all__ = [
     "ring_allgather",
     "chain_broadcast",
     "pairwise_alltoall",
+    "hierarchical_allreduce",
 ]
 
 Reducer = Callable[[np.ndarray, np.ndarray], None]
@@ -129,3 +130,16 @@ def pairwise_alltoall(t: Transport, send: np.ndarray, send_counts: Sequence[int]
         dst, src = (r + step) % n, (r - step) % n
         block = rraw[r_off[src]:r_off[src + 1]]
         t.sendrecv(dst, memoryview(sraw[s_off[dst]:s_off[dst + 1]]), src, block.nbytes, CopySink(memoryview(block)))
+
+
+def hierarchical_allreduce(local: Transport, cross: Transport, flat: np.ndarray, reduce: Reducer) -> None:
+    """In place, for ranks grouped by host: reduce-scatter within the host, allreduce each block
+    across hosts among the ranks that hold it, allgather within the host. Only ``1/local.size`` of
+    the buffer crosses between hosts from each rank."""
+    if flat.size == 0:
+        return
+    counts = split_counts(flat.size, local.size)
+    ring_reducescatter(local, flat, counts, reduce)
+    lo = sum(counts[:local.rank])
+    ring_allreduce(cross, flat[lo:lo + counts[local.rank]], reduce)
+    ring_allgather(local, flat, counts)

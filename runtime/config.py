@@ -86,6 +86,9 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("cycle_time_ms", "SPARK_HVD_CYCLE_TIME", float, 0.0,
             "Milliseconds the coordinator may hold ready requests back to fuse more; 0 answers at once.",
             ("HOROVOD_CYCLE_TIME",)),
+    Setting("hierarchical_allreduce", "SPARK_HVD_HIERARCHICAL_ALLREDUCE", _parse_bool, False,
+            "Allreduce within each host first, then across hosts among one rank per host (several hosts).",
+            ("HOROVOD_HIERARCHICAL_ALLREDUCE",)),
     Setting("eager_threshold", "SPARK_HVD_EAGER_THRESHOLD", int, 4096,
             "Allreduces up to this many bytes travel inside the negotiation messages (0 disables)."),
     Setting("cache_capacity", "SPARK_HVD_CACHE_CAPACITY", int, 1024,
@@ -168,6 +171,7 @@ class RuntimeConfig:
     worker_id: Optional[str] = _default("worker_id")
     fusion_threshold: int = _default("fusion_threshold")
     cycle_time_ms: float = _default("cycle_time_ms")
+    hierarchical_allreduce: bool = _default("hierarchical_allreduce")
     eager_threshold: int = _default("eager_threshold")
     cache_capacity: int = _default("cache_capacity")
     timeline: Optional[str] = _default("timeline")

@@ -30,7 +30,7 @@ from .messages import (Announce, Meta, RequestBatch, Response, dump_requests, du
 from .negotiation import Coordinator, WorkerSignatures
 from .ops import storage_dtype
 from .timeline import MEMCPY_OUT, NEGOTIATE, QUEUE, Timeline
-from .transport import Transport
+from .dataplane import DataPlane, RingDataPlane, hierarchy_of
 from .control import ControlLink
 
 __all__ = ["Engine", "DYNAMIC_TIMELINE"]
@@ -81,9 +81,14 @@ class Engine(Executor):
         # Polling for an answer pays off only while every local rank has a core of its own; on an
         # oversubscribed host it would take the core from the rank that has to answer.
         self._spin_budget = 0.002 if world.local_size <= _usable_cpus() else 0.0
-        self.transports: Dict[int, Transport] = {0: world.transport}
         self.process_sets: Dict[int, Tuple[int, ...]] = {0: tuple(range(self.size))}
         world.transport.check = self._check_while_waiting
+        if world.data is not None:
+            self.data: DataPlane = world.data  # a backend of its own (MPI)
+        else:
+            hierarchy = hierarchy_of(world.transport, world.hosts, self._check_while_waiting) \
+                if config.hierarchical_allreduce and world.size > 1 else None
+            self.data = RingDataPlane(world.transport, config.chunk_bytes, hierarchy)
         self._last_liveness = 0.0
         self._executing: Optional[Tuple[str, Tuple[str, ...]]] = None  # (kind, names) in its data phase
         self._data_stall_warned = False
@@ -542,12 +547,11 @@ class Engine(Executor):
                 if entry is not None:
                     timeline.span(entry.name, NEGOTIATE, entry.submitted * 1e6, arrived * 1e6)
                     timeline.span(entry.name, QUEUE, arrived * 1e6, time.perf_counter() * 1e6)
-        transport = self.transports[ps]
         self._executing = (kind, names)
         self._data_stall_warned = False
         try:
             if kind == "allreduce":
-                self._allreduce(transport, names, entries, [metas[s] for s in response.sids])
+                self._allreduce(ps, names, entries, [metas[s] for s in response.sids])
             elif kind == "allreduce_eager":
                 start = time.perf_counter()
                 for entry, sid, result in zip(entries, response.sids, response.results):
@@ -559,16 +563,16 @@ class Engine(Executor):
                     self._span(entry.name, MEMCPY_OUT, start)
             elif kind == "reducescatter":
                 for name, entry, sid in zip(names, entries, response.sids):
-                    self._reducescatter(transport, name, entry, metas[sid])
+                    self._reducescatter(ps, name, entry, metas[sid])
             elif kind == "allgather":
                 for name, entry, sids in zip(names, entries, response.rank_sids):
-                    self._allgather(transport, name, entry, [metas[s] for s in sids])
+                    self._allgather(ps, name, entry, [metas[s] for s in sids])
             elif kind == "alltoall":
                 for name, entry, sids in zip(names, entries, response.rank_sids):
-                    self._alltoall(transport, name, entry, [metas[s] for s in sids])
+                    self._alltoall(ps, name, entry, [metas[s] for s in sids])
             elif kind == "broadcast":
                 for name, entry, sid in zip(names, entries, response.sids):
-                    self._broadcast(transport, name, entry, metas[sid], members)
+                    self._broadcast(ps, name, entry, metas[sid], members)
             elif kind == "barrier":
                 for entry in entries:
                     if entry is not None:
@@ -592,8 +596,4 @@ class Engine(Executor):
         self.process_sets[ps_id] = ranks
         if self.coordinator is not None:
             self.coordinator.process_sets[ps_id] = ranks
-        if self.rank in ranks:
-            world = self.world.transport
-            channels = {i: world.channels[r] for i, r in enumerate(ranks) if r != self.rank}
-            self.transports[ps_id] = Transport(ranks.index(self.rank), len(ranks), channels,
-                                               self._check_while_waiting)
+        self.data.add_process_set(ps_id, ranks)

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import algorithms as alg
 from .handles import Entry
 from .messages import Meta
-from .ops import ReduceOp, average_inplace, reduce_into, scale_inplace, storage_dtype
+from .ops import ReduceOp, average_inplace, scale_inplace, storage_dtype
 from .timeline import COMMUNICATE, MEMCPY_IN, MEMCPY_OUT, REDUCE, Timeline
-from .transport import Transport
+from .dataplane import DataPlane
 
 __all__ = ["Executor"]
 
@@ -21,6 +21,7 @@ class Executor:
     """The per-kind collective steps the engine runs once every rank has agreed on a response."""
 
     config: Any
+    data: DataPlane
     _timeline: Optional[Timeline]
     _fusion: Optional[np.ndarray]
 
@@ -33,27 +34,24 @@ class Executor:
             self._timeline.span(name, phase, start * 1e6, now * 1e6)
         return now
 
-    def _reducer(self, op: ReduceOp, wire: str) -> Callable[[np.ndarray, np.ndarray], None]:
-        return lambda acc, incoming: reduce_into(acc, incoming, op, wire)
-
     def _finish_scale(self, buf: np.ndarray, meta: Meta, count: int) -> None:
         if meta.op == ReduceOp.Average:
             average_inplace(buf, count, meta.dtype)
         scale_inplace(buf, meta.postscale, meta.dtype)
 
-    def _allreduce(self, t: Transport, names: Sequence[str], entries: List[Optional[Entry]],
+    def _allreduce(self, ps: int, names: Sequence[str], entries: List[Optional[Entry]],
                    metas: List[Meta]) -> None:
         kinds = {(m.dtype, m.op, m.prescale, m.postscale) for m in metas}
         if len(kinds) > 1:
             # A group may mix dtypes or ops: reduce each compatible part through the fusion buffer.
             for kind in sorted(kinds, key=repr):
                 part = [i for i, m in enumerate(metas) if (m.dtype, m.op, m.prescale, m.postscale) == kind]
-                self._allreduce(t, [names[i] for i in part], [entries[i] for i in part], [metas[i] for i in part])
+                self._allreduce(ps, [names[i] for i in part], [entries[i] for i in part], [metas[i] for i in part])
             return
         meta0 = metas[0]
         dtype = storage_dtype(meta0.dtype)
         op = ReduceOp(meta0.op)
-        reducer = self._reducer(op, meta0.dtype)
+        size = self.data.size(ps)
         start = time.perf_counter()
         if len(entries) == 1 and entries[0] is not None and entries[0].out is not None:
             entry = entries[0]
@@ -62,9 +60,9 @@ class Executor:
                 np.copyto(buf, entry.array.reshape(-1))
             scale_inplace(buf, meta0.prescale, meta0.dtype)
             t0 = self._span(entry.name, MEMCPY_IN, start)
-            alg.ring_allreduce(t, buf, reducer)
+            self.data.allreduce(ps, buf, op, meta0.dtype)
             t1 = self._span(entry.name, REDUCE, t0)
-            self._finish_scale(buf, meta0, t.size)
+            self._finish_scale(buf, meta0, size)
             self._span(entry.name, MEMCPY_OUT, t1)
             self._complete(entry, entry.out)
             return
@@ -82,14 +80,14 @@ class Executor:
                     fused[lo:hi] = entry.array.reshape(-1)
         scale_inplace(fused, meta0.prescale, meta0.dtype)
         t0 = time.perf_counter()
-        alg.ring_allreduce(t, fused, reducer)
+        self.data.allreduce(ps, fused, op, meta0.dtype)
         t1 = time.perf_counter()
         # For floats, the average's division and the postscale ride along with the copy out.
         factor = None
         if meta0.dtype in ("float32", "float64"):  # float16 scales in float32 (_finish_scale)
-            factor = meta0.postscale / (t.size if meta0.op == ReduceOp.Average else 1)
+            factor = meta0.postscale / (size if meta0.op == ReduceOp.Average else 1)
         else:
-            self._finish_scale(fused, meta0, t.size)
+            self._finish_scale(fused, meta0, size)
         for entry, meta, lo, hi in zip(entries, metas, offsets, offsets[1:]):
             if entry is None:
                 continue
@@ -112,11 +110,12 @@ class Executor:
             self._fusion = np.empty(max(nbytes, min(self.config.fusion_threshold, 1 << 20)), dtype=np.uint8)
         return self._fusion[:nbytes].view(dtype)
 
-    def _reducescatter(self, t: Transport, name: str, entry: Optional[Entry], meta: Meta) -> None:
+    def _reducescatter(self, ps: int, name: str, entry: Optional[Entry], meta: Meta) -> None:
         dtype = storage_dtype(meta.dtype)
         rows = meta.shape[0] if meta.shape else 1
         row = int(np.prod(meta.shape[1:], dtype=np.int64)) if meta.shape else 1
-        row_counts = alg.split_counts(rows, t.size)
+        size, me = self.data.size(ps), self.data.rank(ps)
+        row_counts = alg.split_counts(rows, size)
         counts = [c * row for c in row_counts]
         start = time.perf_counter()
         work = np.empty(sum(counts), dtype=dtype)
@@ -126,17 +125,17 @@ class Executor:
             np.copyto(work, entry.array.reshape(-1))
         scale_inplace(work, meta.prescale, meta.dtype)
         t0 = self._span(name, MEMCPY_IN, start)
-        alg.ring_reducescatter(t, work, counts, self._reducer(ReduceOp(meta.op), meta.dtype))
+        self.data.reducescatter(ps, work, counts, ReduceOp(meta.op), meta.dtype)
         t1 = self._span(name, REDUCE, t0)
-        lo = sum(counts[:t.rank])
-        mine = work[lo:lo + counts[t.rank]]
-        self._finish_scale(mine, meta, t.size)
+        lo = sum(counts[:me])
+        mine = work[lo:lo + counts[me]]
+        self._finish_scale(mine, meta, size)
         if entry is not None:
-            result = mine.reshape((row_counts[t.rank],) + tuple(meta.shape[1:]))
+            result = mine.reshape((row_counts[me],) + tuple(meta.shape[1:]))
             self._span(name, MEMCPY_OUT, t1)
             self._complete(entry, result)
 
-    def _allgather(self, t: Transport, name: str, entry: Optional[Entry], metas: List[Meta]) -> None:
+    def _allgather(self, ps: int, name: str, entry: Optional[Entry], metas: List[Meta]) -> None:
         dtype = storage_dtype(metas[0].dtype)
         trailing = tuple(metas[0].shape[1:])
         row = int(np.prod(trailing, dtype=np.int64)) if trailing else 1
@@ -144,19 +143,20 @@ class Executor:
         counts = [d * row for d in first]
         out = np.empty((sum(first),) + trailing, dtype=dtype)
         flat = out.reshape(-1)
-        lo = sum(counts[:t.rank])
+        me = self.data.rank(ps)
+        lo = sum(counts[:me])
         start = time.perf_counter()
-        if entry is not None and counts[t.rank]:
-            np.copyto(flat[lo:lo + counts[t.rank]], entry.array.reshape(-1))
+        if entry is not None and counts[me]:
+            np.copyto(flat[lo:lo + counts[me]], entry.array.reshape(-1))
         t0 = self._span(name, MEMCPY_IN, start)
-        alg.ring_allgather(t, flat, counts)
+        self.data.allgather(ps, flat, counts)
         self._span(name, COMMUNICATE, t0)
         if entry is not None:
-            if not metas[t.rank].shape:
+            if not metas[me].shape:
                 out = out.reshape(-1)
             self._complete(entry, out)
 
-    def _broadcast(self, t: Transport, name: str, entry: Optional[Entry], meta: Meta,
+    def _broadcast(self, ps: int, name: str, entry: Optional[Entry], meta: Meta,
                    members: Tuple[int, ...]) -> None:
         dtype = storage_dtype(meta.dtype)
         root = members.index(meta.root)
@@ -164,26 +164,26 @@ class Executor:
             buf = np.empty(meta.shape, dtype=dtype)
         else:
             buf = entry.out if entry.out is not None else np.empty(meta.shape, dtype=dtype)
-            if t.rank == root and buf is not entry.array:
+            if self.data.rank(ps) == root and buf is not entry.array:
                 np.copyto(buf, entry.array)
         start = time.perf_counter()
-        alg.chain_broadcast(t, buf.reshape(-1), root, self.config.chunk_bytes)
+        self.data.broadcast(ps, buf.reshape(-1), root)
         self._span(name, COMMUNICATE, start)
         if entry is not None:
             self._complete(entry, buf)
 
-    def _alltoall(self, t: Transport, name: str, entry: Optional[Entry], metas: List[Meta]) -> None:
+    def _alltoall(self, ps: int, name: str, entry: Optional[Entry], metas: List[Meta]) -> None:
         dtype = storage_dtype(metas[0].dtype)
         trailing = tuple(metas[0].shape[1:])
         row = int(np.prod(trailing, dtype=np.int64)) if trailing else 1
-        me = t.rank
+        me = self.data.rank(ps)
         send_splits = list(metas[me].splits or ())
         recv_splits = [int((m.splits or ())[me]) for m in metas]
         out = np.empty((sum(recv_splits),) + trailing, dtype=dtype)
         send = entry.array if entry is not None else np.empty((0,) + trailing, dtype=dtype)
         start = time.perf_counter()
-        alg.pairwise_alltoall(t, np.ascontiguousarray(send).reshape(-1), [s * row for s in send_splits],
-                              out.reshape(-1), [s * row for s in recv_splits])
+        self.data.alltoall(ps, np.ascontiguousarray(send).reshape(-1), [s * row for s in send_splits],
+                           out.reshape(-1), [s * row for s in recv_splits])
         self._span(name, COMMUNICATE, start)
         if entry is not None:
             self._complete(entry, (out, np.asarray(recv_splits, dtype=np.int64)))

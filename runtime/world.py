@@ -16,7 +16,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Any, Dict, List, Optional
 
 from .config import RuntimeConfig
 from .acceptor import Acceptor
@@ -50,6 +50,8 @@ class World:
     homogeneous: bool = True
     hosts: List[str] = field(default_factory=list)
     """Each rank's host key, in rank order (which ranks share shared memory)."""
+    data: Optional[Any] = None
+    """A data plane of the world's own (the MPI backend); None: the built-in rings over ``transport``."""
 
     def close(self) -> None:
         for link in self.control.values():
