@@ -16,6 +16,7 @@ from .config import RuntimeConfig
 from .errors import NotInitializedError
 from .handles import Handle
 from .membership import join_next_world, read_updates
+from .mpi import MpiDataPlane, mpi_world
 from .ops import Average
 from .rendezvous import RendezvousClient
 from .session import Session
@@ -30,7 +31,7 @@ __all__ = [
     "reducescatter", "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async",
     "barrier", "barrier_async", "join", "join_async", "broadcast_object", "allgather_object",
     "start_timeline", "stop_timeline", "ProcessSet", "global_process_set", "add_process_set",
-    "remove_process_set", "host_updates",
+    "remove_process_set", "host_updates", "mpi_enabled",
 ]
 
 log = logging.getLogger("spark_hvd")
@@ -105,7 +106,9 @@ def init(config: Optional[RuntimeConfig] = None, **overrides: Any) -> None:
         cfg = config if config is not None else RuntimeConfig.from_env(**overrides)
         logging.getLogger("spark_hvd").setLevel(cfg.log_level.upper())
         _state.generation += 1
-        if cfg.elastic and cfg.rank is None:
+        if cfg.controller == "mpi" or (cfg.controller == "auto" and cfg.rank is None and cfg.mpi_rank is not None):
+            world = mpi_world(cfg)
+        elif cfg.elastic and cfg.rank is None:
             cfg, generation = _join_elastic(cfg)
             world = connect_world(cfg, generation=generation)
         elif cfg.rank is None and cfg.size is None and cfg.rendezvous_addr is None:
@@ -183,6 +186,12 @@ def shutdown() -> None:
         client.close()
     if session is not None:
         session.shutdown()
+
+
+def mpi_enabled() -> bool:
+    """Whether the running world negotiates and moves data through MPI."""
+    session = _state.session
+    return session is not None and isinstance(session.world.data, MpiDataPlane)
 
 
 def is_initialized() -> bool:

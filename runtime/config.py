@@ -19,6 +19,7 @@ __all__ = [
     "RuntimeConfig",
     "worker_environment",
     "elastic_worker_environment",
+    "setting_environment",
     "new_secret",
     "read_setting",
     "environ_snapshot",
@@ -32,6 +33,17 @@ def _parse_bool(text: str) -> bool:
     if lowered in ("0", "false", "no", "off", ""):
         return False
     raise ValueError(f"expected a boolean such as 1/0 or true/false, got {text!r}")
+
+
+def _parse_controller(text: str) -> str:
+    value = text.strip().lower()
+    value = {"gloo": "ring", "": "auto"}.get(value, value)
+    if value not in ("auto", "mpi", "ring"):
+        raise ValueError(f"expected mpi, ring (gloo) or auto, got {text!r}")
+    return value
+
+
+_parse_controller.__name__ = "controller"
 
 
 @dataclass(frozen=True)
@@ -74,6 +86,12 @@ SETTINGS: Tuple[Setting, ...] = (
             "Address this rank listens on and advertises to its peers.", ("HOROVOD_HOSTNAME",)),
     Setting("host_key", "SPARK_HVD_HOST_KEY", str, None,
             "Identifies the physical host; ranks with equal keys use shared memory (default: hostname)."),
+    Setting("controller", "SPARK_HVD_CONTROLLER", _parse_controller, "auto",
+            "Backend of negotiation and data: mpi (through mpi4py), ring (the built-in rings), or auto (mpi "
+            "when started by mpiexec/mpirun, else ring).", ("HOROVOD_CONTROLLER", "HOROVOD_CPU_OPERATIONS")),
+    Setting("mpi_rank", "PMI_RANK", int, None,
+            "Rank given by an MPI launcher (read, never written): with controller auto, init() then uses MPI.",
+            ("OMPI_COMM_WORLD_RANK", "PMIX_RANK")),
     Setting("elastic", "SPARK_HVD_ELASTIC", _parse_bool, False,
             "This process is a worker of an elastic job: init() asks the launcher for its place in each world.",
             ("HOROVOD_ELASTIC",)),
@@ -167,6 +185,8 @@ class RuntimeConfig:
     secret: Optional[str] = _default("secret")
     hostname: str = _default("hostname")
     host_key: Optional[str] = _default("host_key")
+    controller: str = _default("controller")
+    mpi_rank: Optional[int] = _default("mpi_rank")
     elastic: bool = _default("elastic")
     worker_id: Optional[str] = _default("worker_id")
     fusion_threshold: int = _default("fusion_threshold")
@@ -290,11 +310,12 @@ def worker_environment(
     }
     if host_key is not None:
         env["SPARK_HVD_HOST_KEY"] = host_key
-    env.update(_setting_environment(settings))
+    env.update(setting_environment(settings))
     return env
 
 
-def _setting_environment(settings: Optional[Mapping[str, Any]]) -> Dict[str, str]:
+def setting_environment(settings: Optional[Mapping[str, Any]]) -> Dict[str, str]:
+    """The environment variables that pass runtime settings (RuntimeConfig field names) to a worker."""
     env = {}
     for field, value in (settings or {}).items():
         if field not in _BY_FIELD:
@@ -328,5 +349,5 @@ def elastic_worker_environment(
     }
     if host_key is not None:
         env["SPARK_HVD_HOST_KEY"] = host_key
-    env.update(_setting_environment(settings))
+    env.update(setting_environment(settings))
     return env

@@ -16,7 +16,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from .config import RuntimeConfig
 from .acceptor import Acceptor
@@ -52,11 +52,15 @@ class World:
     """Each rank's host key, in rank order (which ranks share shared memory)."""
     data: Optional[Any] = None
     """A data plane of the world's own (the MPI backend); None: the built-in rings over ``transport``."""
+    on_close: Optional[Callable[[], None]] = None
+    """What else ending the world takes (freeing MPI communicators)."""
 
     def close(self) -> None:
         for link in self.control.values():
             link.close()
         self.transport.close()
+        if self.on_close is not None:
+            self.on_close()
 
 
 def single_world() -> World:

@@ -8,6 +8,7 @@ import shlex
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import threading
 from dataclasses import dataclass
@@ -48,6 +49,8 @@ class LaunchOptions:
     """Log what is started and stopped."""
     elastic: Optional[ElasticOptions] = None
     """Set for elastic jobs."""
+    mpiexec: Optional[str] = None
+    """The mpiexec that starts the ranks (--mpi)."""
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -87,6 +90,9 @@ def _build_parser() -> argparse.ArgumentParser:
     elastic.add_argument("--reset-limit", type=int, metavar="K", help="most new worlds after the first (default: no limit)")
     elastic.add_argument("--elastic-timeout", type=float, metavar="S",
                          help="seconds to wait for enough workers or for a new world (default 600)")
+    parser.add_argument("--mpi", action="store_true",
+                        help="start the ranks with the mpiexec of the mpich wheel (pip install \"spark-hvd[mpi]\"); "
+                             "negotiation and data then go through MPI")
     parser.add_argument("--verbose", action="store_true", help="log what is started and stopped")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program to run, e.g. python train.py")
     return parser
@@ -206,6 +212,7 @@ def parse_options(argv: Sequence[str], environ: Optional[Dict[str, str]] = None)
     }
     elastic = _elastic_options(args)
     env = _child_path(environ)
+    mpiexec = _mpiexec(args, env, environ) if args.mpi else None
     _check_command(command, env, environ)
     output_dir = None if args.output_filename is None else _prepare_output_dir(args.output_filename)
     return LaunchOptions(
@@ -216,7 +223,19 @@ def parse_options(argv: Sequence[str], environ: Optional[Dict[str, str]] = None)
         env=env,
         verbose=args.verbose,
         elastic=elastic,
+        mpiexec=mpiexec,
     )
+
+
+def _mpiexec(args: argparse.Namespace, env: Dict[str, str], environ: Dict[str, str]) -> str:
+    if args.hosts is not None or _elastic_options(args) is not None or args.output_filename is not None:
+        raise UsageError("--mpi cannot be combined with -H, --output-filename or elastic options")
+    path = env.get("PATH", environ.get("PATH", os.defpath))
+    found = shutil.which("mpiexec", path=os.pathsep.join([os.path.dirname(sys.executable), path]))
+    if found is None:
+        raise UsageError("--mpi needs mpiexec; install the MPI extra (pip install \"spark-hvd[mpi]\": mpi4py and the "
+                         "mpich wheel) or put an MPI installation's mpiexec on PATH")
+    return found
 
 
 def _elastic_options(args: argparse.Namespace) -> Optional[ElasticOptions]:
@@ -320,10 +339,26 @@ def _launch_elastic(options: LaunchOptions) -> int:
     return status
 
 
+def _launch_mpi(options: LaunchOptions) -> int:
+    assert options.mpiexec is not None
+    env = dict(config.environ_snapshot())
+    env.update(options.env)
+    env["SPARK_HVD_CONTROLLER"] = "mpi"
+    env["PYTHONUNBUFFERED"] = "1"
+    for name, value in options.settings.items():
+        env.update(config.setting_environment({name: value}))
+    command = [options.mpiexec, "-n", str(options.num_proc), "-prepend-rank", *options.command]
+    if options.verbose:
+        _say("running " + " ".join(command))
+    return subprocess.call(command, env=env)
+
+
 def launch(options: LaunchOptions) -> int:
     """Run a validated job to its end; return the exit status for the command line."""
     if options.elastic is not None:
         return _launch_elastic(options)
+    if options.mpiexec is not None:
+        return _launch_mpi(options)
     log = _say if options.verbose else None
     job = LocalJob(options.num_proc, settings=options.settings, env=options.env,
                    output_dir=options.output_dir, log=log)
