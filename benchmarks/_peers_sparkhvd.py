@@ -1,4 +1,5 @@
-"""spark-hvd's side of the benchmark: the function each rank runs under ``spark_hvd.runner.run``."""
+"""spark-hvd's side of the benchmark: the function each rank runs under ``spark_hvd.runner.run``, or,
+on its MPI backend, this script under mpiexec (``python _peers_sparkhvd.py PLAN OUT``)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ from typing import Any, Dict, Sequence
 
 import numpy as np
 
-from _peers_common import measure, pin_to_cpu
+from _peers_common import measure, pin_to_cpu, read_plan, write_rank_result
 
-__all__ = ["run_rank"]
+__all__ = ["run_rank", "main"]
 
 
 class _SparkHvd:
@@ -55,8 +56,21 @@ def run_rank(plan: Dict[str, Any]) -> Dict[str, Any]:
     hvd.init()
     try:
         result = measure(_SparkHvd(hvd), plan)
+        result["rank"] = hvd.rank()
         result["cpu"] = cpu
         result["version"] = getattr(spark_hvd, "__version__", "unknown")
         return result
     finally:
         hvd.shutdown()
+
+
+def main() -> None:
+    import sys
+
+    plan = read_plan(sys.argv[1:])
+    result = run_rank(plan)
+    write_rank_result(sys.argv[2], result["rank"], result)
+
+
+if __name__ == "__main__":
+    main()

@@ -40,7 +40,7 @@ from _peers_common import KiB, MiB  # noqa: E402
 
 __all__ = ["main", "parse_size", "summarize_times", "FRAMEWORKS"]
 
-FRAMEWORKS = ("spark-hvd", "gloo", "mpi")
+FRAMEWORKS = ("spark-hvd", "spark-hvd-mpi", "gloo", "mpi")
 PEERS = ("gloo", "mpi")
 DEFAULT_JSON = HERE / "results" / "collectives.json"
 FULL_SIZES = [4 ** k for k in range(1, 15)]  # 4 B, 16 B, ..., 64 MiB, 256 MiB
@@ -249,12 +249,23 @@ def run_mpi(np_: int, plan: Dict[str, Any], work: Path) -> List[Dict[str, Any]]:
     return _run_processes([(cmd, _child_env({}))], work, np_, plan["world_timeout_s"])
 
 
+def run_sparkhvd_mpi(np_: int, plan: Dict[str, Any], work: Path) -> List[Dict[str, Any]]:
+    """spark-hvd on its MPI backend: the same rank function, started by the mpich wheel's mpiexec."""
+    mpiexec = mpiexec_path()
+    assert mpiexec is not None
+    cmd = [str(mpiexec), "-n", str(np_), sys.executable, str(HERE / "_peers_sparkhvd.py"), str(work / "plan.json"),
+           str(work)]
+    return _run_processes([(cmd, _child_env({"SPARK_HVD_CONTROLLER": "mpi"}))], work, np_, plan["world_timeout_s"])
+
+
 def availability(name: str) -> Optional[str]:
     """None when the framework can run here, else a note saying what is missing and how to add it."""
     if name == "spark-hvd":
         if importlib.util.find_spec("spark_hvd") is None:
             return "spark_hvd is not installed (pip install -e .)"
         return None
+    if name == "spark-hvd-mpi" and importlib.util.find_spec("spark_hvd") is None:
+        return "spark_hvd is not installed (pip install -e .)"
     if name == "gloo":
         if importlib.util.find_spec("torch") is None:
             return "torch is not installed (pip install torch==2.13.0)"
@@ -272,7 +283,8 @@ def run_world(name: str, np_: int, plan: Dict[str, Any], settings: Dict[str, str
     with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
         work = Path(tmp)
         (work / "plan.json").write_text(json.dumps(plan))
-        return (run_gloo if name == "gloo" else run_mpi)(np_, plan, work)
+        runner = {"gloo": run_gloo, "mpi": run_mpi, "spark-hvd-mpi": run_sparkhvd_mpi}[name]
+        return runner(np_, plan, work)
 
 
 # -- combining ranks ---------------------------------------------------------------------------
@@ -353,6 +365,9 @@ def _size_row(nbytes: int, fws: Dict[str, Dict[str, Any]], names: Sequence[str])
     for peer in PEERS:
         row[f"busbw/{peer}"] = _ratio(row.get("spark-hvd.busbw"), row.get(f"{peer}.busbw"))
         row[f"lat/{peer}"] = _ratio(row.get("spark-hvd.us"), row.get(f"{peer}.us"))
+    # The MPI backend against raw mpi4py: what the engine costs on top of the same MPI.
+    row["mpi-backend busbw/mpi"] = _ratio(row.get("spark-hvd-mpi.busbw"), row.get("mpi.busbw"))
+    row["mpi-backend lat/mpi"] = _ratio(row.get("spark-hvd-mpi.us"), row.get("mpi.us"))
     return row
 
 
@@ -369,7 +384,7 @@ def print_table(np_: int, fws: Dict[str, Dict[str, Any]], sizes: Sequence[int], 
     header = ["size"]
     for name in names:
         header += [f"{name} us", "algbw", "busbw"]
-    header += ["busbw/gloo", "busbw/mpi", "lat/gloo", "lat/mpi"]
+    header += ["busbw/gloo", "busbw/mpi", "lat/gloo", "lat/mpi", "mpi-backend lat/mpi", "mpi-backend busbw/mpi"]
     rows = []
     for nbytes in sizes:
         row = _size_row(nbytes, fws, names)
@@ -377,14 +392,15 @@ def print_table(np_: int, fws: Dict[str, Dict[str, Any]], sizes: Sequence[int], 
         for name in names:
             cells += [_fmt(row[f"{name}.us"], 1), _fmt(row[f"{name}.algbw"]), _fmt(row[f"{name}.busbw"])]
         cells += [_fmt(row["busbw/gloo"]), _fmt(row["busbw/mpi"]), _fmt(row["lat/gloo"], 3),
-                  _fmt(row["lat/mpi"], 3)]
+                  _fmt(row["lat/mpi"], 3), _fmt(row["mpi-backend lat/mpi"], 3), _fmt(row["mpi-backend busbw/mpi"])]
         rows.append(cells)
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     out("  ".join(h.rjust(w) for h, w in zip(header, widths)))
     for cells in rows:
         out("  ".join(c.rjust(w) for c, w in zip(cells, widths)))
     out("(us: median microseconds; algbw = bytes/time, busbw = algbw x 2(n-1)/n, in GB/s; "
-        "ratios are spark-hvd over the peer: busbw higher is better, lat lower is better)")
+        "ratios are spark-hvd (built-in rings) over the peer, and spark-hvd-mpi (its MPI backend) over raw "
+        "mpi4py: busbw higher is better, lat lower is better)")
     async_rows = [(n, fws[n]["async"]) for n in names if "async" in fws[n]]
     if async_rows:
         first = async_rows[0][1]
@@ -440,6 +456,23 @@ def evaluate_targets(results: Dict[str, Dict[str, Dict[str, Any]]]) -> List[Dict
                                 f"{fws['gloo']['sizes']['4']['median_s'] * 1e6:.1f} us"})
     else:
         targets.append({"target": text, "result": "n/a", "note": note or "4 B was not in the sweep"})
+    ours, raw = fws.get("spark-hvd-mpi", {}), fws.get("mpi", {})
+    for text, low, high, key, want, better in (
+            ("MPI backend latency <= 3x raw mpi4py from 4 B to 64 KiB (np=2)", 4, 64 * KiB, "median_s", 3.0, "le"),
+            ("MPI backend busbw >= 0.9x raw mpi4py from 1 MiB up (np=2)", MiB, 1 << 40, "busbw_GBps", 0.9, "ge")):
+        if ours.get("status") != "ok" or raw.get("status") != "ok":
+            targets.append({"target": text, "result": "n/a", "note": "spark-hvd-mpi or mpi did not run at np=2"})
+            continue
+        ratios = [(ours["sizes"][k][key] / raw["sizes"][k][key], int(k)) for k in ours["sizes"]
+                  if k in raw["sizes"] and low <= int(k) <= high]
+        if not ratios:
+            targets.append({"target": text, "result": "n/a", "note": "no size in that range was run"})
+            continue
+        worst, at = max(ratios) if better == "le" else min(ratios)
+        ok = worst <= want if better == "le" else worst >= want
+        targets.append({"target": text, "result": "PASS" if ok else "MISS", "ratio": worst,
+                        "note": f"worst {worst:.2f} at {size_label(at)}; "
+                                + ", ".join(f"{size_label(n)} {r:.2f}" for r, n in sorted(ratios, key=lambda x: x[1]))})
     text = "200 x 16 KiB async <= 1.5x one 3.2 MB allreduce (spark-hvd, np=2)"
     if hvd.get("status") == "ok" and "async" in hvd:
         a = hvd["async"]
