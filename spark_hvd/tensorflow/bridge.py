@@ -54,7 +54,7 @@ _MOVABLE = {
 }
 
 
-class MismatchError(tf.errors.FailedPreconditionError, RankMismatchError):
+class MismatchError(RankMismatchError, tf.errors.FailedPreconditionError):
     """Ranks disagreed on an operation (shape, dtype, op, root rank): Horovod's FailedPreconditionError,
     and spark-hvd's RankMismatchError."""
 
