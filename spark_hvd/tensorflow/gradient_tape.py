@@ -150,11 +150,17 @@ class _DistributedGradientTape:
         return tf.nest.pack_sequence_as(grads, out)
 
     def _is_local(self, source: Any) -> bool:
-        return hasattr(source, "ref") and source.ref() in self._hvd_local
+        return _key(source) in self._hvd_local
 
-    def register_local_source(self, source: tf.Variable) -> None:
-        """Keep ``source``'s gradient on this rank: it is not combined with other ranks' gradients."""
-        self._hvd_local[source.ref()] = True
+    def register_local_source(self, source: Any) -> None:
+        """Keep ``source``'s gradient on this rank: it is not combined with other ranks' gradients.
+
+        ``source`` is a tf.Variable or a Keras variable (then the tf.Variable it holds counts too).
+        """
+        self._hvd_local[_key(source)] = True
+        inner = getattr(source, "value", None)
+        if isinstance(inner, tf.Variable):
+            self._hvd_local[_key(inner)] = True
 
     def get_local_and_global_gradients(self, target: Any, sources: Sequence[Any],
                                        output_gradients: Any = None) -> Tuple[List[Tuple[Any, Any]],
