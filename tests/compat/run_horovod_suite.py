@@ -124,8 +124,11 @@ def prepare(src: Path, workdir: Path, suite_name: str = "torch") -> Path:
     return target
 
 
-_RESULT = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(?:\[\d+\]\s+)?(\S+)(?:\s+-\s+(.*))?$")
-_SUMMARY = re.compile(r"^=*\s*(\d+ \w+(?:, \d+ \w+)*) in [\d.]+s", re.M)
+# TensorFlow's test cases run each test in graph and in eager mode, reported as subtests
+# ("SUBFAILED[graph_mode] ...", "157 subtests passed").
+_RESULT = re.compile(r"^((?:SUB)?(?:PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS))(?:\[(\w+)\])?\s+(?:\[\d+\]\s+)?"
+                     r"(\S+)(?:\s+-\s+(.*))?$")
+_SUMMARY = re.compile(r"^=*\s*(\d+ [\w ]+?(?:, \d+ [\w ]+?)*) in [\d.]+s", re.M)
 
 
 def parse_rank_output(text: str) -> Tuple[Dict[str, int], Dict[str, str]]:
@@ -136,13 +139,14 @@ def parse_rank_output(text: str) -> Tuple[Dict[str, int], Dict[str, str]]:
         for part in match.group(1).split(","):
             number, _, word = part.strip().partition(" ")
             if number.isdigit():
-                counts[{"errors": "error", "warnings": "warning"}.get(word, word)] = int(number)
+                counts[{"errors": "error", "warnings": "warning", "subtests passed": "subtests passed"}.get(
+                    word, word)] = int(number)
     problems: Dict[str, str] = {}
     for line in text.splitlines():
         found = _RESULT.match(line.strip())
-        if found and found.group(1) not in ("PASSED", "XPASS"):
-            name = found.group(2).split("::")[-1]
-            problems[name] = f"{found.group(1)}: {(found.group(3) or '').strip()[:160]}"
+        if found and found.group(1) not in ("PASSED", "XPASS", "SUBPASSED") and "::" in found.group(3):
+            name = found.group(3).split("::")[-1] + (f"[{found.group(2)}]" if found.group(2) else "")
+            problems[name] = f"{found.group(1)}: {(found.group(4) or '').strip()[:160]}"
     return counts, problems
 
 
