@@ -3,8 +3,9 @@
 A training function written as ``@elastic.run def train(state): ...`` is called again, in a new
 world, whenever a peer is lost (``HorovodInternalError``: the state is first restored to its last
 commit) or the launcher has slots for more workers (``HostsUpdatedInterrupt``). Before each call
-every rank takes rank 0's state. The framework bindings (spark_hvd.torch.elastic, later the
-TensorFlow one) add state handlers for their models and optimizers on top of :class:`State`.
+every rank takes rank 0's state. The framework bindings build their state classes on these:
+PyTorch's handlers for modules and optimizers, TensorFlow's and Keras's on :class:`VariableState`
+(anything with ``numpy()`` and ``assign()``).
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import functools
 import logging
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
+import numpy as np
+
 from .errors import CollectiveError, HostsUpdatedInterrupt, RankMismatchError
 
-__all__ = ["State", "ObjectState", "run_fn"]
+__all__ = ["State", "ObjectState", "VariableState", "run_fn"]
 
 log = logging.getLogger("spark_hvd.elastic")
 
@@ -94,12 +97,53 @@ class ObjectState(State):
         """Every rank takes rank 0's values (live ones: what rank 0 has now), then commits them."""
         if self._object_names():
             live = {name: getattr(self, name) for name in self._object_names()}
-            self._saved = copy.deepcopy(self._bcast_object(live, root_rank=0))
-            self._set_attrs()
+            for name, value in self._bcast_object(live, root_rank=0).items():
+                object.__setattr__(self, name, value)
+        self.save()
 
     def _set_attrs(self) -> None:
         for name, value in self._saved.items():
             object.__setattr__(self, name, copy.deepcopy(value))
+
+
+def _broadcast_array(array: np.ndarray, root_rank: int) -> np.ndarray:
+    from . import api
+
+    array = np.ascontiguousarray(array)
+    if array.dtype.name == "bfloat16":  # ml_dtypes: travels as its 16-bit storage
+        return api.broadcast(array.view(np.uint16), root_rank, dtype="bfloat16").view(array.dtype)
+    shape = array.shape
+    return api.broadcast(array.reshape(-1) if array.ndim == 0 else array, root_rank).reshape(shape)
+
+
+class VariableState(ObjectState):
+    """Variables (anything with ``numpy()`` and ``assign()``) plus plain attributes.
+
+    The variables come from :meth:`variables_to_keep`, asked afresh on every call, so state
+    created later (an optimizer's slots) is kept too.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._values: List[np.ndarray] = []
+        super().__init__(**kwargs)
+
+    def variables_to_keep(self) -> List[Any]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def save(self) -> None:
+        self._values = [np.array(v.numpy()) for v in self.variables_to_keep()]
+        super().save()
+
+    def restore(self) -> None:
+        for var, value in zip(self.variables_to_keep(), self._values):
+            var.assign(value)
+        super().restore()
+
+    def sync(self) -> None:
+        """Every rank takes rank 0's variable values and attributes, and commits them."""
+        for var in self.variables_to_keep():
+            var.assign(_broadcast_array(np.asarray(var.numpy()), root_rank=0))
+        super().sync()
 
 
 def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[..., Any]:

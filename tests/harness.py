@@ -1,7 +1,7 @@
-"""One harness for checks that run inside launched worlds: the runtime's and spark_hvd.torch's.
+"""One harness for checks that run inside launched worlds: the runtime's and every binding's.
 
 A check is a function ``check(hvd, rank, size)``: ``hvd`` is the framework module
-(``spark_hvd.runtime`` or ``spark_hvd.torch``). It raises AssertionError when the behaviour is
+(``spark_hvd.runtime``, ``spark_hvd.torch``, ``spark_hvd.tensorflow`` or ``spark_hvd.keras``). It raises AssertionError when the behaviour is
 wrong and may return a value for the test to look at. Its expected values come from
 ``(rank, size)`` alone, so one check serves sizes 1, 2 and 3. A world is launched once per size
 and runs a whole batch of checks in the same order on every rank, so process start-up is paid once
@@ -22,11 +22,20 @@ SIZES = (1, 2, 3)
 
 Check = Callable[..., Any]
 
-_FRAMEWORKS = {"runtime": "spark_hvd.runtime", "torch": "spark_hvd.torch"}
+_FRAMEWORKS = {"runtime": "spark_hvd.runtime", "torch": "spark_hvd.torch", "tensorflow": "spark_hvd.tensorflow",
+               "keras": "spark_hvd.keras"}
 
 
 def _prepare(framework: str) -> Callable[[], None]:
     """Per-framework set-up in the rank; returns what to do before each check."""
+    if framework in ("tensorflow", "keras"):
+        import keras
+
+        if keras.config.backend() == "tensorflow":
+            import tensorflow as tf
+
+            tf.config.threading.set_intra_op_parallelism_threads(1)
+        return lambda: keras.utils.set_random_seed(1234)
     if framework != "torch":
         return lambda: None
     import torch

@@ -1,12 +1,14 @@
-"""Run Horovod's own PyTorch test suite against spark_hvd.torch and print what it reports.
+"""Run one of Horovod's own test suites against spark-hvd and print what it reports.
 
-    python tests/compat/run_horovod_suite.py HOROVOD_SRC [--np 2 3] [-k EXPR]
+    python tests/compat/run_horovod_suite.py HOROVOD_SRC [--suite torch|tensorflow|tensorflow2_keras]
+        [--np 2 3] [-k EXPR]
 
 HOROVOD_SRC is a Horovod checkout or a bare git directory of one (its HEAD is read). The suite
-is not ours to vendor, so this script copies it into a temporary folder, swaps
-``import horovod.torch as hvd`` for ``import spark_hvd.torch as hvd``, points its ``utils``
-import at a copy of ``test/utils/common.py`` (whose one Horovod import, a thread helper used only
-by GPU tests, gets a stand-in), and runs it unmodified otherwise under
+(``test/parallel/test_<suite>.py``, default torch) is not ours to vendor, so this script copies
+it into a temporary folder, swaps its Horovod import lines for spark-hvd's (``import
+horovod.torch as hvd`` becomes ``import spark_hvd.torch as hvd``; see ``SUITES`` for the others),
+points its ``utils`` import at a copy of ``test/utils/common.py`` (whose one Horovod import, a
+thread helper used only by GPU tests, gets a stand-in), and runs it unmodified otherwise under
 ``spark-hvd-run -np N python -m pytest`` in one launch per size. The suite's ``tearDown`` calls
 ``hvd.barrier(); hvd.shutdown()`` after every test, so one launch re-initializes the runtime once
 per test. The ranks run with a stall deadline (``--stall-shutdown``), as a job would, so that a test
@@ -30,8 +32,54 @@ import time
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-SUITE = "test/parallel/test_torch.py"
 COMMON = "test/utils/common.py"
+
+_VERSION_HELPER = '''
+def is_version_greater_equal_than(ver, target):
+    """Stand-in for horovod.common.util.is_version_greater_equal_than."""
+    from packaging import version
+
+    return version.parse(ver) >= version.parse(target)
+'''
+
+# Per suite: the Horovod lines it imports and what replaces each. Helpers that Horovod keeps in
+# modules spark-hvd does not have get a stand-in or the same function from spark-hvd.
+SUITES: Dict[str, Dict[str, str]] = {
+    "torch": {"import horovod.torch as hvd": "import spark_hvd.torch as hvd"},
+    "tensorflow": {
+        "import horovod.tensorflow as hvd": "import spark_hvd.tensorflow as hvd",
+        "from horovod.tensorflow.util import _executing_eagerly":
+            "from spark_hvd.tensorflow import _executing_eagerly",
+        # The suite reaches the same helper as hvd.util._executing_eagerly (two tests).
+        "hvd.util._executing_eagerly": "hvd._executing_eagerly",
+    },
+    "tensorflow2_keras": {
+        "import horovod.tensorflow.keras as hvd": "import spark_hvd.tensorflow.keras as hvd",
+        "import horovod.keras as hvd_keras": "import spark_hvd.keras as hvd_keras",
+        "from horovod.common.util import is_version_greater_equal_than": _VERSION_HELPER,
+    },
+}
+# Helper modules a suite imports besides test/utils/common.py, with their own swaps.
+HELPERS: Dict[str, Dict[str, Dict[str, str]]] = {
+    "tensorflow": {"test/parallel/base_test_tensorflow.py": {
+        "from horovod.tensorflow.util import _executing_eagerly":
+            "from spark_hvd.tensorflow import _executing_eagerly"}},
+}
+
+
+def suite_path(name: str) -> str:
+    return f"test/parallel/test_{name}.py"
+
+
+def _swap(text: str, path: str, swaps: Dict[str, str]) -> str:
+    for old, new in swaps.items():
+        if old not in text:
+            raise SystemExit(f"{path} does not contain {old!r}; is this Horovod's source?")
+        text = text.replace(old, new)
+    leftovers = [line for line in text.splitlines() if re.match(r"\s*(import|from) horovod\b", line)]
+    if leftovers:
+        raise SystemExit(f"{path} still imports Horovod after the swap: {leftovers}")
+    return text
 
 _IN_THREAD = '''
 def in_thread(target, args=(), name=None, daemon=True, silent=False):
@@ -57,29 +105,30 @@ def read_source(src: Path, path: str) -> str:
     return out.stdout
 
 
-def prepare(src: Path, workdir: Path) -> Path:
-    """Write the import-swapped suite and its helper module under ``workdir``; return the suite."""
-    suite = read_source(src, SUITE)
-    swapped = suite.replace("import horovod.torch as hvd", "import spark_hvd.torch as hvd")
-    if swapped == suite:
-        raise SystemExit(f"{SUITE} does not contain 'import horovod.torch as hvd'; is this Horovod's source?")
-    leftovers = [line for line in swapped.splitlines() if re.match(r"\s*(import|from) horovod\b", line)]
-    if leftovers:
-        raise SystemExit(f"{SUITE} still imports Horovod after the swap: {leftovers}")
+def prepare(src: Path, workdir: Path, suite_name: str = "torch") -> Path:
+    """Write the import-swapped suite and its helper modules under ``workdir``; return the suite."""
+    path = suite_path(suite_name)
+    swapped = _swap(read_source(src, path), path, SUITES[suite_name])
+    for helper, swaps in HELPERS.get(suite_name, {}).items():
+        (workdir / helper).parent.mkdir(parents=True, exist_ok=True)
+        (workdir / helper).write_text(_swap(read_source(src, helper), helper, swaps))
     common = read_source(src, COMMON)
     common = common.replace("from horovod.runner.util.threads import in_thread", _IN_THREAD)
     # The GPU-launcher helpers use the `mock` backport; the standard library's is the same API.
     common = common.replace("import mock\n", "from unittest import mock\n")
-    target = workdir / SUITE
-    target.parent.mkdir(parents=True)
+    target = workdir / path
+    target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(swapped)
     (workdir / COMMON).parent.mkdir(parents=True, exist_ok=True)
     (workdir / COMMON).write_text(common)
     return target
 
 
-_RESULT = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(?:\[\d+\]\s+)?(\S+)(?:\s+-\s+(.*))?$")
-_SUMMARY = re.compile(r"^=*\s*(\d+ \w+(?:, \d+ \w+)*) in [\d.]+s", re.M)
+# TensorFlow's test cases run each test in graph and in eager mode, reported as subtests
+# ("SUBFAILED[graph_mode] ...", "157 subtests passed").
+_RESULT = re.compile(r"^((?:SUB)?(?:PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS))(?:\[(\w+)\])?\s+(?:\[\d+\]\s+)?"
+                     r"(\S+)(?:\s+-\s+(.*))?$")
+_SUMMARY = re.compile(r"^=*\s*(\d+ [\w ]+?(?:, \d+ [\w ]+?)*) in [\d.]+s", re.M)
 
 
 def parse_rank_output(text: str) -> Tuple[Dict[str, int], Dict[str, str]]:
@@ -90,13 +139,14 @@ def parse_rank_output(text: str) -> Tuple[Dict[str, int], Dict[str, str]]:
         for part in match.group(1).split(","):
             number, _, word = part.strip().partition(" ")
             if number.isdigit():
-                counts[{"errors": "error", "warnings": "warning"}.get(word, word)] = int(number)
+                counts[{"errors": "error", "warnings": "warning", "subtests passed": "subtests passed"}.get(
+                    word, word)] = int(number)
     problems: Dict[str, str] = {}
     for line in text.splitlines():
         found = _RESULT.match(line.strip())
-        if found and found.group(1) not in ("PASSED", "XPASS"):
-            name = found.group(2).split("::")[-1]
-            problems[name] = f"{found.group(1)}: {(found.group(3) or '').strip()[:160]}"
+        if found and found.group(1) not in ("PASSED", "XPASS", "SUBPASSED") and "::" in found.group(3):
+            name = found.group(3).split("::")[-1] + (f"[{found.group(2)}]" if found.group(2) else "")
+            problems[name] = f"{found.group(1)}: {(found.group(4) or '').strip()[:160]}"
     return counts, problems
 
 
@@ -136,6 +186,8 @@ def run_size(suite: Path, np: int, launcher: str, keyword: str, timeout: float, 
 def main(argv: List[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("horovod_src", type=Path, help="Horovod checkout or git directory")
+    parser.add_argument("--suite", choices=sorted(SUITES), default="torch",
+                        help="which of Horovod's suites to run: test/parallel/test_<suite>.py (default torch)")
     parser.add_argument("--np", type=int, nargs="+", default=[2, 3], help="world sizes, one launch each")
     parser.add_argument("-k", dest="keyword", default="", help="pytest -k expression (default: every test)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for one whole launch")
@@ -153,13 +205,13 @@ def main(argv: List[str] | None = None) -> int:
     if args.keep and workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    suite = prepare(args.horovod_src, workdir)
+    suite = prepare(args.horovod_src, workdir, args.suite)
     failed_launch = False
     try:
         for np in args.np:
             code, elapsed, per_rank = run_size(suite, np, args.launcher, args.keyword, args.timeout,
                                                args.test_timeout, args.stall_shutdown, workdir / f"np{np}")
-            print(f"== {SUITE} under spark-hvd-run -np {np}: one launch, {elapsed:.0f} s, exit {code} ==")
+            print(f"== {suite_path(args.suite)} under spark-hvd-run -np {np}: one launch, {elapsed:.0f} s, exit {code} ==")
             for rank, (counts, problems) in enumerate(per_rank):
                 shown = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no summary (launch died)"
                 print(f"rank {rank}: {shown}")

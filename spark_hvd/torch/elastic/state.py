@@ -129,9 +129,7 @@ class TorchState(ObjectState):
         """Every rank takes rank 0's models, optimizers, samplers and values, and commits them."""
         for handler in self._handlers.values():
             handler.sync()
-        super().sync()
-        for handler in self._handlers.values():
-            handler.save()
+        super().sync()  # ends with save(): the handlers commit what they synced too
 
     def __setattr__(self, name: str, value: Any) -> None:
         handlers = self.__dict__.get("_handlers")

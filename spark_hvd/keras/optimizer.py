@@ -1,0 +1,333 @@
+"""``DistributedOptimizer`` for Keras 3: gradients averaged over the ranks before they are applied.
+
+The wrapped optimizer's class gets a subclass whose ``apply()`` reduces the gradients first, so
+it works inside ``model.fit``'s compiled step (TensorFlow backend: graph ops of
+spark_hvd.tensorflow) and in the torch backend's eager step (spark_hvd.torch). With
+``backward_passes_per_step=N`` the optimizer accumulates gradients locally for N steps (Keras's
+own ``gradient_accumulation_steps``) and reduces only on the step that applies them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+import keras
+
+import spark_hvd.runtime as _rt
+from spark_hvd.keras.basics import backend_name
+from spark_hvd.keras.compression import Compression, Compressor
+from spark_hvd.runtime.ops import Adasum, Average
+
+__all__ = ["DistributedOptimizer", "PartialDistributedOptimizer", "load_model"]
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """The distribution options of one DistributedOptimizer, kept on its class so copies made by
+    ``from_config`` are distributed too."""
+
+    compression: Any
+    sparse_as_dense: bool
+    op: int
+    gradient_predivide_factor: float
+    groups: Any
+    process_set: Any
+    backward_passes_per_step: int
+    average_aggregated_gradients: bool
+    scale_local_gradients: bool
+
+
+def _key(var: Any) -> int:
+    return id(var)
+
+
+def _split(items: List[int], parts: int) -> List[List[int]]:
+    parts = max(1, min(parts, len(items)))
+    base, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for p in range(parts):
+        stop = start + base + (1 if p < extra else 0)
+        out.append(items[start:stop])
+        start = stop
+    return [g for g in out if g]
+
+
+def _reduce_torch(grads: List[Any], settings: _Settings) -> List[Any]:
+    import spark_hvd.torch as thvd
+
+    pre, post = _scales(settings)
+    out = list(grads)
+    dense = [i for i, g in enumerate(grads) if g is not None]
+    groups = settings.groups if isinstance(settings.groups, int) and settings.groups > 0 else 1
+    for group in _split(dense, groups):
+        packed = [settings.compression.compress(grads[i]) for i in group]
+        reduced = thvd.grouped_allreduce([p[0] for p in packed], op=settings.op, prescale_factor=pre,
+                                         postscale_factor=post, process_set=settings.process_set)
+        for i, r, (_, ctx) in zip(group, reduced, packed):
+            out[i] = settings.compression.decompress(r, ctx)
+    return out
+
+
+def _scales(settings: _Settings) -> tuple:
+    if settings.op == Average:
+        return 1.0 / settings.gradient_predivide_factor, settings.gradient_predivide_factor
+    return 1.0, 1.0
+
+
+def _active(settings: _Settings) -> bool:
+    ps = settings.process_set
+    return ps.included() and ps.size() > 1 if ps is not None else _rt.size() > 1
+
+
+class _DistributedOptimizer:
+    """Methods placed in front of the wrapped optimizer's class (see :func:`DistributedOptimizer`)."""
+
+    _hvd: _Settings
+
+    def _hvd_local(self) -> Dict[int, Any]:
+        local = self.__dict__.get("_hvd_local_vars")
+        if local is None:
+            local = {}
+            self.__dict__["_hvd_local_vars"] = local
+        return local
+
+    def register_local_var(self, var: Any) -> None:
+        """Keep ``var``'s gradient on this rank: it is not combined with other ranks' gradients."""
+        self._hvd_local()[_key(var)] = var
+
+    def _hvd_reduce(self, grads: Sequence[Any], variables: Sequence[Any]) -> List[Any]:
+        """``grads`` combined over the ranks (local variables keep theirs, scaled by 1/size)."""
+        grads = list(grads)
+        settings = self._hvd
+        if not _active(settings):
+            return grads
+        local = self._hvd_local()
+        shared = [i for i, v in enumerate(variables) if _key(v) not in local]
+        if backend_name() == "tensorflow":
+            from spark_hvd.tensorflow.gradient_tape import GradientReduction
+
+            reduction = GradientReduction(compression=settings.compression, sparse_as_dense=settings.sparse_as_dense,
+                                          op=settings.op, gradient_predivide_factor=settings.gradient_predivide_factor,
+                                          groups=settings.groups, process_set=settings.process_set)
+            reduced = reduction.reduce([grads[i] for i in shared], [variables[i] for i in shared])
+        else:
+            reduced = _reduce_torch([grads[i] for i in shared], settings)
+        out = list(grads)
+        for i, g in zip(shared, reduced):
+            out[i] = g
+        if local and settings.scale_local_gradients:
+            n = float(settings.process_set.size() if settings.process_set is not None else _rt.size())
+            for i, v in enumerate(variables):
+                if _key(v) in local and out[i] is not None:
+                    out[i] = _divide(out[i], n)
+        return out
+
+    def apply(self, grads: Sequence[Any], trainable_variables: Optional[Sequence[Any]] = None) -> Any:
+        """Combine ``grads`` over the ranks, then apply them as the wrapped optimizer does.
+
+        Afterwards every rank has applied the same averaged gradients (with
+        backward_passes_per_step > 1: on the steps that apply the accumulated gradients).
+        """
+        already = self.__dict__.pop("_hvd_reduced", False)
+        if self._hvd.backward_passes_per_step == 1 and not already:
+            variables = list(trainable_variables) if trainable_variables is not None else \
+                list(self._trainable_variables)
+            grads = self._hvd_reduce(grads, variables)
+        return super().apply(grads, trainable_variables)  # type: ignore[misc]
+
+    def _backend_apply_gradients(self, grads: Sequence[Any], trainable_variables: Sequence[Any]) -> Any:
+        self.__dict__["_hvd_applying"] = list(trainable_variables)
+        return super()._backend_apply_gradients(grads, trainable_variables)  # type: ignore[misc]
+
+    def _clip_gradients(self, grads: Sequence[Any]) -> Any:
+        # Keras calls this once per applied update, after local accumulation: where accumulated
+        # gradients are combined across ranks when backward_passes_per_step > 1.
+        passes = self._hvd.backward_passes_per_step
+        if passes > 1:
+            grads = self._hvd_reduce(grads, self.__dict__.get("_hvd_applying", []))
+            if not self._hvd.average_aggregated_gradients:
+                grads = [None if g is None else g * passes for g in grads]
+        return super()._clip_gradients(grads)  # type: ignore[misc]
+
+    def _compute_gradients(self, loss: Any, var_list: Sequence[Any], grad_loss: Any = None, tape: Any = None) -> List[Any]:
+        """Horovod's helper (TensorFlow backend): ``(gradient, variable)`` pairs of ``loss``, combined over the ranks.
+
+        ``loss`` is a tensor recorded on ``tape`` or a callable. With backward_passes_per_step > 1
+        the gradients are returned local and combined when applied.
+        """
+        import tensorflow as tf
+
+        var_list = list(var_list)
+        if tape is None:
+            tape = tf.GradientTape()
+        if callable(loss):
+            with tape:
+                tape.watch(var_list)
+                loss = loss()
+        grads = tape.gradient(loss, var_list, grad_loss)
+        if self._hvd.backward_passes_per_step == 1:
+            grads = self._hvd_reduce(grads, var_list)
+            self.__dict__["_hvd_reduced"] = True
+        return list(zip(grads, var_list))
+
+
+def _divide(grad: Any, n: float) -> Any:
+    if hasattr(grad, "values") and hasattr(grad, "indices") and hasattr(grad, "dense_shape"):
+        import tensorflow as tf
+
+        return tf.IndexedSlices(grad.values / n, grad.indices, grad.dense_shape)
+    return grad / n
+
+
+_WRAPPED: Dict[tuple, type] = {}
+
+
+def _wrapped_class(base: type, settings: _Settings) -> type:
+    key = (base, settings)
+    try:
+        return _WRAPPED[key]
+    except (KeyError, TypeError):
+        pass
+    # Same name and module as the wrapped class: a saved model names the plain optimizer, and
+    # load_model() below wraps it again.
+    cls = type(base.__name__, (_DistributedOptimizer, base),
+               {"_hvd": settings, "__module__": base.__module__, "__qualname__": base.__qualname__})
+    try:
+        _WRAPPED[key] = cls
+    except TypeError:  # unhashable groups: no caching
+        pass
+    return cls
+
+
+def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dense: str = "",
+                         device_sparse: str = "", compression: Compressor = Compression.none,
+                         sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0, op: int = Average,
+                         backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
+                         num_groups: int = 0, groups: Any = None, process_set: Any = _rt.global_process_set,
+                         scale_local_gradients: bool = True) -> Any:
+    """Wrap a Keras 3 optimizer so that gradients are averaged across ranks before they are applied.
+
+    Returns an optimizer of a subclass of ``optimizer``'s class, built from its config (so
+    pass a fresh optimizer, as with Horovod). Afterwards, in ``model.fit`` or any
+    ``apply_gradients`` call, every rank applies the same combined gradients, so models that
+    start equal stay equal. Works on the tensorflow backend (also inside the compiled step;
+    compile with ``jit_compile=False`` where XLA would be used, since the collectives are
+    Python-function ops) and on the torch backend.
+
+    Arguments:
+        optimizer: A keras.optimizers.Optimizer.
+        name: Accepted for Horovod compatibility.
+        device_dense, device_sparse: Accepted for Horovod compatibility.
+        compression: Compression.none or Compression.fp16 (gradients travel as float16).
+        sparse_as_dense: Reduce sparse (IndexedSlices) gradients as dense tensors.
+        gradient_predivide_factor: With Average, scale by 1/factor before the sum and factor/size after.
+        op: Average (default) or Sum.
+        backward_passes_per_step: Steps whose gradients accumulate locally before one reduction
+            and one update (Keras's gradient_accumulation_steps).
+        average_aggregated_gradients: With backward_passes_per_step > 1, apply the mean of the
+            accumulated gradients instead of their sum (Horovod's default is the sum).
+        num_groups: Deprecated spelling of ``groups`` as a number.
+        groups: A number of grouped operations to split the gradients into (default: one).
+        process_set: The ranks that average their gradients (default: all ranks).
+        scale_local_gradients: Divide gradients of registered local variables by the number of ranks.
+    """
+    backend_name()
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise ValueError(f"optimizer must be a keras.optimizers.Optimizer (Keras 3), got {type(optimizer).__name__}")
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError("optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
+    if op == Adasum:
+        raise NotImplementedError("op=Adasum is not supported yet by spark-hvd; use op=Average (the default) or Sum")
+    if op != Average and gradient_predivide_factor != 1.0:
+        raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} is only supported with op=Average")
+    if gradient_predivide_factor <= 0:
+        raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} is invalid: expected a value > 0")
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+            or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} is invalid: expected an int >= 1")
+    if num_groups:
+        warnings.warn("num_groups is deprecated; pass groups=<number> instead", DeprecationWarning, stacklevel=2)
+        if groups is None:
+            groups = num_groups
+    if groups is not None and (isinstance(groups, bool) or not isinstance(groups, int) or groups < 0):
+        raise ValueError(f"groups={groups!r} is invalid: expected a number of groups >= 0")
+    config = optimizer.get_config()
+    accumulate = config.get("gradient_accumulation_steps")
+    if backward_passes_per_step > 1:
+        if accumulate and accumulate != backward_passes_per_step:
+            raise ValueError(
+                f"the optimizer accumulates gradients over gradient_accumulation_steps={accumulate}, but "
+                f"backward_passes_per_step={backward_passes_per_step}; set only one of them"
+            )
+        config["gradient_accumulation_steps"] = backward_passes_per_step
+    elif accumulate:
+        backward_passes_per_step = int(accumulate)
+        average_aggregated_gradients = True  # Keras's own accumulation means the mean
+    settings = _Settings(compression=compression, sparse_as_dense=sparse_as_dense, op=op,
+                         gradient_predivide_factor=float(gradient_predivide_factor), groups=groups,
+                         process_set=process_set, backward_passes_per_step=backward_passes_per_step,
+                         average_aggregated_gradients=average_aggregated_gradients,
+                         scale_local_gradients=scale_local_gradients)
+    return _wrapped_class(type(optimizer), settings).from_config(config)
+
+
+def PartialDistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dense: str = "",
+                                device_sparse: str = "", compression: Compressor = Compression.none,
+                                sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
+                                op: int = Average, backward_passes_per_step: int = 1,
+                                average_aggregated_gradients: bool = False, groups: Any = None,
+                                process_set: Any = _rt.global_process_set, local_layers: Any = None,
+                                scale_local_gradients: bool = True) -> Any:
+    """A :func:`DistributedOptimizer` whose ``local_layers`` keep their gradients on each rank.
+
+    Afterwards the trainable weights of ``local_layers`` (a layer or a list of layers) get this
+    rank's own gradients, scaled by 1/size unless ``scale_local_gradients=False``; all other
+    gradients are combined as by DistributedOptimizer.
+    """
+    if local_layers is None:
+        local_layers = []
+    elif isinstance(local_layers, keras.layers.Layer):
+        local_layers = [local_layers]
+    bad = [i for i, layer in enumerate(local_layers) if not isinstance(layer, keras.layers.Layer)]
+    if bad:
+        raise ValueError(f"local_layers[{bad[0]}] is a {type(local_layers[bad[0]]).__name__}; every local layer "
+                         "must be a keras.layers.Layer")
+    wrapped = DistributedOptimizer(optimizer, name=name, compression=compression, sparse_as_dense=sparse_as_dense,
+                                   gradient_predivide_factor=gradient_predivide_factor, op=op,
+                                   backward_passes_per_step=backward_passes_per_step,
+                                   average_aggregated_gradients=average_aggregated_gradients, groups=groups,
+                                   process_set=process_set, scale_local_gradients=scale_local_gradients)
+    for layer in local_layers:
+        for var in layer.trainable_weights:
+            wrapped.register_local_var(var)
+    return wrapped
+
+
+def load_model(filepath: str, custom_optimizers: Optional[Sequence[type]] = None,
+               custom_objects: Optional[Dict[str, Any]] = None, compression: Compressor = Compression.none,
+               **distributed: Any) -> Any:
+    """Load a model saved by Keras and wrap its optimizer in a :func:`DistributedOptimizer`.
+
+    The optimizer is rebuilt as the distributed subclass of its saved class before its saved
+    state is loaded into it, so training resumes with the saved slots and iteration count.
+    ``custom_optimizers`` lists optimizer classes of your own; ``distributed`` takes further
+    DistributedOptimizer options (op, backward_passes_per_step, ...).
+    """
+    settings = _Settings(compression=compression, sparse_as_dense=distributed.pop("sparse_as_dense", False),
+                         op=distributed.pop("op", Average),
+                         gradient_predivide_factor=float(distributed.pop("gradient_predivide_factor", 1.0)),
+                         groups=distributed.pop("groups", None),
+                         process_set=distributed.pop("process_set", _rt.global_process_set),
+                         backward_passes_per_step=int(distributed.pop("backward_passes_per_step", 1)),
+                         average_aggregated_gradients=bool(distributed.pop("average_aggregated_gradients", False)),
+                         scale_local_gradients=bool(distributed.pop("scale_local_gradients", True)))
+    if distributed:
+        raise ValueError(f"load_model got unknown options {sorted(distributed)}; expected DistributedOptimizer options")
+    classes = [c for c in vars(keras.optimizers).values()
+               if isinstance(c, type) and issubclass(c, keras.optimizers.Optimizer)]
+    classes += list(custom_optimizers or [])
+    objects = {c.__name__: _wrapped_class(c, settings) for c in classes}
+    objects.update(custom_objects or {})
+    return keras.models.load_model(filepath, custom_objects=objects)

@@ -1,0 +1,161 @@
+"""Keras 3 checks that run on either backend (tensorflow or torch): fit equivalence, accumulation, callbacks."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tf_world import close
+
+BATCH = 4  # rows per rank per step
+
+
+def _model(seed):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])
+
+
+def _data(size, steps):
+    rng = np.random.default_rng(42)
+    return rng.normal(size=(steps * size * BATCH, 6)).astype("float32"), rng.normal(size=(steps * size * BATCH, 3)).astype("float32")
+
+
+def _my_rows(array, rank, size):
+    """Rank r's rows: B rows of each step's full batch of size*B rows, in step order."""
+    steps = len(array) // (size * BATCH)
+    return np.concatenate([array[(s * size + rank) * BATCH:(s * size + rank + 1) * BATCH] for s in range(steps)])
+
+
+def _fit_pair(rank, size, make_optimizer, steps=4, micro=1, **distributed):
+    import keras
+
+    import spark_hvd.keras as khvd
+
+    x, y = _data(size, steps * micro)
+    reference = _model(0)
+    reference.compile(optimizer=make_optimizer(micro), loss="mse", jit_compile=False)
+    reference.fit(x, y, batch_size=size * BATCH, shuffle=False, epochs=1, verbose=0)
+    model = _model(rank)
+    optimizer = khvd.DistributedOptimizer(make_optimizer(1), backward_passes_per_step=micro, **distributed)
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(_my_rows(x, rank, size), _my_rows(y, rank, size), batch_size=BATCH, shuffle=False, epochs=1,
+              verbose=0, callbacks=[khvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    assert isinstance(model.optimizer, type(make_optimizer(1))), "the wrapped optimizer keeps its class"
+    assert keras.config.backend() in ("tensorflow", "torch")
+    return model, reference
+
+
+def check_fit_matches_single_process(hvd, rank, size):
+    """model.fit with DistributedOptimizer (momentum SGD) on each rank's share of every batch, after
+    BroadcastGlobalVariablesCallback from differently initialised models, leaves weights within 1e-5
+    of one process fitting the concatenated batches, equal on every rank."""
+    import keras
+
+    import spark_hvd.keras as khvd
+
+    def sgd(micro):
+        return keras.optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=micro if micro > 1 else None)
+
+    model, reference = _fit_pair(rank, size, sgd)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        close(got, want, 1e-5, "weights after fit")
+    gathered = khvd.allgather(model.get_weights()[0][None])
+    assert all(np.array_equal(gathered[0], g) for g in gathered), "weights differ between ranks"
+
+
+def check_backward_passes_per_step(hvd, rank, size):
+    """backward_passes_per_step=2 with average_aggregated_gradients accumulates two local steps and
+    applies their mean once: the same weights as one process with gradient_accumulation_steps=2 on
+    the concatenated batches; the iteration count counts updates."""
+    import keras
+
+    def sgd(micro):
+        return keras.optimizers.SGD(0.1, gradient_accumulation_steps=micro if micro > 1 else None)
+
+    model, reference = _fit_pair(rank, size, sgd, steps=3, micro=2, average_aggregated_gradients=True)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        close(got, want, 1e-5, "weights after accumulated fit")
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 3
+
+
+def check_callbacks(hvd, rank, size):
+    """LearningRateWarmupCallback starts at initial_lr/size and reaches initial_lr after warm-up;
+    LearningRateScheduleCallback multiplies from its start epoch; MetricAverageCallback leaves every
+    rank with the mean of the ranks' epoch losses in History."""
+    import keras
+
+    import spark_hvd.keras as khvd
+
+    seen = []
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            seen.append(float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)))
+
+    class RawLoss(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            raw.append(float(logs["loss"]))
+
+    raw = []
+    model = _model(rank)
+    model.compile(optimizer=khvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    x, y = _data(size, 4)
+    x, y = _my_rows(x, rank, size) * (rank + 1), _my_rows(y, rank, size)
+    history = model.fit(x, y, batch_size=BATCH, epochs=4, verbose=0, callbacks=[
+        RawLoss(), khvd.callbacks.MetricAverageCallback(),
+        khvd.callbacks.LearningRateWarmupCallback(initial_lr=0.04, warmup_epochs=2),
+        khvd.callbacks.LearningRateScheduleCallback(initial_lr=0.04, multiplier=0.5, start_epoch=3), Probe()])
+    steps = 4
+    assert abs(seen[0] - 0.04 / size) < 1e-9, seen[:3]
+    want_mid = 0.04 / size * ((1 + 2 / steps) * (size - 1) / 2 + 1)  # epoch 1, batch 2
+    assert abs(seen[steps + 2] - want_mid) < 1e-7, (seen, want_mid)
+    assert abs(seen[2 * steps] - 0.04) < 1e-9 and abs(seen[3 * steps] - 0.02) < 1e-9, seen
+    means = khvd.allreduce(np.array(raw))
+    close(np.array(history.history["loss"]), means, 1e-6, "averaged epoch losses")
+
+
+def check_broadcast_callback_keeps_local_variables(hvd, rank, size):
+    """BroadcastGlobalVariablesCallback(root) gives every rank the root's weights, except the
+    variables passed as local_variables, which keep each rank's own values."""
+    import keras
+
+    import spark_hvd.keras as khvd
+
+    root = size - 1
+    model = _model(rank)
+    for layer in model.layers:
+        layer.trainable = False
+    model.compile(optimizer=khvd.DistributedOptimizer(keras.optimizers.SGD(0.0)), loss="mse")
+    local = list(model.layers[0].variables)
+    before = [np.array(keras.ops.convert_to_numpy(v)) for v in local]
+    x, y = _data(1, 1)
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
+              callbacks=[khvd.callbacks.BroadcastGlobalVariablesCallback(root, local_variables=local)])
+    for v, b in zip(local, before):
+        close(keras.ops.convert_to_numpy(v), b, 0.0, "local variable")
+    for got, want in zip(model.layers[1].get_weights(), _model(root).layers[1].get_weights()):
+        close(got, want, 0.0, "broadcast weights")
+
+
+def check_keras_values_and_state(hvd, rank, size):
+    """spark_hvd.keras allreduce/allgather/broadcast return numpy arrays of the Keras value's dtype;
+    KerasState.sync gives rank 0's weights and attributes, restore returns to the commit."""
+    import keras
+
+    import spark_hvd.keras as khvd
+
+    value = keras.ops.ones((2,), dtype="float32") * (rank + 1)
+    close(khvd.allreduce(value, op=khvd.Sum), np.full(2, size * (size + 1) / 2, np.float32))
+    close(khvd.allgather(value), np.repeat(np.arange(1, size + 1, dtype=np.float32), 2))
+    close(khvd.broadcast(value, size - 1), np.full(2, size, np.float32))
+    model = _model(rank)
+    state = khvd.elastic.KerasState(model, epoch=rank)
+    state.sync()
+    assert state.epoch == 0
+    for got, want in zip(model.get_weights(), _model(0).get_weights()):
+        close(got, want, 0.0, "synced weights")
+    model.set_weights([w * 0 for w in model.get_weights()])
+    state.epoch = 5
+    state.restore()
+    assert state.epoch == 0 and np.abs(model.get_weights()[0]).sum() > 0

@@ -1,0 +1,149 @@
+"""Training with spark_hvd.tensorflow and spark_hvd.keras (tensorflow backend) at sizes 1, 2 and 3:
+DistributedGradientTape and Keras model.fit against single-process training, accumulation,
+callbacks, load_model, XLA refusal; one launched world per size."""
+
+import numpy as np
+import pytest
+
+from keras_checks import (
+    check_backward_passes_per_step,
+    check_broadcast_callback_keeps_local_variables,
+    check_callbacks,
+    check_fit_matches_single_process,
+    check_keras_values_and_state,
+)
+from tf_world import SIZES, assert_passed, close, launch
+
+
+def check_gradient_tape_matches_single_process(hvd, rank, size):
+    """Three SGD steps with DistributedGradientTape, eagerly and inside tf.function, leave the
+    weights within 1e-5 of one process on the concatenated batch; with a PartialDistributedGradientTape
+    the local layer's gradient is this rank's own divided by size."""
+    import keras
+    import tensorflow as tf
+
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(3, size * 4, 5)).astype("float32")
+    y = rng.normal(size=(3, size * 4, 2)).astype("float32")
+
+    def model():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(2)])
+
+    def train(net, wrap, rows, compiled):
+        opt = keras.optimizers.SGD(0.1)
+
+        def step(xs, ys):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((net(xs) - ys) ** 2)
+            tape = wrap(tape)
+            grads = tape.gradient(loss, net.trainable_variables)
+            opt.apply_gradients(zip(grads, net.trainable_variables))
+
+        run = tf.function(step) if compiled else step
+        for s in range(3):
+            run(x[s][rows], y[s][rows])
+        return net
+
+    mine = slice(rank * 4, rank * 4 + 4)
+    want = train(model(), lambda t: t, slice(None), False).get_weights()
+    for compiled in (False, True):
+        got = train(model(), hvd.DistributedGradientTape, mine, compiled).get_weights()
+        for g, w in zip(got, want):
+            close(g, w, 1e-5, f"DistributedGradientTape compiled={compiled}")
+
+    net = model()
+    with tf.GradientTape(persistent=True) as tape:
+        loss = tf.reduce_mean((net(x[0][mine]) - y[0][mine]) ** 2)
+    own = tape.gradient(loss, net.trainable_variables)
+    partial = hvd.PartialDistributedGradientTape(tape, local_layers=net.layers[0])
+    got = partial.gradient(loss, net.trainable_variables)
+    close(got[0], own[0] / size, 1e-6, "local kernel gradient")
+    shared = hvd.allreduce(own[2])
+    close(got[2], shared, 1e-6, "shared kernel gradient")
+
+
+def check_load_model_rewraps_optimizer(hvd, rank, size):
+    """A model saved after training loads through spark_hvd.keras.load_model with a distributed
+    optimizer of the same class that kept its iteration count, and trains on."""
+    import os
+    import tempfile
+
+    import keras
+
+    import spark_hvd.keras as khvd
+    from spark_hvd.keras.optimizer import _DistributedOptimizer
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer=khvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
+    x, y = np.ones((8, 3), "float32"), np.ones((8, 1), "float32")
+    model.fit(x, y, batch_size=4, verbose=0)
+    path = os.path.join(tempfile.mkdtemp(), f"model-{rank}.keras")
+    model.save(path)
+    loaded = khvd.load_model(path)
+    assert isinstance(loaded.optimizer, _DistributedOptimizer)
+    assert isinstance(loaded.optimizer, keras.optimizers.Adam)
+    assert int(loaded.optimizer.iterations.numpy()) == 2
+    loaded.fit(x, y, batch_size=4, verbose=0)
+    assert int(loaded.optimizer.iterations.numpy()) == 4
+    plain = keras.models.load_model(path)
+    assert not isinstance(plain.optimizer, _DistributedOptimizer)
+
+
+def check_xla_is_refused_with_the_fix(hvd, rank, size):
+    """model.compile(jit_compile=True) with a DistributedOptimizer fails at fit with a message that
+    names jit_compile=False, instead of an XLA compilation error."""
+    import keras
+
+    import spark_hvd.keras as khvd
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer=khvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse", jit_compile=True)
+    if size == 1:
+        return  # a world of one exchanges nothing, so there is no collective for XLA to refuse
+    with pytest.raises(Exception, match="jit_compile=False"):
+        model.fit(np.ones((4, 3), "float32"), np.ones((4, 1), "float32"), verbose=0)
+
+
+def check_elastic_tensorflow_state(hvd, rank, size):
+    """TensorFlowState.sync gives every rank rank 0's variables and attributes; restore returns to
+    the last commit, and commit moves it."""
+    import tensorflow as tf
+
+    variables = [tf.Variable([float(rank)] * 2)]
+    state = hvd.elastic.TensorFlowState(variables, batch=rank)
+    state.sync()
+    assert variables[0].numpy().tolist() == [0.0, 0.0] and state.batch == 0
+    variables[0].assign([5.0, 5.0])
+    state.batch = 3
+    state.restore()
+    assert variables[0].numpy().tolist() == [0.0, 0.0] and state.batch == 0
+    variables[0].assign([5.0, 5.0])
+    state.commit()
+    state.restore()
+    assert variables[0].numpy().tolist() == [5.0, 5.0]
+
+
+CHECKS = [
+    check_gradient_tape_matches_single_process,
+    check_fit_matches_single_process,
+    check_backward_passes_per_step,
+    check_callbacks,
+    check_broadcast_callback_keeps_local_variables,
+    check_keras_values_and_state,
+    check_load_model_rewraps_optimizer,
+    check_xla_is_refused_with_the_fix,
+    check_elastic_tensorflow_state,
+]
+
+
+@pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"np{n}")
+def world(request):
+    return launch(CHECKS, request.param)
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
+def test_training(world, check):
+    """Each check passes on every rank of the world (see the check's docstring)."""
+    assert_passed(world, check)
