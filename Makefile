@@ -15,7 +15,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml constraints/ci.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade "pip>=23"
-	$(PIP) install -q -c constraints/ci.txt -e ".[dev,torch,spark,tensorflow-cpu]"
+	$(PIP) install -q -c constraints/ci.txt -e ".[dev,torch,spark,tensorflow-cpu,mpi]"
 	touch $(STAMP)
 
 $(PETASTORM_STAMP): pyproject.toml constraints/petastorm.txt
@@ -42,7 +42,6 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 bench: $(STAMP)
-	$(PIP) install -q -c constraints/ci.txt -e ".[mpi]"
 	$(PY) benchmarks/collectives.py
 	$(PY) benchmarks/training_scaling.py
 	$(PY) benchmarks/estimator.py
