@@ -31,7 +31,7 @@ __all__ = [
     "reducescatter", "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async",
     "barrier", "barrier_async", "join", "join_async", "broadcast_object", "allgather_object",
     "start_timeline", "stop_timeline", "ProcessSet", "global_process_set", "add_process_set",
-    "remove_process_set", "host_updates", "mpi_enabled",
+    "remove_process_set", "host_updates", "mpi_enabled", "device_async",
 ]
 
 log = logging.getLogger("spark_hvd")
@@ -389,6 +389,17 @@ def alltoall(array: np.ndarray, splits: Optional[Sequence[int]] = None, name: Op
     """Blocking :func:`alltoall_async`."""
     session = _session("alltoall")
     return session.alltoall(array, splits, name=name, dtype=dtype, ps=_ps_id(process_set), will_wait=True).wait()
+
+
+def device_async(kind: str, tensors: Sequence[Any], outs: Sequence[Any], *, wire: str, name: Optional[str] = None,
+                 op: int = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0, root_rank: int = -1,
+                 splits: Optional[Sequence[int]] = None, process_set: Optional[ProcessSet] = None,
+                 grouped: bool = False) -> Handle:
+    """Start ``kind`` on device tensors of a framework that registered its device operations
+    (spark_hvd.runtime.device); the data moves through NCCL on the device."""
+    return _session(kind).device(kind, tensors, outs, wire=wire, name=name, ps=_ps_id(process_set),
+                                 grouped=grouped, op=op, prescale=prescale_factor, postscale=postscale_factor,
+                                 root_rank=root_rank, splits=splits)
 
 
 def barrier_async(process_set: Optional[ProcessSet] = None, name: Optional[str] = None) -> Handle:

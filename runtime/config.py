@@ -137,6 +137,9 @@ SETTINGS: Tuple[Setting, ...] = (
             "Pin each rank to its own share of the host's CPUs at init() (when there are enough)."),
     Setting("chunk_bytes", "SPARK_HVD_CHUNK_BYTES", int, 512 * 1024,
             "Pipelining unit for large buffers: bytes per shared-memory slot or socket chunk."),
+    Setting("nccl_library", "SPARK_HVD_NCCL_LIBRARY", str, None,
+            "Path of the libnccl.so.2 to use for CUDA tensors (default: the nvidia-nccl-cu12 wheel's, torch's, "
+            "or the system's)."),
     Setting("log_level", "SPARK_HVD_LOG_LEVEL", str, "WARNING",
             "Logging level of the spark_hvd loggers (DEBUG, INFO, WARNING, ERROR).", ("HOROVOD_LOG_LEVEL",)),
 )
@@ -204,6 +207,7 @@ class RuntimeConfig:
     shm: bool = _default("shm")
     bind_cpus: bool = _default("bind_cpus")
     chunk_bytes: int = _default("chunk_bytes")
+    nccl_library: Optional[str] = _default("nccl_library")
     log_level: str = _default("log_level")
 
     def __post_init__(self) -> None:

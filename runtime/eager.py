@@ -30,7 +30,7 @@ class EagerAnswers:
     def payload(self, entry: Entry) -> Optional[bytes]:
         """What a worker sends along with the announcement of ``entry``: its prescaled input, if small."""
         meta = entry.meta
-        if meta.kind != "allreduce" or entry.array is None or meta.nbytes() > self.threshold:
+        if meta.kind != "allreduce" or meta.device != "cpu" or entry.array is None or meta.nbytes() > self.threshold:
             return None
         if meta.prescale == 1.0:
             return entry.array.tobytes()
@@ -52,7 +52,11 @@ class EagerAnswers:
             return responses
         out = []
         for response in responses:
-            if response.kind != "allreduce" or resolve(response.sids[0]).nbytes() > self.threshold:
+            if response.kind != "allreduce":
+                out.append(response)
+                continue
+            first = resolve(response.sids[0])
+            if first.device != "cpu" or first.nbytes() > self.threshold:
                 out.append(response)  # fused responses hold only small or only large requests
                 continue
             metas = [resolve(s) for s in response.sids]

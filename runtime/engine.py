@@ -31,6 +31,7 @@ from .negotiation import Coordinator, WorkerSignatures
 from .ops import storage_dtype
 from .timeline import MEMCPY_OUT, NEGOTIATE, QUEUE, Timeline
 from .dataplane import DataPlane, RingDataPlane, hierarchy_of
+from .device import DeviceExecutor, NcclDataPlane, device_ops, nccl_status
 from .control import ControlLink
 
 __all__ = ["Engine", "DYNAMIC_TIMELINE"]
@@ -91,6 +92,7 @@ class Engine(Executor):
             self.data = RingDataPlane(world.transport, config.chunk_bytes, hierarchy)
         self._last_liveness = 0.0
         self._executing: Optional[Tuple[str, Tuple[str, ...]]] = None  # (kind, names) in its data phase
+        self._device: Optional[DeviceExecutor] = None  # made when the first device response arrives
         self._data_stall_warned = False
         self._worker_stall_warned: Set[Tuple[int, str]] = set()
         self._last_worker_stall_check = 0.0
@@ -185,6 +187,8 @@ class Engine(Executor):
             self._thread.join(timeout)
         self.stop_timeline()
         self._fail_all(CollectiveError("spark-hvd has been shut down on this rank"))
+        if self._device is not None:
+            self._device.plane.close()
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)
@@ -550,7 +554,11 @@ class Engine(Executor):
         self._executing = (kind, names)
         self._data_stall_warned = False
         try:
-            if kind == "allreduce":
+            first = metas[response.sids[0]] if response.sids else \
+                (metas[response.rank_sids[0][0]] if response.rank_sids else None)
+            if first is not None and first.device != "cpu":
+                self._device_executor().execute(response, entries, metas, members)
+            elif kind == "allreduce":
                 self._allreduce(ps, names, entries, [metas[s] for s in response.sids])
             elif kind == "allreduce_eager":
                 start = time.perf_counter()
@@ -591,6 +599,15 @@ class Engine(Executor):
             raise
         finally:
             self._executing = None
+
+    def _device_executor(self) -> DeviceExecutor:
+        if self._device is None:
+            lib, problem = nccl_status()
+            if lib is None:
+                raise CollectiveError(f"collectives on CUDA tensors need NCCL: {problem}")
+            plane = NcclDataPlane(lib, self.data.size, self.data.rank, self.data.broadcast)
+            self._device = DeviceExecutor(plane, device_ops("cuda"), self._complete)
+        return self._device
 
     def _register_process_set(self, ps_id: int, ranks: Tuple[int, ...]) -> None:
         self.process_sets[ps_id] = ranks

@@ -39,6 +39,8 @@ class Meta(NamedTuple):
     """Rows sent to each rank by an alltoall."""
     ranks: Optional[Tuple[int, ...]] = None
     """Members of the process set an add_process_set request registers."""
+    device: str = "cpu"
+    """Where the data lives: ``"cpu"`` (numpy arrays) or ``"cuda"`` (device tensors, moved by NCCL)."""
 
     def count(self) -> int:
         """Number of elements."""

@@ -31,18 +31,19 @@ __all__ = ["Coordinator", "SignatureTable", "WorkerSignatures"]
 
 
 _COMPARED = {
-    "allreduce": ("dtype", "shape", "op", "prescale", "postscale", "group"),
-    "reducescatter": ("dtype", "shape", "op", "prescale", "postscale", "group"),
-    "broadcast": ("dtype", "shape", "root"),
-    "allgather": ("dtype", "trailing", "group"),
-    "alltoall": ("dtype", "trailing", "splits_len"),
+    "allreduce": ("device", "dtype", "shape", "op", "prescale", "postscale", "group"),
+    "reducescatter": ("device", "dtype", "shape", "op", "prescale", "postscale", "group"),
+    "broadcast": ("device", "dtype", "shape", "root"),
+    "allgather": ("device", "dtype", "trailing", "group"),
+    "alltoall": ("device", "dtype", "trailing", "splits_len"),
     "barrier": (),
     "join": (),
     "add_process_set": ("ranks",),
 }
 _LABELS = {"trailing": "shapes after the first dimension", "shape": "shapes", "dtype": "dtypes",
            "op": "reduction ops", "root": "root ranks", "group": "groups", "splits_len": "numbers of splits",
-           "ranks": "process set ranks", "prescale": "prescale factors", "postscale": "postscale factors"}
+           "ranks": "process set ranks", "prescale": "prescale factors", "postscale": "postscale factors",
+           "device": "devices (CPU tensors on some ranks, GPU tensors on others)"}
 # Kinds that cannot stand in for a joined rank: it has no rows to give and may be the root.
 _NOT_WITH_JOINED = ("allgather", "broadcast", "alltoall", "reducescatter")
 
@@ -279,8 +280,8 @@ class Coordinator:
             if sample.kind == "allreduce" and self.fusion_threshold > 0:
                 size = sample.nbytes()
                 # Small requests that can travel inside the messages are fused only among themselves.
-                eager = size <= self.eager_threshold
-                fkey = (ps, sample.dtype, sample.op, sample.prescale, sample.postscale, eager)
+                eager = size <= self.eager_threshold and sample.device == "cpu"
+                fkey = (ps, sample.device, sample.dtype, sample.op, sample.prescale, sample.postscale, eager)
                 limit = min(self.fusion_threshold, 64 * self.eager_threshold) if eager else self.fusion_threshold
                 bucket = fused.get(fkey)
                 if bucket is not None and bucket[3] + size <= limit:

@@ -173,6 +173,31 @@ class Session:
         meta = Meta(kind="alltoall", dtype=wire, shape=tuple(array_c.shape), ps=ps, splits=tuple(split_list))
         return self._submit("alltoall", name, [(meta, array_c, None)], False, will_wait, ps)
 
+    def device(self, kind: str, tensors: Sequence[Any], outs: Sequence[Any], *, wire: str, name: Optional[str],
+               ps: int, grouped: bool, op: int = 0, prescale: float = 1.0, postscale: float = 1.0,
+               root_rank: int = -1, splits: Optional[Sequence[int]] = None, device: str = "cuda") -> Handle:
+        """Start a collective on device tensors (a framework's, moved by NCCL): ``tensors`` expose
+        ``shape``; ``outs`` receive allreduce and broadcast results (the tensors themselves in place)."""
+        if kind not in ("allreduce", "broadcast", "allgather", "alltoall", "reducescatter"):
+            raise ValueError(f"kind={kind!r} is not a collective on device tensors")
+        if kind in ("allreduce", "reducescatter"):
+            reduce_op = int(check_op(op, wire))
+        else:
+            reduce_op = 0
+        members = self.members(ps)
+        if kind == "broadcast" and root_rank not in members:
+            raise ValueError(f"root_rank={root_rank} is not a rank of the job (expected one of {list(members)})")
+        parts = []
+        for tensor, out in zip(tensors, outs):
+            shape = tuple(int(d) for d in tensor.shape)
+            if kind in ("alltoall", "reducescatter") and not shape:
+                raise ValueError(f"{kind} needs a tensor with at least one dimension")
+            meta = Meta(kind=kind, dtype=wire, shape=shape, op=reduce_op, root=int(root_rank), prescale=float(prescale),
+                        postscale=float(postscale), ps=ps, splits=tuple(splits) if splits is not None else None,
+                        device=device)
+            parts.append((meta, tensor, out))
+        return self._submit(kind, name, parts, grouped, False, ps)
+
     def barrier(self, *, ps: int, name: Optional[str] = None, will_wait: bool = False) -> Handle:
         return self._submit("barrier", name, [(Meta(kind="barrier", dtype="", shape=(), ps=ps), None, None)],
                             False, will_wait, ps)

@@ -42,6 +42,7 @@ from spark_hvd.torch.basics import (
     mpi_enabled,
     mpi_threads_supported,
     nccl_built,
+    nccl_problem,
     rank,
     remove_process_set,
     rocm_built,
@@ -86,7 +87,7 @@ __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "is_homogeneous", "start_timeline", "stop_timeline",
     # build probes
-    "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
+    "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built", "nccl_problem",
     "ddl_built", "ccl_built", "cuda_built", "rocm_built",
     # ops, process sets, errors
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product", "Compression",

@@ -28,6 +28,7 @@ __all__ = [
     "gloo_built",
     "gloo_enabled",
     "nccl_built",
+    "nccl_problem",
     "ddl_built",
     "ccl_built",
     "cuda_built",
@@ -149,8 +150,16 @@ def gloo_enabled() -> bool:
 
 
 def nccl_built() -> bool:
-    """Whether CUDA tensors are reduced with NCCL; False: they are staged through host memory."""
-    return False
+    """Whether CUDA tensors are reduced with NCCL: true only when libnccl loads and torch sees a GPU
+    (otherwise CUDA tensors are staged through host memory; see :func:`nccl_problem`)."""
+    return nccl_problem() is None
+
+
+def nccl_problem() -> Optional[str]:
+    """Why CUDA tensors cannot use NCCL here, or None when they can."""
+    from spark_hvd.torch.device import device_problem
+
+    return device_problem()
 
 
 def ddl_built() -> bool:
@@ -164,8 +173,8 @@ def ccl_built() -> bool:
 
 
 def cuda_built() -> bool:
-    """Whether collectives run on CUDA devices; False: CUDA tensors go through host memory."""
-    return False
+    """Whether collectives run on CUDA devices without a host copy (NCCL usable, a GPU visible)."""
+    return nccl_built()
 
 
 def rocm_built() -> bool:

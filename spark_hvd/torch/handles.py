@@ -15,6 +15,7 @@ import torch
 
 import spark_hvd.runtime as _rt
 from spark_hvd.torch.basics import Average, Sum, global_process_set
+from spark_hvd.torch.device import enqueue_device, use_device
 from spark_hvd.torch.tensor_bridge import Staged, stage
 
 __all__ = ["Handle", "poll", "synchronize", "enqueue", "resolve_op"]
@@ -174,6 +175,11 @@ def enqueue(
             raise ValueError(f"grouped_{kind} got an empty list of tensors; expected at least one tensor")
     if kind == "reducescatter":
         _refuse_scalars(tensors, grouped)
+    if tensors and tensors[0].is_cuda and use_device(tensors):
+        inner, finish_device = enqueue_device(kind, list(tensors), grouped=grouped, inplace=inplace, name=name, op=op,
+                                              prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                                              root_rank=root_rank, splits=splits, process_set=process_set)
+        return Handle([inner], finish_device)
     what = "tensors[{}]" if grouped else "tensor"
     staged = [stage(t, reduction=kind in _REDUCTIONS, what=what.format(i)) for i, t in enumerate(tensors)]
     wire = _common_wire(staged, kind)

@@ -47,9 +47,12 @@ def _warn_device_staging(device: torch.device) -> None:
         if _staging_warned:
             return
         _staging_warned = True
+    from spark_hvd.torch.device import device_problem
+
+    why = device_problem() or "NCCL has no type for this dtype"
     warnings.warn(
-        f"spark_hvd.torch: tensors on {device} are copied through host memory for collectives "
-        "because no device backend is active; expect lower throughput than with NCCL.",
+        f"spark_hvd.torch: tensors on {device} are copied through host memory for collectives because "
+        f"NCCL cannot be used ({why}); expect lower throughput than on the GPU.",
         RuntimeWarning,
         stacklevel=4,
     )
