@@ -8,6 +8,7 @@ start from rank 0's, gradients are averaged while backward runs, every dataloade
 from __future__ import annotations
 
 import numbers
+import os
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Tuple, TypeVar, Union
 
@@ -87,6 +88,11 @@ def _local_gpu(local_rank: int) -> torch.device:
     )
 
 
+def _lightning_seed() -> int:
+    """The seed Lightning gives the samplers it injects: that of ``seed_everything``, else 0."""
+    return int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+
 class _GatherRows(torch.autograd.Function):
     """Stacks every rank's tensor; the gradient reaching a rank's tensor is the sum over ranks of the
     gradients of its slot (what Lightning's all_gather(sync_grads=True) promises, as torch.distributed.nn)."""
@@ -138,6 +144,7 @@ class SparkHvdStrategy(ParallelStrategy):
         self._compression = compression
         self._averager: Optional[GradientAverager] = None
         self._applied_layer_sync: Optional[Any] = None
+        self._sampler_seed: Optional[int] = None
 
     # -- the world and the device -------------------------------------------------------------------
     @property
@@ -157,8 +164,11 @@ class SparkHvdStrategy(ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> Dict[str, Any]:
-        """This rank's share of every dataset: one replica per process of the job."""
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        """This rank's share of every dataset: one replica per process of the job, shuffled with rank 0's seed."""
+        kwargs: Dict[str, Any] = {"num_replicas": self.world_size, "rank": self.global_rank}
+        if self._sampler_seed is not None:
+            kwargs["seed"] = self._sampler_seed
+        return kwargs
 
     def _check_devices(self) -> None:
         devices = self.parallel_devices or []
@@ -203,6 +213,8 @@ class SparkHvdStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         hvd.broadcast_parameters(self.model.state_dict(), root_rank=0, prefix="lightning.setup.")
+        # Ranks seeded differently (seed_everything(seed + rank)) would shuffle into overlapping shares.
+        self._sampler_seed = hvd.broadcast_object(_lightning_seed(), root_rank=0, name="lightning.setup.sampler_seed")
         if fitting:
             self.setup_optimizers(trainer)
             self._remove_averager()

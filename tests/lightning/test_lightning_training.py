@@ -33,10 +33,10 @@ def _loader(*tensors):
     return DataLoader(TensorDataset(*tensors), batch_size=BATCH)
 
 
-def _global_order(rows):
+def _global_order(rows, seed=0):
     """The order in which the ranks together see the rows in the first epoch: the injected
-    DistributedSampler shuffles training data with seed 0 and deals position i to rank i % size."""
-    return torch.tensor(list(DistributedSampler(range(rows), num_replicas=1, rank=0, shuffle=True, seed=0)))
+    DistributedSampler shuffles training data with the seed and deals position i to rank i % size."""
+    return torch.tensor(list(DistributedSampler(range(rows), num_replicas=1, rank=0, shuffle=True, seed=seed)))
 
 
 class Classifier(pl.LightningModule):
@@ -241,18 +241,29 @@ class Recorder(pl.LightningModule):
 
 def check_distributed_sampler(hvd, rank, size):
     """Every dataloader gets a DistributedSampler for this rank: training rows are shuffled the same
-    way on every rank and dealt round-robin, so the ranks' shares are disjoint and cover the data;
-    validation rows are not shuffled (rank r sees r, r+size, ...)."""
+    way on every rank (with rank 0's seed, even when ranks were seeded differently) and dealt
+    round-robin, so the ranks' shares are disjoint and cover the data; validation rows are not
+    shuffled (rank r sees r, r+size, ...)."""
     rows = 36
     indices = torch.arange(rows)
     module = Recorder()
     t = trainer(max_epochs=1)
-    assert t.distributed_sampler_kwargs == {"num_replicas": size, "rank": rank}
     t.fit(module, _loader(indices), _loader(indices))
+    assert t.distributed_sampler_kwargs == {"num_replicas": size, "rank": rank, "seed": 0}
     assert module.train_seen == _global_order(rows)[rank::size].tolist(), module.train_seen
     shares = hvd.allgather_object(module.train_seen)
     assert sorted(i for share in shares for i in share) == list(range(rows)), shares
     assert module.val_seen == list(range(rank, rows, size)), module.val_seen
+
+    os.environ["PL_GLOBAL_SEED"] = str(5 + rank)  # what seed_everything(5 + rank) leaves behind
+    try:
+        module = Recorder()
+        trainer(max_epochs=1).fit(module, _loader(indices))
+    finally:
+        del os.environ["PL_GLOBAL_SEED"]
+    shares = hvd.allgather_object(module.train_seen)
+    assert sorted(i for share in shares for i in share) == list(range(rows)), shares
+    assert module.train_seen == _global_order(rows, seed=5)[rank::size].tolist(), module.train_seen
 
 
 class Logging(pl.LightningModule):
