@@ -7,7 +7,7 @@ import pytest
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_only
 
-from lightning_world import SIZES, assert_passed, close, launch, shared_dir, trainer
+from lightning_world import assert_passed, close, shared_dir, trainer
 from spark_hvd.lightning import SparkHvdEnvironment
 
 
@@ -130,12 +130,6 @@ def check_process_set_group(hvd, rank, size):
 
 ALL = [check_world, check_barrier, check_broadcast, check_all_gather, check_reduce, check_reduce_boolean_decision,
        check_process_set_group]
-
-
-@pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"np{n}")
-def world(request):
-    """One world per size runs every collective check."""
-    return launch(ALL, np=request.param)
 
 
 @pytest.mark.parametrize("check", ALL, ids=lambda c: c.__name__[len("check_"):])

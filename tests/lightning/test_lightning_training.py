@@ -12,7 +12,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins import TorchCheckpointIO
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_world import SIZES, assert_passed, close, launch, shared_dir, trainer
+from lightning_world import assert_passed, close, shared_dir, trainer
 from spark_hvd.lightning import SparkHvdStrategy
 
 BATCH = 4  # rows per rank per micro-batch
@@ -406,12 +406,6 @@ def check_argument_errors(hvd, rank, size):
 ALL = [check_matches_single_process_training, check_gradient_accumulation, check_manual_optimization,
        check_fp16_compression, check_allreduce_overlaps_backward, check_distributed_sampler, check_logged_metrics,
        check_checkpoints_written_by_rank_zero, check_sync_batchnorm, check_argument_errors]
-
-
-@pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"np{n}")
-def world(request):
-    """One world per size runs every training check."""
-    return launch(ALL, np=request.param)
 
 
 @pytest.mark.parametrize("check", ALL, ids=lambda c: c.__name__[len("check_"):])
