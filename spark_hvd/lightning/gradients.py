@@ -48,7 +48,8 @@ class GradientAverager:
     After :meth:`synchronize`, every trainable parameter's ``grad`` holds the average of the
     ranks' gradients, identical on every rank (a rank that produced no gradient for a parameter
     contributes zeros). Gradients computed while :meth:`paused` stay local and are reduced, summed
-    with the next ones, by the next reduction. Hooks only act inside :meth:`backward_pass`.
+    with the next ones, by the next reduction. Backward must run inside :meth:`backward_pass`: a
+    gradient accumulated outside it raises RuntimeError, as it could not be averaged.
 
     Arguments:
         module: The module whose parameters are averaged; names key the reductions.
