@@ -10,21 +10,21 @@ Each rank trains on its shard of the training rows (the strategy gives the datal
 DistributedSampler), every rank starts from rank 0's parameters, gradients are averaged while
 backward runs, the logged metrics are averaged across ranks (``sync_dist=True``), and only rank 0
 writes checkpoints (``--checkpoint-dir``; ``--resume`` continues from the last one). The learning
-rate is scaled by the number of ranks, as the global batch grows with it. The data is
-scikit-learn's digits set, shipped inside the package, split as in examples/pytorch_train.py.
+rate is scaled by the number of ranks, as the global batch grows with it. The data (scikit-learn's
+digits set, shipped inside the package), its split and the network are those of
+examples/pytorch_train.py, which this script imports from beside it.
 """
 
 import argparse
 import json
 
-import numpy as np
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from spark_hvd.datasets import load_digits
+from pytorch_train import make_model, split_digits  # the Horovod-style example's data split and network
 from spark_hvd.lightning import SparkHvdStrategy
 
 
@@ -43,27 +43,13 @@ def parse_args():
     return parser.parse_args()
 
 
-def split_digits(seed):
-    """A fixed 80/20 train/test split of the digits, features scaled to [0, 1]."""
-    features, labels = load_digits()
-    order = np.random.default_rng(seed).permutation(len(labels))
-    features = torch.from_numpy(features[order] / 16.0).float()
-    labels = torch.from_numpy(labels[order])
-    cut = int(0.8 * len(labels))
-    return (features[:cut], labels[:cut]), (features[cut:], labels[cut:])
-
-
 class DigitsClassifier(pl.LightningModule):
     """A small MLP over the 8x8 digit images, trained with momentum SGD."""
 
     def __init__(self, lr, momentum):
         super().__init__()
         self.save_hyperparameters()
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(64, 128), torch.nn.ReLU(),
-            torch.nn.Linear(128, 64), torch.nn.ReLU(),
-            torch.nn.Linear(64, 10),
-        )
+        self.net = make_model()
 
     def forward(self, x):
         return self.net(x)
