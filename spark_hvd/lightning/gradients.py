@@ -112,9 +112,9 @@ class GradientAverager:
 
     def synchronize(self) -> None:
         """Finish averaging: start the reductions no hook started (in one order on every rank) and wait for all."""
+        self._hook_trainable()
         if not _communicating():
             return
-        self._hook_trainable()
         try:
             for name, p in self._named:
                 if p.requires_grad and p not in self._pending:
