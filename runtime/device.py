@@ -16,10 +16,12 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 
 import numpy as np
 
+from . import algorithms as alg
 from .algorithms import split_counts
+from .dataplane import Hierarchy
 from .messages import Meta
 from .nccl import UNIQUE_ID_BYTES, NcclComm, NcclLibrary, NcclUnavailable, load_nccl
-from .ops import ReduceOp, storage_dtype
+from .ops import ReduceOp, reduce_into, storage_dtype
 
 __all__ = ["DeviceOps", "NcclDataPlane", "register_device_ops", "device_ops", "nccl_status", "DeviceExecutor"]
 
@@ -52,6 +54,13 @@ class DeviceOps(Protocol):
     def activate(self, like: Any) -> None:
         """Make ``like``'s device the calling thread's current device (communicators are bound to
         the device current when they are made, and the engine thread starts on device 0)."""
+
+    def to_host(self, tensor: Any, first: int, count: int, wire: str) -> np.ndarray:
+        """Elements ``first .. first+count`` copied into a new host array (storage dtype of
+        ``wire``), after the work queued before."""
+
+    def from_host(self, tensor: Any, first: int, array: np.ndarray) -> None:
+        """Copy a host array into ``tensor`` from element ``first`` on."""
 
 
 _registry: Dict[str, DeviceOps] = {}
@@ -90,15 +99,38 @@ def nccl_status() -> Tuple[Optional[NcclLibrary], Optional[str]]:
 
 
 class NcclDataPlane:
-    """NCCL communicators per process set over the members' device buffers."""
+    """NCCL communicators per process set over the members' device buffers; with a
+    :class:`~spark_hvd.runtime.dataplane.Hierarchy` (hierarchical allreduce on several hosts), also
+    one communicator among the ranks of this host, and the host ring across hosts."""
 
     def __init__(self, lib: Any, host_size: Callable[[int], int], host_rank: Callable[[int], int],
-                 host_broadcast: Callable[[int, np.ndarray, int], None]) -> None:
+                 host_broadcast: Callable[[int, np.ndarray, int], None], hierarchy: Optional[Hierarchy] = None,
+                 chunk_bytes: int = 1 << 19) -> None:
         self.lib = lib
         self._size = host_size
         self._rank = host_rank
         self._broadcast = host_broadcast
-        self.comms: Dict[int, NcclComm] = {}
+        self.hierarchy = hierarchy
+        self.chunk_bytes = chunk_bytes
+        self.comms: Dict[Any, NcclComm] = {}
+
+    def local_comm(self) -> NcclComm:
+        """The communicator among this host's ranks (hierarchical allreduce only); its id goes
+        from the host's first rank to the others over the host's shared-memory ring."""
+        comm = self.comms.get("local")
+        if comm is None:
+            assert self.hierarchy is not None
+            local = self.hierarchy.local
+            uid = np.frombuffer(self.lib.unique_id(), dtype=np.uint8).copy() if local.rank == 0 \
+                else np.zeros(UNIQUE_ID_BYTES, dtype=np.uint8)
+            alg.chain_broadcast(local, uid, 0, self.chunk_bytes)
+            comm = self.comms["local"] = self.lib.init_rank(local.size, uid.tobytes(), local.rank)
+        return comm
+
+    def cross_allreduce(self, flat: np.ndarray, op: ReduceOp, wire: str) -> None:
+        """In place over the host ring among the ranks of equal local rank on every host."""
+        assert self.hierarchy is not None
+        alg.ring_allreduce(self.hierarchy.cross, flat, lambda acc, incoming: reduce_into(acc, incoming, op, wire))
 
     def comm(self, ps: int) -> NcclComm:
         """This set's communicator, made on first use: every member reaches this point in the
@@ -173,32 +205,38 @@ class DeviceExecutor:
         op = ReduceOp(meta0.op)
         nccl_op = ReduceOp.Sum if op == ReduceOp.Average else op
         size = self.plane._size(ps)
-        comm = self.plane.comm(ps)
         item = storage_dtype(meta0.dtype).itemsize
         post = meta0.postscale / (size if op == ReduceOp.Average else 1)
         like = next(e.array for e in entries if e is not None)
         stream = self.ops.stream(like)
-        if len(entries) == 1 and entries[0] is not None:
+        hierarchical = ps == 0 and self.plane.hierarchy is not None
+        if len(entries) == 1 and entries[0] is not None and not hierarchical:
             entry = entries[0]
             count = _count(metas[0])
             if entry.out is not entry.array:
                 self.ops.copy(entry.out, 0, entry.array, 0, count * item)
             self._scale(entry.out, 0, count, meta0.dtype, meta0.prescale)
-            comm.all_reduce(self.ops.ptr(entry.out), self.ops.ptr(entry.out), count, meta0.dtype, nccl_op, stream)
+            ptr = self.ops.ptr(entry.out)
+            self.plane.comm(ps).all_reduce(ptr, ptr, count, meta0.dtype, nccl_op, stream)
             self._scale(entry.out, 0, count, meta0.dtype, post)
             self.ops.synchronize(like)
             self.complete(entry, entry.out)
             return
         counts = [_count(m) for m in metas]
         total = sum(counts)
-        fused = self._fusion_buffer(like, total * item)
+        local_size = self.plane.hierarchy.local.size if hierarchical else 1
+        block = -(-total // local_size)
+        fused = self._fusion_buffer(like, block * local_size * item)
         offset = 0
         for entry, count in zip(entries, counts):
             if entry is not None:
                 self.ops.copy(fused, offset * item, entry.array, 0, count * item)
             offset += count
         self._scale(fused, 0, total, meta0.dtype, meta0.prescale)
-        comm.all_reduce(self.ops.ptr(fused), self.ops.ptr(fused), total, meta0.dtype, nccl_op, stream)
+        if hierarchical:
+            self._hierarchical(fused, block, meta0.dtype, nccl_op, stream, like)
+        else:
+            self.plane.comm(ps).all_reduce(self.ops.ptr(fused), self.ops.ptr(fused), total, meta0.dtype, nccl_op, stream)
         self._scale(fused, 0, total, meta0.dtype, post)
         offset = 0
         for entry, count in zip(entries, counts):
@@ -209,6 +247,22 @@ class DeviceExecutor:
         for entry in entries:
             if entry is not None:
                 self.complete(entry, entry.out)
+
+    def _hierarchical(self, fused: Any, block: int, wire: str, op: ReduceOp, stream: int, like: Any) -> None:
+        """NCCL reduce-scatter among this host's ranks (block i to local rank i), this rank's
+        block allreduced across hosts by the host ring, NCCL allgather back within the host."""
+        local = self.plane.local_comm()
+        me = self.plane.hierarchy.local.rank
+        item = storage_dtype(wire).itemsize
+        base = self.ops.ptr(fused)
+        mine = base + me * block * item
+        if block == 0:
+            return
+        local.reduce_scatter(base, mine, block, wire, op, stream)
+        host = self.ops.to_host(fused, me * block, block, wire)
+        self.plane.cross_allreduce(host, op, wire)
+        self.ops.from_host(fused, me * block, host)
+        local.all_gather(mine, base, block, wire, stream)
 
     def _scale(self, tensor: Any, first: int, count: int, wire: str, factor: float) -> None:
         if factor != 1.0 and count:

@@ -605,7 +605,8 @@ class Engine(Executor):
             lib, problem = nccl_status()
             if lib is None:
                 raise CollectiveError(f"collectives on CUDA tensors need NCCL: {problem}")
-            plane = NcclDataPlane(lib, self.data.size, self.data.rank, self.data.broadcast)
+            plane = NcclDataPlane(lib, self.data.size, self.data.rank, self.data.broadcast,
+                                  hierarchy=getattr(self.data, "hierarchy", None), chunk_bytes=self.config.chunk_bytes)
             self._device = DeviceExecutor(plane, device_ops("cuda"), self._complete)
         return self._device
 

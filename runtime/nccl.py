@@ -96,6 +96,17 @@ class NcclComm:
         self._lib.call("ncclReduce", ctypes.c_void_p(send), ctypes.c_void_p(recv), ctypes.c_size_t(count),
                        nccl_dtype(wire), nccl_op(op), root, self.handle, ctypes.c_void_p(stream))
 
+    def reduce_scatter(self, send: int, recv: int, count: int, wire: str, op: ReduceOp, stream: int) -> None:
+        """Member r receives block r (``count`` elements) of the reduction of everyone's ``send``
+        (``count * size`` elements)."""
+        self._lib.call("ncclReduceScatter", ctypes.c_void_p(send), ctypes.c_void_p(recv), ctypes.c_size_t(count),
+                       nccl_dtype(wire), nccl_op(op), self.handle, ctypes.c_void_p(stream))
+
+    def all_gather(self, send: int, recv: int, count: int, wire: str, stream: int) -> None:
+        """``recv`` (``count * size`` elements) gets every member's ``send`` in member order."""
+        self._lib.call("ncclAllGather", ctypes.c_void_p(send), ctypes.c_void_p(recv), ctypes.c_size_t(count),
+                       nccl_dtype(wire), self.handle, ctypes.c_void_p(stream))
+
     def send(self, buf: int, count: int, wire: str, peer: int, stream: int) -> None:
         self._lib.call("ncclSend", ctypes.c_void_p(buf), ctypes.c_size_t(count), nccl_dtype(wire), peer,
                        self.handle, ctypes.c_void_p(stream))

@@ -16,6 +16,7 @@ import torch
 
 import spark_hvd.runtime as _rt
 from spark_hvd.runtime.device import nccl_status, register_device_ops
+from spark_hvd.runtime.ops import storage_dtype
 
 __all__ = ["TorchCudaOps", "device_problem", "use_device", "enqueue_device"]
 
@@ -64,6 +65,16 @@ class TorchCudaOps:
 
     def synchronize(self, like: torch.Tensor) -> None:
         torch.cuda.default_stream(like.device).synchronize()
+
+    def to_host(self, tensor: torch.Tensor, first: int, count: int, wire: str) -> np.ndarray:
+        item = storage_dtype(wire).itemsize
+        raw = self._bytes(tensor)[first * item:(first + count) * item].cpu().numpy()
+        return raw.view(storage_dtype(wire))
+
+    def from_host(self, tensor: torch.Tensor, first: int, array: np.ndarray) -> None:
+        item = array.dtype.itemsize
+        raw = torch.from_numpy(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        self._bytes(tensor)[first * item:first * item + raw.numel()].copy_(raw)
 
     def activate(self, like: torch.Tensor) -> None:
         if torch.cuda.current_device() != like.device.index:

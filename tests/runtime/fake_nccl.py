@@ -85,6 +85,22 @@ class FakeComm:
             if self.rank == root:
                 _put(path, _read(send, nbytes))
             _write(recv, _wait_for(path))
+        elif kind == "reduce_scatter":
+            _, send, recv, count, wire, red = op
+            item = storage_dtype(wire).itemsize
+            block = self._gather_all(send, count * self.size * item, key, wire)
+            acc = None
+            for part in block:
+                part = part[self.rank * count:(self.rank + 1) * count].copy()
+                if acc is None:
+                    acc = part
+                else:
+                    reduce_into(acc, part, red, wire)
+            _write(recv, acc.tobytes())
+        elif kind == "all_gather":
+            _, send, recv, count, wire = op
+            parts = self._gather_all(send, count * storage_dtype(wire).itemsize, key, wire)
+            _write(recv, b"".join(p.tobytes() for p in parts))
         elif kind == "send":
             _, buf, count, wire, peer = op
             _put(os.path.join(self.dir, f"{key}.p2p.{self.rank}.{peer}"), _read(buf, count * storage_dtype(wire).itemsize))
@@ -93,6 +109,11 @@ class FakeComm:
             _write(buf, _wait_for(os.path.join(self.dir, f"{key}.p2p.{peer}.{self.rank}")))
         else:  # pragma: no cover - the test would be wrong
             raise AssertionError(kind)
+
+    def _gather_all(self, send: int, nbytes: int, key: str, wire: str) -> List[np.ndarray]:
+        _put(os.path.join(self.dir, f"{key}.{self.rank}"), _read(send, nbytes))
+        return [np.frombuffer(_wait_for(os.path.join(self.dir, f"{key}.{r}")), dtype=storage_dtype(wire))
+                for r in range(self.size)]
 
     def _reduce_to(self, send: int, recv: int, count: int, wire: str, red: ReduceOp, key: str, root: Any) -> None:
         dtype = storage_dtype(wire)
@@ -117,6 +138,12 @@ class FakeComm:
 
     def broadcast(self, send: int, recv: int, count: int, wire: str, root: int, stream: int) -> None:
         self._run(("broadcast", send, recv, count, wire, root))
+
+    def reduce_scatter(self, send: int, recv: int, count: int, wire: str, op: ReduceOp, stream: int) -> None:
+        self._run(("reduce_scatter", send, recv, count, wire, ReduceOp(op)))
+
+    def all_gather(self, send: int, recv: int, count: int, wire: str, stream: int) -> None:
+        self._run(("all_gather", send, recv, count, wire))
 
     def send(self, buf: int, count: int, wire: str, peer: int, stream: int) -> None:
         self._run(("send", buf, count, wire, peer))
@@ -186,3 +213,9 @@ class NumpyDeviceOps:
 
     def activate(self, like: Any) -> None:
         pass
+
+    def to_host(self, tensor: np.ndarray, first: int, count: int, wire: str) -> np.ndarray:
+        return tensor.reshape(-1).view(storage_dtype(wire))[first:first + count].copy()
+
+    def from_host(self, tensor: np.ndarray, first: int, array: np.ndarray) -> None:
+        tensor.reshape(-1).view(array.dtype)[first:first + array.size] = array
