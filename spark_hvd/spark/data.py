@@ -216,15 +216,26 @@ def dataset_key(df: Any, settings: Dict[str, Any]) -> str:
     """Cache key of ``df`` prepared with ``settings``: equal for the same DataFrame (same
     analyzed plan) and settings, different for any other DataFrame in the same session."""
     parts: Dict[str, Any] = {"settings": settings, "format": FORMAT_VERSION, "schema": df.schema.json()}
-    try:
-        # The analyzed plan names each column with a session-unique id, so two DataFrames built
-        # separately differ; the semantic hash covers inline data (local relations) too.
-        parts["plan"] = df._jdf.queryExecution().analyzed().toString()
-    except AttributeError:  # Spark Connect has no JVM handle
-        pass
+    parts["plan"] = _plan_text(df)
     parts["semantic"] = df.semanticHash()
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
     return digest[:20]
+
+
+def _plan_text(df: Any) -> str:
+    """Text that differs between DataFrames built separately, as the cache key needs.
+
+    Classic: the analyzed plan, which names each column with a session-unique id. Connect: the
+    client's unresolved plan, whose relations carry client-unique plan ids (and inline data).
+    """
+    jdf = getattr(df, "_jdf", None)
+    if jdf is not None:
+        return str(jdf.queryExecution().analyzed().toString())
+    plan = getattr(df, "_plan", None)
+    client = getattr(getattr(df, "sparkSession", None), "client", None)
+    if plan is not None and client is not None:
+        return hashlib.sha256(plan.to_proto(client).SerializeToString()).hexdigest()
+    return ""
 
 
 def _estimated_bytes(df: Any) -> Optional[int]:

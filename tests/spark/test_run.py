@@ -14,6 +14,8 @@ from spark_hvd.runner.errors import RankFailedError
 from spark_hvd.spark import _task, runner
 from spark_hvd.spark.runner import run
 
+SESSION_KINDS = ("classic", "connect")
+
 CONTRACT = (
     "SPARK_HVD_RANK", "SPARK_HVD_SIZE", "SPARK_HVD_LOCAL_RANK", "SPARK_HVD_LOCAL_SIZE",
     "SPARK_HVD_CROSS_RANK", "SPARK_HVD_CROSS_SIZE", "SPARK_HVD_RENDEZVOUS_ADDR", "SPARK_HVD_SECRET",

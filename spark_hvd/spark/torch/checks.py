@@ -183,32 +183,39 @@ def _has_worker_modules(python: str) -> bool:
     return _probed[python]
 
 
-def ensure_executor_python(sc: Any) -> None:
+def ensure_executor_python(session: Any, info: Any) -> None:
     """Make Spark's Python workers run an interpreter with spark_hvd and torch, or say how.
 
     On a local master the workers run on this machine: when the configured Python
     (``PYSPARK_PYTHON``, else ``python3`` on PATH, which need not be this virtualenv's) lacks
-    spark_hvd, torch, numpy, pyarrow or pandas, this process's own interpreter is used instead,
-    with a warning. On a cluster the executors are checked by the job itself, which fails with
-    advice naming PYSPARK_PYTHON.
+    spark_hvd, torch, numpy, pyarrow or pandas, a classic session switches to this process's own
+    interpreter, with a warning; a Spark Connect server was started with its Python already, so
+    there the answer is a ValueError naming PYSPARK_PYTHON. On a cluster the executors are checked
+    by the job itself, which fails with the same advice.
     """
     from spark_hvd.runtime import config
+    from spark_hvd.spark.runner import executor_python
 
-    if not str(sc.master).startswith("local"):
+    if not info.local:
         return
-    configured = str(getattr(sc, "pythonExec", None) or "python3")
+    configured = executor_python(session, info)
     resolved = shutil.which(configured, path=config.environ_snapshot().get("PATH")) or configured
     if _has_worker_modules(resolved):
         return
+    if info.connect:
+        raise ValueError(f"Spark runs its Python tasks with {resolved}, which lacks some of {', '.join(_WORKER_MODULES)}; "
+                         f"fix: set PYSPARK_PYTHON={sys.executable} before the Spark Connect server starts (or "
+                         "use spark_hvd.spark.local_session(connect=True), which does)")
     log.warning("Spark's Python workers would run %s, which lacks some of %s; using this driver's interpreter %s "
                 "instead (set PYSPARK_PYTHON=%s before creating the SparkSession to choose it yourself)",
                 resolved, ", ".join(_WORKER_MODULES), sys.executable, sys.executable)
-    sc.pythonExec = sys.executable
+    session.sparkContext.pythonExec = sys.executable
 
 
-def check_slots(sc: Any, num_proc: int) -> None:
-    """ValueError naming both numbers when the cluster cannot run ``num_proc`` barrier tasks at once."""
+def check_slots(session: Any, num_proc: int) -> Any:
+    """ValueError naming both numbers when the cluster cannot run ``num_proc`` barrier tasks at once;
+    returns the session's :class:`spark_hvd.spark.session.SessionInfo`."""
     from spark_hvd.spark import runner
 
     # The same check run() makes, done before the data is materialized rather than after.
-    runner._wait_for_slots(sc, num_proc)
+    return runner.wait_for_slots(session, num_proc)

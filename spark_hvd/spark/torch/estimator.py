@@ -22,6 +22,7 @@ from spark_hvd.spark.data import PreparedData, prepare_data
 from spark_hvd.spark.params import EstimatorParams
 from spark_hvd.spark.reader import steps_for
 from spark_hvd.spark.runner import run
+from spark_hvd.spark.session import session_info
 from spark_hvd.spark.store import Store
 from spark_hvd.spark.torch import checks
 from spark_hvd.spark.torch.batches import metric_names, model_dtype
@@ -124,17 +125,19 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
                              "separate column of per-row weights")
         optimizer_spec = OptimizerSpec.of(optimizer, model)
 
-        sc = df.sparkSession.sparkContext
-        local = str(sc.master).startswith("local")
+        session = df.sparkSession
+        info = session_info(session)
         store = self.getStore()
         if store is None:
-            if not local:
+            if not info.local:
                 raise ValueError("store=None is not valid on a cluster: expected storage every executor can read; "
-                                 "pass e.g. store=Store.create('hdfs:///user/me/spark-hvd')")
+                                 "pass e.g. store=Store.create('hdfs:///user/me/spark-hvd'), or on Databricks "
+                                 "store=Store.create('/Volumes/<catalog>/<schema>/<volume>/spark-hvd')")
             store = _local_default_store()
-        num_proc = self.getNumProc() or int(sc.defaultParallelism)
-        checks.check_slots(sc, num_proc)
-        checks.ensure_executor_python(sc)
+        num_proc = self.getNumProc() or info.default_parallelism
+        checks.check_slots(session, num_proc)
+        checks.ensure_executor_python(session, info)
+        store.check_writable()
         run_id = self.getRunId() or f"torch-{uuid.uuid4().hex[:12]}"
         store.get_run_path(run_id)  # checks the name
         return _Checked(model, optimizer_spec, losses, weights, metrics, list(feature_cols), list(label_cols),
@@ -199,7 +202,7 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         mark = time.monotonic()
         try:
             results = run(train_on_rank, args=(spec,), num_proc=c.num_proc, stdout=printer.stdout,  # type: ignore[arg-type]
-                          stderr=printer.stderr, verbose=1, use_gpu=self.getUseGpu())
+                          stderr=printer.stderr, verbose=1, use_gpu=self.getUseGpu(), store=c.store)
         finally:
             printer.close()
         done = time.monotonic()

@@ -13,6 +13,7 @@ from pyspark.ml import Model
 from pyspark.ml.util import MLReadable, MLWritable
 
 from spark_hvd.spark.params import ModelParams
+from spark_hvd.spark.session import session_info
 from spark_hvd.spark.torch import checks
 from spark_hvd.spark.torch.batches import model_dtype
 from spark_hvd.spark.torch.persistence import ParamsReader, ParamsWriter
@@ -49,12 +50,6 @@ class TorchModel(Model, ModelParams, MLReadable, MLWritable):
         self.fit_timings: Dict[str, float] = {}
         """Seconds fit() spent per phase (validation, materialization, launch, training,
         collection); empty for a model that was loaded or built by hand."""
-        self._broadcast: Optional[Tuple[str, Any, Any]] = None
-
-    def __getstate__(self) -> Dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_broadcast"] = None  # a SparkContext and its broadcast do not travel
-        return state
 
     def getOutputCols(self) -> List[str]:
         """Prediction column of each label: ``output_cols`` when set, else ``<label>__output``."""
@@ -103,13 +98,11 @@ class TorchModel(Model, ModelParams, MLReadable, MLWritable):
         assert resolved is not None, "all sizes are known here"
         return resolved
 
-    def _payload(self, sc: Any, model: torch.nn.Module) -> Tuple[str, Any]:
-        """The model's key and broadcast, broadcast again only when the model or context changed."""
+    def _payload(self, model: torch.nn.Module) -> Tuple[str, bytes]:
+        """The serialized model and its key; it travels in the UDF's closure, which Spark ships
+        (and broadcasts, when large) on classic and Connect sessions alike."""
         data = cloudpickle.dumps(_cpu_model(model))
-        key = hashlib.blake2b(data, digest_size=16).hexdigest()
-        if self._broadcast is None or self._broadcast[0] != key or self._broadcast[1] is not sc:
-            self._broadcast = (key, sc, sc.broadcast(data))
-        return key, self._broadcast[2]
+        return hashlib.blake2b(data, digest_size=16).hexdigest(), data
 
     # ---- Spark ML -------------------------------------------------------------------------
     def _transform(self, dataset: Any) -> Any:
@@ -117,13 +110,13 @@ class TorchModel(Model, ModelParams, MLReadable, MLWritable):
         from pyspark.sql import functions as F
 
         model, feature_cols, output_cols = self._check(dataset)
-        sc = dataset.sparkSession.sparkContext
-        checks.ensure_executor_python(sc)
+        session = dataset.sparkSession
+        checks.ensure_executor_python(session, session_info(session))
         shapes = self._input_shapes(dataset, feature_cols)
         dtype = model_dtype(model)
         row_shapes = checks.dry_run(model, shapes, len(output_cols), dtype)
         scalar = tuple(output_is_scalar(s) for s in row_shapes)
-        key, payload = self._payload(sc, model)
+        key, payload = self._payload(model)
         dtype_name = str(dtype).replace("torch.", "")
         plan = InferencePlan(
             key=key, feature_cols=tuple(feature_cols), input_shapes=tuple(tuple(s) for s in shapes),
@@ -155,7 +148,6 @@ class TorchModel(Model, ModelParams, MLReadable, MLWritable):
         """A copy sharing the torch model object, with ``extra`` Params set."""
         that = super().copy(extra)
         that.fit_timings = dict(self.fit_timings)
-        that._broadcast = None
         return that
 
 

@@ -4,9 +4,10 @@ The prediction runs in a scalar-iterator Arrow UDF (``arrow_udf``, Spark 4.1+; a
 older Spark), Spark's Arrow-based batch interface for column functions: only the feature columns
 travel to Python as Arrow record batches; the other columns stay in the JVM and the predictions
 are appended to them. A ``mapInArrow`` pass would ship every column through Python and back,
-which with Spark ML Vector columns in the frame takes about three times as long. The driver
-broadcasts the serialized model once; each Python worker deserializes it once (and keeps it
-while the worker is reused), then predicts ``batch_size`` rows per forward pass.
+which with Spark ML Vector columns in the frame takes about three times as long. The serialized
+model travels in the UDF's closure (Spark broadcasts large closures itself, on classic and
+Connect sessions alike); each Python worker deserializes it once (and keeps it while the worker
+is reused), then predicts ``batch_size`` rows per forward pass.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def _load(plan: InferencePlan, payload: Any) -> Tuple[Any, Any]:
         _models.move_to_end(key)
         return _models[key], device
     sys.path.extend(p for p in plan.sys_path if p not in sys.path)
-    model = cloudpickle.loads(payload.value).to(device)
+    model = cloudpickle.loads(payload).to(device)
     model.eval()
     _models[key] = model
     while len(_models) > _CACHE_SIZE:
