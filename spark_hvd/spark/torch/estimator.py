@@ -18,7 +18,7 @@ import torch
 from pyspark.ml import Estimator
 from pyspark.ml.util import MLReadable, MLWritable
 
-from spark_hvd.spark.data import PreparedData, plan_columns, prepare_data, sample_batch
+from spark_hvd.spark.data import PreparedData, _inspect_column, plan_columns, prepare_data, sample_batch
 from spark_hvd.spark.mlflow_log import params_for_logging, start_logging
 from spark_hvd.spark.outputs import check_task, infer_task
 from spark_hvd.spark.params import EstimatorParams
@@ -153,11 +153,25 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
                         num_proc, store, run_id, task)
 
     def _check_early_dry_run(self, df: Any, c: _Checked) -> None:
-        """When the schema tells every feature's size, try the model before any Spark job."""
+        """When the schema tells every feature's size, try the model before any Spark job, and
+        the loss too when it tells every label's size (rows of zeros stand in for the data)."""
         sizes = checks.schema_row_sizes(df.schema, c.feature_cols)
         shapes = checks.feature_shapes(self.getInputShapes(), c.feature_cols, sizes)
-        if shapes is not None:
-            check_task(c.task, checks.dry_run(c.model, shapes, len(c.label_cols), model_dtype(c.model)))
+        if shapes is None:
+            return
+        dtype = model_dtype(c.model)
+        check_task(c.task, checks.dry_run(c.model, shapes, len(c.label_cols), dtype))
+        label_sizes = checks.schema_row_sizes(df.schema, c.label_cols)
+        if any(size is None for size in label_sizes) or self.getTransformationFn() is not None:
+            return
+        fields = {f.name: f.dataType for f in df.schema.fields}
+        batch = {col: np.zeros((2,) + tuple(shape), dtype=str(dtype).replace("torch.", ""))
+                 for col, shape in zip(c.feature_cols, shapes)}
+        for col, size in zip(c.label_cols, label_sizes):
+            stored = _inspect_column(col, fields[col], "float32")
+            batch[col] = np.zeros((2,) if stored.kind == "scalar" else (2, int(size)), dtype=stored.dtype)
+        checks.dry_run_batch(c.model, LossFunction(c.losses, c.loss_weights), batch, c.feature_cols, c.label_cols,
+                             shapes, dtype)
 
     def _check_real_batch(self, df: Any, c: _Checked) -> None:
         """One batch of real rows through forward and the loss on the driver (one small Spark job,
