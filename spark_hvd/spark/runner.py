@@ -319,6 +319,7 @@ def run(
     verbose: int = 1,
     use_gpu: Optional[bool] = None,
     store: Optional[Store] = None,
+    spark: Any = None,
 ) -> List[Any]:
     """Call ``fn(*args, **kwargs)`` on ``num_proc`` ranks, one per Spark barrier task.
 
@@ -349,7 +350,7 @@ def run(
             whose Python cannot import spark_hvd.
         TypeError: ``fn`` is not callable, or ``args``/``kwargs`` are not a sequence/mapping.
     """
-    session = active_session("spark_hvd.spark.run()")
+    session = spark if spark is not None else active_session("spark_hvd.spark.run()")
     info = session_info(session)
     num_proc = _validate(fn, args, kwargs, num_proc, info.default_parallelism, start_timeout, env, verbose)
     if store is not None and not isinstance(store, Store):

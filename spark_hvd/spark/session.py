@@ -93,12 +93,13 @@ def active_session(what: str) -> Any:
     """The active SparkSession, classic or Connect; a ValueError saying how to make one."""
     from pyspark.sql import SparkSession
 
-    session = SparkSession.getActiveSession()
+    # The active session is per thread; worker threads (CrossValidator's pool) see the default one.
+    session = SparkSession.getActiveSession() or getattr(SparkSession, "_instantiatedSession", None)
     if session is None:
         try:
             from pyspark.sql.connect.session import SparkSession as ConnectSession
 
-            session = ConnectSession.getActiveSession()
+            session = ConnectSession.getActiveSession() or getattr(ConnectSession, "_default_session", None)
         except ImportError:
             session = None
     if session is None:

@@ -351,11 +351,14 @@ def test_a_label_the_loss_would_broadcast_fails_after_one_probe_batch_before_mat
     assert nothing_materialized(est)
 
 
-def test_mlflow_gets_params_metrics_with_steps_timings_and_a_scorable_model(spark, frame, tmp_path):
+def test_mlflow_gets_params_metrics_with_steps_timings_and_a_scorable_model(spark, frame, tmp_path, monkeypatch):
     """Inside an active MLflow run (a local file store), fit logs the Params, each epoch's metrics
     with the epoch as step, the phase timings, and a model mlflow.pyfunc.load_model scores."""
     import mlflow
     import mlflow.pyfunc
+
+    # MLflow 3 keeps the file store in maintenance mode; it needs no server or database.
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     mlflow.set_tracking_uri((tmp_path / "mlruns").as_uri())
     with mlflow.start_run() as run:
         model = make_estimator(tmp_path, epochs=2, validation=0.25).fit(frame)
@@ -369,6 +372,7 @@ def test_mlflow_gets_params_metrics_with_steps_timings_and_a_scorable_model(spar
     assert {"fit_materialization_s", "fit_training_s"} <= set(logged.metrics)
     scorer = mlflow.pyfunc.load_model(f"runs:/{run.info.run_id}/model")
     rows = frame.orderBy("x1").limit(5).collect()
-    scored = np.asarray(scorer.predict(pd.DataFrame([r["features"].toArray() for r in rows]))).reshape(-1)
+    features = np.array([r["features"].toArray() for r in rows], dtype=np.float32)  # the logged signature's type
+    scored = np.asarray(scorer.predict(features)).reshape(-1)
     np.testing.assert_allclose(scored, local_predictions(model.getModel(), rows), rtol=1e-5, atol=1e-6)
     mlflow.set_tracking_uri("")

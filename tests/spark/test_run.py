@@ -112,6 +112,7 @@ def test_run_without_a_session_says_how_to_create_one(monkeypatch):
 
     monkeypatch.setattr(SparkSession, "getActiveSession", classmethod(lambda cls: None))
     monkeypatch.setattr(SparkContext, "_active_spark_context", None)
+    monkeypatch.setattr(SparkSession, "_instantiatedSession", None)
     with pytest.raises(ValueError, match=r"needs an active SparkSession.*SparkSession\.builder"):
         run(lambda: 0, num_proc=1)
 

@@ -268,7 +268,8 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         mark_wall = time.time()
         try:
             results = run(train_on_rank, args=(spec,), num_proc=c.num_proc, stdout=printer.stdout,  # type: ignore[arg-type]
-                          stderr=printer.stderr, verbose=1, use_gpu=self.getUseGpu(), store=c.store)
+                          stderr=printer.stderr, verbose=1, use_gpu=self.getUseGpu(), store=c.store,
+                          spark=dataset.sparkSession)
         finally:
             printer.close()
         # Phases by the ranks' own clock where they are the ranks' (training on a remote
@@ -298,7 +299,8 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
             logger.log_history(model.getHistory() or [])
             logger.log_timings(model.fit_timings)
             torch_model = model.getModel()
-            logger.log_model(lambda mlflow: _log_torch_model(mlflow, torch_model))
+            shapes = [tuple(s) for s in model.getInputShapes() or []]
+            logger.log_model(lambda mlflow: _log_torch_model(mlflow, torch_model, shapes))
             model.mlflow_run_id = logger.run_id
         finally:
             logger.close()
@@ -363,8 +365,25 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         return ParamsReader(cls)
 
 
-def _log_torch_model(mlflow: Any, model: torch.nn.Module) -> None:
-    """Log ``model`` with MLflow's PyTorch flavor, which ``mlflow.pyfunc.load_model`` scores."""
+def _log_torch_model(mlflow: Any, model: torch.nn.Module, shapes: List[Tuple[int, ...]]) -> None:
+    """Log ``model`` with MLflow's PyTorch flavor, which ``mlflow.pyfunc.load_model`` scores.
+
+    A one-input model gets an input example (one row of zeros), from which MLflow records the
+    signature that Unity Catalog's registry requires. The model is pickled (cloudpickle), which
+    any module allows; MLflow 3's default traced format refuses models torch.export cannot trace.
+    """
+    import inspect
+
     import mlflow.pytorch
 
-    mlflow.pytorch.log_model(model, name="model", pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
+    kwargs: Dict[str, Any] = {"pip_requirements": [f"torch=={torch.__version__.split('+')[0]}"]}
+    accepted = inspect.signature(mlflow.pytorch.log_model).parameters
+    if "serialization_format" in accepted:
+        kwargs["serialization_format"] = "pickle"
+    if len(shapes) == 1 and len(shapes[0]) == 1:
+        kwargs["input_example"] = np.zeros((1, shapes[0][0]), dtype=np.float32)
+    if "name" in accepted:
+        kwargs["name"] = "model"
+    else:  # MLflow 2 names the artifact by path
+        kwargs["artifact_path"] = "model"
+    mlflow.pytorch.log_model(model, **kwargs)
