@@ -259,26 +259,45 @@ def test_validation_column_and_zero_sample_weights(frame, tmp_path):
 # -- Pipeline and CrossValidator ---------------------------------------------------------------
 
 
-def test_pipeline_fits_saves_and_loads(frame, tmp_path):
-    """Pipeline([VectorAssembler, StandardScaler, TorchEstimator]) fits; PipelineModel.save and
-    PipelineModel.load round-trip it with identical predictions; the estimator saves too."""
-    raw = frame.drop("features")
-    est = make_estimator(tmp_path, feature_cols=["scaled"], epochs=2)
-    pipeline = Pipeline(stages=[VectorAssembler(inputCols=["x1", "x2", "x3"], outputCol="features"),
+def test_pipeline_on_real_data_fits_evaluates_saves_and_loads(spark, tmp_path):
+    """Pipeline([VectorAssembler, StandardScaler, TorchEstimator]) on the bundled digits (1,797 real
+    8x8 images, 10 classes): CrossEntropyLoss makes it a multiclass model whose prediction column
+    MulticlassClassificationEvaluator scores on held-out rows as it is; PipelineModel.save and
+    load round-trip it with identical predictions; the estimator saves and loads too."""
+    from spark_hvd.datasets import load_digits
+
+    images, labels = load_digits()
+    pixels = [f"p{i}" for i in range(images.shape[1])]
+    pdf = pd.DataFrame(images.astype(np.float64), columns=pixels)
+    pdf["label"] = labels
+    train, test = spark.createDataFrame(pdf).randomSplit([0.8, 0.2], seed=5)
+    test = test.withColumn("row_id", F.monotonically_increasing_id())
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    est = TorchEstimator(num_proc=2, model=net, optimizer=torch.optim.Adam(net.parameters(), lr=0.005),
+                         loss=torch.nn.CrossEntropyLoss(), feature_cols=["scaled"], label_cols=["label"],
+                         batch_size=32, epochs=4, store=Store.create(str(tmp_path / "store")), random_seed=0,
+                         verbose=0)
+    pipeline = Pipeline(stages=[VectorAssembler(inputCols=pixels, outputCol="features"),
                                 StandardScaler(inputCol="features", outputCol="scaled"), est])
-    fitted = pipeline.fit(raw)
+    fitted = pipeline.fit(train)
+    scored = fitted.transform(test)
+    assert fitted.stages[-1].getTask() == "multiclass"
+    accuracy_value = MulticlassClassificationEvaluator(labelCol="label", metricName="accuracy").evaluate(scored)
+    assert accuracy_value > 0.85, accuracy_value
+
     path = str(tmp_path / "pipeline")
     fitted.write().overwrite().save(path)
     loaded = PipelineModel.load(path)
     assert isinstance(loaded.stages[-1], TorchModel)
-    before = [r["probability"] for r in fitted.transform(raw).orderBy("x1").collect()]
-    after = [r["probability"] for r in loaded.transform(raw).orderBy("x1").collect()]
+    before = [(r["prediction"], r["probability"]) for r in scored.orderBy("row_id").collect()]
+    after = [(r["prediction"], r["probability"]) for r in loaded.transform(test).orderBy("row_id").collect()]
     assert before == after
 
     est_path = str(tmp_path / "estimator")
     est.write().overwrite().save(est_path)
     reloaded = TorchEstimator.load(est_path)
-    assert reloaded.getFeatureCols() == ["scaled"] and reloaded.getEpochs() == 2
+    assert reloaded.getFeatureCols() == ["scaled"] and reloaded.getEpochs() == 4
     assert isinstance(reloaded.getOptimizer(), torch.optim.Adam)
     assert reloaded.getOptimizer().param_groups[0]["params"][0] is next(reloaded.getModel().parameters())
 
