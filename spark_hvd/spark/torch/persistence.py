@@ -63,7 +63,7 @@ class ParamsWriter(MLWriter):
         metadata = DefaultParamsWriter._get_metadata_to_save(instance, spark, paramMap=json_params)
         # Spark's own metadata writer refuses an existing directory; each part is replaced here
         # instead, so overwrite() works without the JVM helper Spark Connect lacks.
-        mode = "overwrite" if self.shouldOverwrite else "errorifexists"
+        mode = "overwrite" if self.shouldOverwrite else "error"
         spark.createDataFrame([(metadata,)], schema=["value"]).coalesce(1).write.mode(mode).text(
             os.path.join(path, "metadata"))
         write_blob(spark, os.path.join(path, _OBJECTS_DIR), _dumps(objects))
