@@ -31,10 +31,10 @@ def test_the_fraud_notebook_runs_headless_and_scores_registers_and_reloads(tmp_p
     with pytest.MonkeyPatch.context() as patch:
         # Read by the kernel the client starts: a small, quick run on loopback with this Python.
         patch.setenv("FRAUD_ROWS", "20000")
-        patch.setenv("FRAUD_EPOCHS", "2")
+        patch.setenv("FRAUD_EPOCHS", "3")
+        patch.setenv("FRAUD_RATE", "0.02")  # enough frauds in a small set to learn them
         patch.setenv("SPARK_LOCAL_IP", "127.0.0.1")
         patch.setenv("PYSPARK_PYTHON", sys.executable)
-        patch.setenv("MPLBACKEND", "Agg")
         patch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
         NotebookClient(notebook, timeout=600, kernel_name="python3",
                        resources={"metadata": {"path": str(tmp_path)}}).execute()
