@@ -4,9 +4,10 @@ Every task learns the hosts of all tasks through one ``BarrierTaskContext.allGat
 0 also publishes the address of the rendezvous server it starts. Ranks are numbered host by host
 (partition 0 is always rank 0), so ranks that share a host are neighbours in the ring. The rank's
 ``fn`` then runs in a fresh interpreter (``python -m spark_hvd.runner.worker``, managed by
-:class:`spark_hvd.runner.RankProcesses`) whose output is streamed to the driver line by line; a
-failed rank fails the task, which makes Spark abort the whole stage and kill the other tasks
-(and, with them, their rank processes).
+:class:`spark_hvd.runner.RankProcesses`) whose output is streamed to the driver line by line (over
+a socket, or through the store for a Spark Connect client); a failed rank fails the task, which
+makes Spark abort the whole stage and kill the other tasks (and, with them, their rank
+processes). The task's one result row carries its rank's outcome, sealed with the job secret.
 """
 
 from __future__ import annotations

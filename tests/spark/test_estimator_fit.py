@@ -225,7 +225,7 @@ def test_same_run_id_resumes_after_the_last_completed_epoch(frame, tmp_path):
 
 def test_a_changed_model_under_an_existing_run_id_is_refused_or_started_over(frame, tmp_path):
     """A run_id whose checkpoint trained another architecture or optimizer is refused, naming what
-    changed and the fix; overwrite_run=True starts it over; without a run_id every fit is new."""
+    changed and the fix; overwrite_run=True starts it over."""
     make_estimator(tmp_path, run_id="rerun").fit(frame)
     torch.manual_seed(1)
     wider = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
@@ -240,8 +240,6 @@ def test_a_changed_model_under_an_existing_run_id_is_refused_or_started_over(fra
         same_model.fit(frame)
     restarted = changed.setOverwriteRun(True).fit(frame)
     assert [h["epoch"] for h in restarted.getHistory()] == [1] and restarted.getModel()[0].out_features == 16
-    fresh = [make_estimator(tmp_path).fit(frame).getRunId() for _ in range(2)]
-    assert fresh[0] != fresh[1]
 
 
 def test_validation_column_and_zero_sample_weights(frame, tmp_path):
@@ -249,6 +247,9 @@ def test_validation_column_and_zero_sample_weights(frame, tmp_path):
     (so Adam leaves the weights where they were)."""
     est = make_estimator(tmp_path, validation="is_val", sample_weight_col="w", epochs=2)
     model = est.fit(frame)
+    # Without a run_id every fit is a run of its own, under a fresh name.
+    assert est.getRunId() is None and model.getRunId().startswith("torch-")
+    assert est.getStore().listdir(est.getStore().get_runs_path()) == [model.getRunId()]
     history = model.getHistory()
     assert [h["loss"] for h in history] == [0.0, 0.0]
     assert [h["val_loss"] for h in history] == [0.0, 0.0]
