@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import sys
 import warnings
 from dataclasses import dataclass
@@ -43,9 +44,10 @@ def local_session(app_name: str = "spark-hvd", num_cores: int = 2, conf: Optiona
                   connect: bool = False) -> Any:
     """A local SparkSession whose Python workers run this interpreter, on loopback only.
 
-    ``connect=True`` starts a local Spark Connect server in this process and returns a Connect
-    session (``SparkSession.builder.remote("local[n]")``; needs ``pip install "pyspark[connect]"``),
-    the kind of session Databricks' shared and serverless compute give. ``conf`` is applied on top
+    ``connect=True`` starts a local Spark Connect server in this process, on a free port of
+    127.0.0.1, and returns a Connect session (as ``SparkSession.builder.remote("local[n]")`` does;
+    needs ``pip install "pyspark[connect]"``), the kind of session Databricks' shared and serverless
+    compute give. ``conf`` is applied on top
     of :func:`local_spark_conf`. Sets ``SPARK_LOCAL_IP`` and ``PYSPARK_PYTHON`` in this process's
     environment when unset (the Spark JVM reads them when it starts). A running classic session is
     reused as it is (Spark allows one SparkContext per process).
@@ -56,15 +58,7 @@ def local_session(app_name: str = "spark-hvd", num_cores: int = 2, conf: Optiona
         os.environ.setdefault(name, value)
     settings = {**local_spark_conf(num_cores), **{k: str(v) for k, v in dict(conf or {}).items()}}
     if connect:
-        master = settings.pop("spark.master")
-        builder = SparkSession.builder.remote(master).appName(app_name)
-        for key, value in settings.items():
-            builder = builder.config(key, value)
-        with warnings.catch_warnings():
-            # The local server takes every setting at start; the client then also tries to set
-            # the static ones at run time and warns that it cannot, which is expected.
-            warnings.filterwarnings("ignore", message=r"Failed to set spark\.", category=UserWarning)
-            return builder.getOrCreate()
+        return _local_connect_session(app_name, settings)
 
     from pyspark import SparkContext
 
@@ -78,6 +72,43 @@ def local_session(app_name: str = "spark-hvd", num_cores: int = 2, conf: Optiona
         # whatever 'python3' is on PATH, which need not have this environment's packages.
         session.sparkContext.pythonExec = session.sparkContext.getConf().get("spark.pyspark.python", sys.executable)
     return session
+
+
+def _free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _local_connect_session(app_name: str, settings: Dict[str, str]) -> Any:
+    """A Connect client of a Connect server started in this process, on a free loopback port.
+
+    ``remote("local[n]")`` would bind the server to every interface on the fixed port 15002, so
+    two processes on one machine collide; here the server listens on 127.0.0.1 only, on a port
+    of its own. Stopping the session stops the server, as with ``remote("local[n]")``.
+    """
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    master = settings.pop("spark.master")
+    start = getattr(ConnectSession, "_start_connect_server", None)
+    if start is None:  # a pyspark without the helper: its own local server, on its fixed port
+        builder = ConnectSession.builder.remote(master).appName(app_name)
+        with warnings.catch_warnings():
+            # The local server takes every setting at start; the client also tries to set the
+            # static ones at run time and warns that it cannot, which is expected.
+            warnings.filterwarnings("ignore", message=r"Failed to set spark\.", category=UserWarning)
+            return builder.config(map=settings).getOrCreate()
+    port = _free_loopback_port()
+    options: Dict[str, Any] = {**settings, "spark.app.name": app_name,
+                               "spark.connect.grpc.binding.address": "127.0.0.1",
+                               "spark.connect.grpc.binding.port": str(port)}
+    # pyspark's own flags for a server living in this process: Connect mode on, and stop()
+    # ends the server with the session.
+    os.environ["SPARK_LOCAL_REMOTE"] = "1"
+    os.environ["SPARK_CONNECT_MODE_ENABLED"] = "1"
+    start(master, options)  # the server's sessions take their defaults from these settings
+    # "localhost" is the one host name the client sends its token to without TLS.
+    return ConnectSession.builder.remote(f"sc://localhost:{port}").getOrCreate()
 
 
 def is_connect(session: Any) -> bool:
