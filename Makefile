@@ -15,7 +15,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml constraints/ci.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade "pip>=23"
-	$(PIP) install -q -c constraints/ci.txt -e ".[dev,torch,spark,tensorflow-cpu,mpi,lightning]"
+	$(PIP) install -q -c constraints/ci.txt -e ".[dev,torch,spark,connect,mlflow,notebook,tensorflow-cpu,mpi,lightning]"
 	touch $(STAMP)
 
 $(PETASTORM_STAMP): pyproject.toml constraints/petastorm.txt

@@ -1,17 +1,20 @@
-"""Spark integration: run() on barrier tasks, stores, data preparation, readers and estimator Params."""
+"""Spark integration: run() on barrier tasks, sessions, stores, data preparation, readers and estimator Params."""
 from .runner import RankFailedError, run
 from .data import ColumnInfo, PreparedData, prepare_data
 from .params import EstimatorParams, ModelParams, ParamSpec, params_mixin
 from .reader import BatchReader, make_reader
-from .store import DBFSLocalStore, FsspecStore, LocalStore, Store
+from .session import local_session
+from .store import DBFSLocalStore, FsspecStore, LocalStore, Store, VolumeStore
 
 __all__ = [
     "run",
     "RankFailedError",
+    "local_session",
     "Store",
     "LocalStore",
     "FsspecStore",
     "DBFSLocalStore",
+    "VolumeStore",
     "prepare_data",
     "PreparedData",
     "ColumnInfo",

@@ -4,9 +4,10 @@ Every task learns the hosts of all tasks through one ``BarrierTaskContext.allGat
 0 also publishes the address of the rendezvous server it starts. Ranks are numbered host by host
 (partition 0 is always rank 0), so ranks that share a host are neighbours in the ring. The rank's
 ``fn`` then runs in a fresh interpreter (``python -m spark_hvd.runner.worker``, managed by
-:class:`spark_hvd.runner.RankProcesses`) whose output is streamed to the driver line by line; a
-failed rank fails the task, which makes Spark abort the whole stage and kill the other tasks
-(and, with them, their rank processes).
+:class:`spark_hvd.runner.RankProcesses`) whose output is streamed to the driver line by line (over
+a socket, or through the store for a Spark Connect client); a failed rank fails the task, which
+makes Spark abort the whole stage and kill the other tasks (and, with them, their rank
+processes). The task's one result row carries its rank's outcome, sealed with the job secret.
 """
 
 from __future__ import annotations
@@ -26,8 +27,13 @@ from spark_hvd.runner.payload import FUNCTION_FILE, read_sealed, result_file, wr
 from spark_hvd.runner.processes import RankExit, RankProcesses, print_prefixed, rank_environment
 
 from ._log_stream import LogSender
+from ._store_log import StoreLogSender, seal
 
-__all__ = ["TaskSpec", "Placement", "assign_ranks", "failure_summary", "run_task"]
+__all__ = ["TaskSpec", "Placement", "assign_ranks", "failure_summary", "run_task", "RESULT_SCHEMA",
+           "result_name"]
+
+RESULT_SCHEMA = "rank long, result binary, streamed boolean"
+"""The rows a barrier task returns: its rank, its sealed outcome, whether its output was streamed."""
 
 FAILURE_MARKER = "spark-hvd rank"
 """Start of the message of the exception a failed task raises; the driver looks for it."""
@@ -49,8 +55,8 @@ class TaskSpec:
     """The driver's sys.path, appended to the task's for the rank process."""
     secret: str
     """The job secret (hex), made on the driver."""
-    collector_address: str
-    """host:port of the driver's log collector."""
+    collector_address: Optional[str]
+    """host:port of the driver's log collector, or None when output goes through the store."""
     settings: Mapping[str, Any]
     """Runtime settings passed to every rank through ``worker_environment``."""
     env: Mapping[str, str]
@@ -59,6 +65,15 @@ class TaskSpec:
     """True: set CUDA_VISIBLE_DEVICES (Spark's GPU, else local_rank); None: only from Spark's GPU."""
     verbose: int
     """0 drops rank output (failures still reach the driver); 1 and up streams it to the driver."""
+    log_store: Any = None
+    """The store whose ``log_dir`` carries output to a client the executors cannot reach."""
+    log_dir: Optional[str] = None
+    """Directory in ``log_store`` for this job's output chunks."""
+
+
+def result_name(rank: int) -> str:
+    """The name a rank's outcome is sealed under in its result row."""
+    return f"result.{rank}"
 
 
 @dataclass(frozen=True)
@@ -162,7 +177,7 @@ def _outcome(rank: int, sealed: Optional[bytes], failure: Optional[RankExit],
 
 
 def _run_rank(spec: TaskSpec, placement: Placement, env: Dict[str, str],
-              sender: LogSender) -> Tuple[bool, bytes, Dict[str, Any]]:
+              sender: Any) -> Tuple[bool, bytes, Dict[str, Any]]:
     """Run the rank's process to the end: (ok, sealed result bytes, failure details)."""
     rank = placement.rank
 
@@ -199,8 +214,36 @@ def _run_rank(spec: TaskSpec, placement: Placement, env: Dict[str, str],
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def run_task(spec: TaskSpec, _partition: Iterable[Any]) -> Iterator[Tuple[int, bytes, bool]]:
-    """mapPartitions function of the barrier stage: yields ``(rank, pickled result, streamed)``."""
+class _NoChannel:
+    """The sender of a job whose client gave no way to reach it: output stays in the executor log."""
+
+    connected = False
+    problem = "the client offered no output channel (on Spark Connect, pass store= to stream output)"
+
+    def line(self, stream: str, text: str) -> bool:
+        return False
+
+    def failure(self, details: Dict[str, Any]) -> bool:
+        return False
+
+    def finished(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+def _sender(spec: TaskSpec, rank: int) -> Any:
+    if spec.log_store is not None and spec.log_dir is not None:
+        return StoreLogSender(spec.log_store, spec.log_dir, spec.secret, rank)
+    if spec.collector_address is None:
+        return _NoChannel()
+    return LogSender(spec.collector_address, spec.secret, rank, _SENDER_CONNECT_TIMEOUT_S)
+
+
+def run_task(spec: TaskSpec, batches: Iterable[Any]) -> Iterator[Any]:
+    """mapInArrow function of the barrier stage: yields one row ``(rank, sealed outcome, streamed)``."""
+    import pyarrow as pa
     from pyspark import BarrierTaskContext
     from spark_hvd.runtime.rendezvous import RendezvousServer
 
@@ -208,7 +251,7 @@ def run_task(spec: TaskSpec, _partition: Iterable[Any]) -> Iterator[Tuple[int, b
     partition = context.partitionId()
     host = _host_of(context.getTaskInfos()[partition].address)
     server: Optional[RendezvousServer] = None
-    sender: Optional[LogSender] = None
+    sender: Any = None
     try:
         if partition == 0:
             server = RendezvousServer(host, spec.secret)
@@ -218,7 +261,9 @@ def run_task(spec: TaskSpec, _partition: Iterable[Any]) -> Iterator[Tuple[int, b
         rendezvous_addr = everyone[0]["rendezvous"]
         rank = placement.rank
 
-        sender = LogSender(spec.collector_address, spec.secret, rank, _SENDER_CONNECT_TIMEOUT_S)
+        for _ in batches:  # the input rows only shape the stage: one partition per rank
+            pass
+        sender = _sender(spec, rank)
         if not sender.connected:
             sys.stderr.write(f"spark-hvd: rank {rank} output stays in this executor's log: {sender.problem}\n")
         extra = dict(spec.env)
@@ -239,7 +284,10 @@ def run_task(spec: TaskSpec, _partition: Iterable[Any]) -> Iterator[Tuple[int, b
         sender.close()
         # Partition 0 serves the rendezvous until every rank is done with it.
         context.barrier()
-        yield rank, outcome, streamed
+        sealed = seal(spec.secret, result_name(rank), outcome)
+        yield pa.RecordBatch.from_pydict({"rank": [rank], "result": [sealed], "streamed": [streamed]},
+                                         schema=pa.schema([("rank", pa.int64()), ("result", pa.binary()),
+                                                           ("streamed", pa.bool_())]))
     finally:
         if sender is not None:
             sender.close()

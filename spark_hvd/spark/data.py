@@ -11,7 +11,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 from spark_hvd.spark.reader import scan_parquet
 from spark_hvd.spark.store import Store
 
-__all__ = ["ColumnInfo", "PreparedData", "prepare_data", "dataset_key", "FORMAT_VERSION"]
+__all__ = ["ColumnInfo", "PreparedData", "prepare_data", "dataset_key", "sample_batch", "valid_rows", "to_arrays",
+           "plan_columns",
+           "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
 """Bumped when the written layout changes, so older cached datasets are not reused."""
@@ -182,8 +184,9 @@ def _check_args(feature_cols: Sequence[str], label_cols: Sequence[str], sample_w
         raise ValueError(f"vector_dtype={vector_dtype!r} is not valid: expected 'float32' or 'float64'")
 
 
-def _plan_columns(df: Any, feature_cols: Sequence[str], label_cols: Sequence[str],
-                  sample_weight_col: Optional[str], validation: Any, vector_dtype: str) -> List[_Column]:
+def plan_columns(df: Any, feature_cols: Sequence[str], label_cols: Sequence[str],
+                 sample_weight_col: Optional[str], validation: Any, vector_dtype: str) -> List[_Column]:
+    """How each needed column is stored; a ValueError naming a missing or unusable column (no Spark job)."""
     fields = {f.name: f.dataType for f in df.schema.fields}
     wanted: List[str] = []
     for c in list(feature_cols) + list(label_cols) + ([sample_weight_col] if sample_weight_col else []):
@@ -216,15 +219,26 @@ def dataset_key(df: Any, settings: Dict[str, Any]) -> str:
     """Cache key of ``df`` prepared with ``settings``: equal for the same DataFrame (same
     analyzed plan) and settings, different for any other DataFrame in the same session."""
     parts: Dict[str, Any] = {"settings": settings, "format": FORMAT_VERSION, "schema": df.schema.json()}
-    try:
-        # The analyzed plan names each column with a session-unique id, so two DataFrames built
-        # separately differ; the semantic hash covers inline data (local relations) too.
-        parts["plan"] = df._jdf.queryExecution().analyzed().toString()
-    except AttributeError:  # Spark Connect has no JVM handle
-        pass
+    parts["plan"] = _plan_text(df)
     parts["semantic"] = df.semanticHash()
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
     return digest[:20]
+
+
+def _plan_text(df: Any) -> str:
+    """Text that differs between DataFrames built separately, as the cache key needs.
+
+    Classic: the analyzed plan, which names each column with a session-unique id. Connect: the
+    client's unresolved plan, whose relations carry client-unique plan ids (and inline data).
+    """
+    jdf = getattr(df, "_jdf", None)
+    if jdf is not None:
+        return str(jdf.queryExecution().analyzed().toString())
+    plan = getattr(df, "_plan", None)
+    client = getattr(getattr(df, "sparkSession", None), "client", None)
+    if plan is not None and client is not None:
+        return hashlib.sha256(plan.to_proto(client).SerializeToString()).hexdigest()
+    return ""
 
 
 def _estimated_bytes(df: Any) -> Optional[int]:
@@ -252,33 +266,80 @@ def _write(frame: Any, num_files: int, url: str, row_group_bytes: int) -> None:
      .parquet(url))
 
 
-def _check_written(spark: Any, urls: List[str], planned: List[_Column]) -> Dict[str, int]:
-    """One Spark job over the written Parquet: nulls anywhere, and one length per array column.
+def _is_float(c: _Column) -> bool:
+    return c.dtype in ("float32", "float64")
 
-    Returns the array length of each array or vector column."""
+
+def _bad_value(x: Any) -> Any:
+    """Whether one numeric value is NaN or infinite (a Spark column expression)."""
+    from pyspark.sql import functions as F
+
+    return F.isnan(x) | (F.abs(x) == F.lit(float("inf")))
+
+
+def valid_rows(planned: Sequence[_Column]) -> Any:
+    """A Spark condition true for rows with no null, NaN or infinite value in ``planned`` columns
+    (as they are written: Vectors already arrays)."""
+    from pyspark.sql import functions as F
+
+    condition = F.lit(True)
+    for c in planned:
+        col = F.col(_quote(c.name))
+        condition = condition & col.isNotNull()
+        if c.kind != "scalar":
+            bad = (lambda x: x.isNull() | _bad_value(x)) if _is_float(c) else (lambda x: x.isNull())
+            condition = condition & ~F.exists(col, bad)
+        elif _is_float(c):
+            condition = condition & ~_bad_value(col)
+    return condition
+
+
+def _check_written(spark: Any, urls: List[str], planned: List[_Column]) -> Dict[str, int]:
+    """One Spark job over the written Parquet: nulls, NaN and infinities, and one length per array column.
+
+    Every problem column is named with its counts in one ValueError. Returns the array length of
+    each array or vector column."""
     from pyspark.sql import functions as F
 
     frame = spark.read.parquet(*urls)
     aggs = []
+
+    def count(condition: Any, alias: str) -> None:
+        aggs.append(F.sum(F.when(condition, 1).otherwise(0)).alias(alias))
+
     for i, c in enumerate(planned):
         col = F.col(_quote(c.name))
-        aggs.append(F.sum(F.when(col.isNull(), 1).otherwise(0)).alias(f"n{i}"))
+        count(col.isNull(), f"n{i}")
         if c.kind != "scalar":
             aggs.append(F.min(F.size(col)).alias(f"lo{i}"))
             aggs.append(F.max(F.size(col)).alias(f"hi{i}"))
-            aggs.append(F.sum(F.when(F.exists(col, lambda x: x.isNull()), 1).otherwise(0)).alias(f"e{i}"))
+            count(F.exists(col, lambda x: x.isNull()), f"e{i}")
+            if _is_float(c):
+                count(F.exists(col, F.isnan), f"nan{i}")
+                count(F.exists(col, lambda x: F.abs(x) == F.lit(float("inf"))), f"inf{i}")
+        elif _is_float(c):
+            count(F.isnan(col), f"nan{i}")
+            count(F.abs(col) == F.lit(float("inf")), f"inf{i}")
     row = frame.agg(*aggs).collect()[0].asDict()
+    problems: List[str] = []
+    for i, c in enumerate(planned):
+        what = "rows with" if c.kind != "scalar" else ""
+        found = [f"{row[key]} {label}" for key, label in ((f"n{i}", "null"), (f"e{i}", "with null elements"),
+                                                          (f"nan{i}", f"{what} NaN".strip()),
+                                                          (f"inf{i}", f"{what} infinite".strip()))
+                 if row.get(key)]
+        if found:
+            problems.append(f"column {c.name!r}: {', '.join(found)}")
+    if problems:
+        raise ValueError(
+            "the DataFrame has values training cannot use (" + "; ".join(problems) + "): expected a finite number "
+            "in every row of every feature, label and weight column; fix: clean them (DataFrame.na.fill, "
+            "DataFrame.na.drop, or a filter with pyspark.sql.functions.isnan), or pass invalid_rows='skip' to "
+            "leave those rows out of training")
     lengths: Dict[str, int] = {}
     for i, c in enumerate(planned):
-        nulls = row[f"n{i}"] or 0
-        if nulls:
-            raise ValueError(f"column {c.name!r} has {nulls} null values: expected none; fix: fill them "
-                             "(DataFrame.fillna) or drop those rows (DataFrame.dropna)")
         if c.kind == "scalar":
             continue
-        if row[f"e{i}"]:
-            raise ValueError(f"column {c.name!r} has {row[f'e{i}']} rows with null elements: expected "
-                             "none; fix: replace them, e.g. with pyspark.sql.functions.transform")
         lo, hi = row[f"lo{i}"], row[f"hi{i}"]
         if lo is not None and lo != hi:
             raise ValueError(f"column {c.name!r} has rows of different lengths ({lo} to {hi}): expected "
@@ -287,11 +348,46 @@ def _check_written(spark: Any, urls: List[str], planned: List[_Column]) -> Dict[
     return lengths
 
 
+def to_arrays(df: Any, planned: Sequence[_Column], vector_dtype: str) -> List[Any]:
+    """Select expressions writing ``planned`` columns as stored: Vectors as arrays (null stays null,
+    where Spark's own conversion would fail the job), decimals as doubles."""
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.sql import functions as F
+
+    exprs = []
+    for c in planned:
+        col = F.col(_quote(c.name))
+        if c.kind == "vector":
+            col = F.when(col.isNull(), F.lit(None)).otherwise(vector_to_array(col, dtype=vector_dtype))
+        elif c.cast:
+            col = col.cast(c.cast)
+        exprs.append(col.alias(c.name))
+    return exprs
+
+
+def sample_batch(df: Any, columns: Sequence[str], rows: int, vector_dtype: str = "float64") -> Dict[str, Any]:
+    """Up to ``rows`` complete rows of ``columns`` as numpy arrays (one Spark job reading only as many
+    rows as it needs); rows with a null are left out, as invalid values are reported elsewhere."""
+    import numpy as np
+
+    fields = {f.name: f.dataType for f in df.schema.fields}
+    planned = [_inspect_column(c, fields[c], vector_dtype) for c in dict.fromkeys(columns)]
+    pdf = df.select(*to_arrays(df, planned, vector_dtype)).limit(rows).toPandas().dropna()
+    batch: Dict[str, Any] = {}
+    for c in planned:
+        values = pdf[c.name].to_numpy()
+        if c.kind != "scalar":
+            values = np.stack([np.asarray(v, dtype=c.dtype) for v in values]) if len(values) else np.zeros((0, 0))
+        batch[c.name] = values.astype(c.dtype, copy=False)
+    return batch
+
+
 def prepare_data(df: Any, store: Store, feature_cols: Sequence[str], label_cols: Sequence[str] = (),
                  sample_weight_col: Optional[str] = None, validation: Union[None, float, str] = None,
                  num_proc: int = 1, *, seed: int = 0, vector_dtype: str = "float64",
                  target_file_bytes: int = 128 * _MiB, row_group_bytes: int = 32 * _MiB,
-                 files_per_proc: Optional[int] = None, reuse_cached: bool = True) -> PreparedData:
+                 files_per_proc: Optional[int] = None, reuse_cached: bool = True,
+                 skip_invalid: bool = False) -> PreparedData:
     """Write the columns of ``df`` needed for training as Parquet in ``store``.
 
     Checks columns and types before running any Spark job; turns Spark ML Vectors into arrays;
@@ -299,10 +395,10 @@ def prepare_data(df: Any, store: Store, feature_cols: Sequence[str], label_cols:
     true rows are validation); writes a multiple of ``num_proc`` files, so every rank has at least
     one row group; records row counts, shapes and dtypes as JSON in the store. A DataFrame already
     prepared with the same settings (same cache key) is not written again unless
-    ``reuse_cached=False``. Note the key follows the DataFrame's plan, not its source files: after
+    ``reuse_cached=False``. Nulls, NaN and infinities in the columns are refused with their counts
+    per column, or, with ``skip_invalid=True``, the rows holding them are left out. Note the key follows the DataFrame's plan, not its source files: after
     rewriting the files a plan reads, pass ``reuse_cached=False``.
     """
-    from pyspark.ml.functions import vector_to_array
     from pyspark.sql import functions as F
 
     feature_cols = list(feature_cols) if not isinstance(feature_cols, str) else feature_cols
@@ -310,12 +406,12 @@ def prepare_data(df: Any, store: Store, feature_cols: Sequence[str], label_cols:
     _check_args(feature_cols, label_cols, sample_weight_col, validation, num_proc, vector_dtype)
     if files_per_proc is not None and (not isinstance(files_per_proc, int) or files_per_proc < 1):
         raise ValueError(f"files_per_proc={files_per_proc!r} is not valid: expected an integer >= 1 or None")
-    planned = _plan_columns(df, feature_cols, label_cols, sample_weight_col, validation, vector_dtype)
+    planned = plan_columns(df, feature_cols, label_cols, sample_weight_col, validation, vector_dtype)
 
     settings = {"features": feature_cols, "labels": label_cols, "weight": sample_weight_col,
                 "validation": validation, "num_proc": num_proc, "seed": seed, "vector_dtype": vector_dtype,
                 "target_file_bytes": target_file_bytes, "row_group_bytes": row_group_bytes,
-                "files_per_proc": files_per_proc}
+                "files_per_proc": files_per_proc, "skip_invalid": skip_invalid}
     key = dataset_key(df, settings)
     metadata_path = store.get_data_metadata_path(key)
     if reuse_cached and store.exists(metadata_path):
@@ -327,29 +423,28 @@ def prepare_data(df: Any, store: Store, feature_cols: Sequence[str], label_cols:
         raise ValueError("the DataFrame has no rows: expected at least one row to train on; check the "
                          "filters that produced it")
 
-    exprs = []
-    for c in planned:
-        col = F.col(_quote(c.name))
-        if c.kind == "vector":
-            col = vector_to_array(col, dtype=vector_dtype)
-        elif c.cast:
-            col = col.cast(c.cast)
-        exprs.append(col.alias(c.name))
+    exprs = to_arrays(df, planned, vector_dtype)
     train_path = store.get_train_data_path(key)
     val_path = store.get_val_data_path(key) if validation is not None else None
     estimate = _estimated_bytes(df)
     if isinstance(validation, str):
         is_val = F.coalesce(F.col(_quote(validation)).cast("boolean"), F.lit(False))
         marked = df.select(*exprs, is_val.alias("__spark_hvd_is_val"))
+        if skip_invalid:
+            marked = marked.filter(valid_rows(planned))
         train_df = marked.filter(~F.col("__spark_hvd_is_val")).drop("__spark_hvd_is_val")
         val_df = marked.filter(F.col("__spark_hvd_is_val")).drop("__spark_hvd_is_val")
         fractions = (1.0, 1.0)  # unknown split: size both for the whole frame
     elif validation is not None:
         fraction = float(validation)
-        train_df, val_df = df.select(*exprs).randomSplit([1.0 - fraction, fraction], seed=seed)
+        selected = df.select(*exprs)
+        if skip_invalid:
+            selected = selected.filter(valid_rows(planned))
+        train_df, val_df = selected.randomSplit([1.0 - fraction, fraction], seed=seed)
         fractions = (1.0 - fraction, fraction)
     else:
-        train_df, val_df, fractions = df.select(*exprs), None, (1.0, 0.0)
+        selected = df.select(*exprs)
+        train_df, val_df, fractions = (selected.filter(valid_rows(planned)) if skip_invalid else selected), None, (1.0, 0.0)
 
     spark = df.sparkSession
     urls = [store.spark_url(train_path)]

@@ -10,6 +10,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import numpy as np
 from pyspark.ml.param import Param, Params
 
+from spark_hvd.spark.outputs import TASKS
+
 __all__ = [
     "ParamSpec",
     "params_mixin",
@@ -395,6 +397,19 @@ ESTIMATOR_PARAMS: Tuple[ParamSpec, ...] = (
               ToChoice(("builtin", "petastorm"))),
     ParamSpec("scale_lr", "Multiply the optimizer's learning rate by num_proc, as Horovod recommends.",
               True, ToBool()),
+    ParamSpec("invalid_rows", "Rows with a null, NaN or infinite feature, label or weight: 'error' refuses "
+                              "the DataFrame naming the columns and counts, 'skip' leaves those rows out.",
+              "error", ToChoice(("error", "skip"))),
+    ParamSpec("overwrite_run", "Start the run over when run_id holds a checkpoint of a different model, "
+                               "optimizer, loss or data (otherwise fit refuses).", False, ToBool()),
+    ParamSpec("task", "Prediction columns of the fitted model: 'auto' (from the loss), 'binary', "
+                      "'binary_probability', 'multiclass', 'multiclass_log_probability', 'regression' or "
+                      "'none' (raw outputs only).", "auto", ToChoice(TASKS)),
+    ParamSpec("prediction_col", "Column of the predicted class index or value.", "prediction", ToString()),
+    ParamSpec("probability_col", "Column of the Vector of class probabilities.", "probability", ToString()),
+    ParamSpec("raw_prediction_col", "Column of the Vector of raw class scores.", "rawPrediction", ToString()),
+    ParamSpec("log_to_mlflow", "Log Params, per-epoch metrics, timings and the model to MLflow: None when "
+                               "a run is active, True always (starting a run), False never.", None, ToBool()),
 )
 """Params of the estimators (TorchEstimator, KerasEstimator)."""
 
@@ -402,10 +417,15 @@ MODEL_PARAMS: Tuple[ParamSpec, ...] = (
     ParamSpec("model", "The trained model.", None, AnyValue(), json=False),
     ParamSpec("feature_cols", "Input columns of the model.", None, ToStringList()),
     ParamSpec("label_cols", "Target columns the model was trained on.", None, ToStringList()),
-    ParamSpec("output_cols", "Prediction columns added by transform(), one per label column "
-                             "(default: '<label>__output').", None, ToStringList()),
+    ParamSpec("output_cols", "Raw output columns added by transform(), one per label column "
+                             "(default: '<label>__output' when task is 'none').", None, ToStringList()),
     ParamSpec("input_shapes", "Shape of each feature column's per-row value.", None, ToShapes()),
-    ParamSpec("batch_size", "Rows per inference batch in transform().", 1024, ToInt(1)),
+    ParamSpec("inference_batch_size", "Rows per forward pass in transform().", 1024, ToInt(1)),
+    ParamSpec("task", "Which prediction columns transform() adds (see the estimator's task).", "none",
+              ToChoice(TASKS[1:])),
+    ParamSpec("prediction_col", "Column of the predicted class index or value.", "prediction", ToString()),
+    ParamSpec("probability_col", "Column of the Vector of class probabilities.", "probability", ToString()),
+    ParamSpec("raw_prediction_col", "Column of the Vector of raw class scores.", "rawPrediction", ToString()),
     ParamSpec("run_id", "Name of the training run in the store.", None, ToString()),
     ParamSpec("history", "Per-epoch metrics of training: a list of dicts.", None, ToList()),
 )

@@ -1,15 +1,18 @@
 """``run(fn, ...)``: call a function on every rank of a job made of one Spark barrier stage.
 
 The driver checks the cluster before submitting anything (enough task slots, an executor Python
-that can import spark-hvd), makes the job secret, serves a log collector, and submits
-``num_proc`` barrier tasks. Each task places its rank, starts ``fn`` in a fresh interpreter with
+that can import spark-hvd), makes the job secret, opens an output channel (a socket on classic
+sessions, the store on Spark Connect, whose client the executors may not reach), and submits
+``num_proc`` barrier tasks as one ``mapInArrow(..., barrier=True)`` stage, which classic and
+Connect sessions both run. Each task places its rank, starts ``fn`` in a fresh interpreter with
 the worker environment, and streams its output back (see ``_task``). Return values come back in
-rank order through the stage's ``collect``; the first rank to fail is raised as
+rank order as the stage's rows, sealed with the job secret; the first rank to fail is raised as
 :class:`RankFailedError`.
 """
 
 from __future__ import annotations
 
+import atexit
 import base64
 import os
 import pickle
@@ -18,9 +21,10 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TextIO
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TextIO, Tuple
 
 import cloudpickle
 
@@ -28,9 +32,12 @@ from spark_hvd.runner.errors import RankFailedError
 from spark_hvd.runtime import config
 
 from ._log_stream import LogCollector
-from ._task import FAILURE_MARKER, TaskSpec, run_task
+from ._store_log import StoreLogCollector, unseal
+from ._task import FAILURE_MARKER, RESULT_SCHEMA, TaskSpec, result_name, run_task
+from .session import SessionInfo, active_session, session_info
+from .store import Store
 
-__all__ = ["run", "RankFailedError"]
+__all__ = ["run", "RankFailedError", "check_slots", "wait_for_slots", "executor_python", "check_executor_python"]
 
 _SLOT_WAIT_S = 10.0
 """How long a cluster (not local) master may take to register enough executors for the job."""
@@ -41,38 +48,6 @@ _PYTHON_PROBE_TIMEOUT_S = 60.0
 
 # ----------------------------------------------------------------------------------------------
 # Checks made on the driver before anything is submitted.
-
-
-def _spark_context() -> Any:
-    """The SparkContext of the active SparkSession; a ValueError saying how to make one."""
-    from pyspark import SparkContext
-    from pyspark.sql import SparkSession
-
-    session = SparkSession.getActiveSession()
-    if session is None and SparkContext._active_spark_context is None:
-        raise ValueError(
-            "spark_hvd.spark.run() needs an active SparkSession, but there is none; create one first, "
-            "e.g. SparkSession.builder.master('local[2]').getOrCreate()"
-        )
-    if session is not None:
-        try:
-            return session.sparkContext
-        except Exception as exc:  # Spark Connect sessions have no SparkContext
-            raise ValueError(
-                f"spark_hvd.spark.run() needs a classic SparkSession with a SparkContext, got {type(session).__name__} "
-                f"({exc}); create the session with SparkSession.builder (not .remote())"
-            ) from None
-    return SparkContext._active_spark_context
-
-
-def _total_slots(sc: Any) -> int:
-    """Tasks the cluster can run at once for the default resource profile."""
-    jsc = sc._jsc.sc()
-    try:
-        profile = jsc.resourceProfileManager().defaultResourceProfile()
-        return int(jsc.maxNumConcurrentTasks(profile))
-    except Exception:  # Spark before 3.1 has no resource profiles
-        return int(sc.defaultParallelism)
 
 
 def check_slots(num_proc: int, slots: int, master: str) -> None:
@@ -89,16 +64,34 @@ def check_slots(num_proc: int, slots: int, master: str) -> None:
     )
 
 
-def _wait_for_slots(sc: Any, num_proc: int) -> None:
-    master = str(sc.master)
-    slots = _total_slots(sc)
-    if slots < num_proc and not master.startswith("local"):
+def wait_for_slots(session: Any, num_proc: int) -> SessionInfo:
+    """Fail at once, naming both numbers, when the cluster cannot run ``num_proc`` tasks together.
+
+    A cluster that does not tell its slots without a job (Spark Connect with dynamic allocation)
+    is left to Spark's own barrier check, whose failure ``run()`` words the same way.
+    """
+    info = session_info(session)
+    slots = info.slots
+    if slots is not None and slots < num_proc and not info.master.startswith("local") and not info.connect:
         # Executors of a freshly started cluster application register over a few seconds.
         deadline = time.monotonic() + _SLOT_WAIT_S
-        while slots < num_proc and time.monotonic() < deadline:
+        while slots is not None and slots < num_proc and time.monotonic() < deadline:
             time.sleep(0.5)
-            slots = _total_slots(sc)
-    check_slots(num_proc, slots, master)
+            slots = session_info(session).slots
+    if slots is not None:
+        check_slots(num_proc, slots, info.master)
+    return info
+
+
+def executor_python(session: Any, info: SessionInfo) -> str:
+    """The interpreter Spark starts for Python tasks, as far as this process can tell."""
+    if not info.connect:
+        return str(getattr(session.sparkContext, "pythonExec", None) or sys.executable)
+    try:
+        configured = session.conf.get("spark.pyspark.python", None)
+    except Exception:  # servers may hide the setting; fall back to what the local server inherited
+        configured = None
+    return str(configured or config.environ_snapshot().get("PYSPARK_PYTHON") or "python3")
 
 
 _checked_pythons: Dict[str, bool] = {}
@@ -165,6 +158,10 @@ def _rank_error(failure: Optional[Mapping[str, Any]], spark_error: BaseException
             output_tail=tail.splitlines(), original=_original_exception(failure.get("exception")),
         )
     text = str(spark_error)
+    if "BarrierJobSlotsNumberCheckFailed" in text or "SPARK-24819" in text:
+        return ValueError("Spark refused the barrier stage: the cluster has fewer task slots than num_proc; a "
+                          "barrier stage needs all of its tasks running at once: lower num_proc or add executors "
+                          "(or raise spark.executor.cores, or lower spark.task.cpus)")
     if "No module named 'spark_hvd'" in text:
         return ValueError(_python_advice("the executors' Python cannot import spark_hvd"))
     found = _MARKER_RE.search(text)
@@ -189,6 +186,24 @@ def _root_cause(error: BaseException, failure: Optional[Mapping[str, Any]],
                                  f"{error.summary}", reaction=error)
 
 
+class _JobTag:
+    """A job tag of its own for the stage (Spark Connect), so an interrupted client can cancel it."""
+
+    def __init__(self, session: Any) -> None:
+        self._session = session
+        self.tag = f"spark-hvd-run-{uuid.uuid4().hex[:12]}"
+
+    def __enter__(self) -> "_JobTag":
+        self._session.addTag(self.tag)
+        return self
+
+    def cancel(self) -> None:
+        self._session.interruptTag(self.tag)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._session.removeTag(self.tag)
+
+
 class _JobGroup:
     """A Spark job group of its own for the stage, so an interrupted driver can cancel it."""
 
@@ -204,6 +219,9 @@ class _JobGroup:
         self._saved = {key: self._sc.getLocalProperty(key) for key in self._KEYS}
         self._sc.setJobGroup(self.group, self._description, interruptOnCancel=True)
         return self
+
+    def cancel(self) -> None:
+        self._sc.cancelJobGroup(self.group)
 
     def __exit__(self, *exc: Any) -> None:
         for key, value in self._saved.items():
@@ -236,6 +254,59 @@ def _validate(fn: Any, args: Any, kwargs: Any, num_proc: Optional[int], default:
     return num_proc
 
 
+def _output_channel(session: Any, info: SessionInfo, store: Optional[Store], secret: str, out: TextIO,
+                    err: TextIO, verbose: int) -> Tuple[Any, Optional[str], Optional[Store], Optional[str]]:
+    """(collector, collector address, log store, log directory) for the job's output.
+
+    Classic drivers serve a socket the tasks connect to. A Connect client may be out of the
+    executors' reach, so its output travels through the store (a temporary one on a local master).
+    """
+    if not info.connect:
+        sc = session.sparkContext
+        conf = sc.getConf()
+        advertised = conf.get("spark.driver.host", None) or ("127.0.0.1" if info.local else socket.gethostname())
+        bind = conf.get("spark.driver.bindAddress", None) or advertised
+        collector = LogCollector(bind, advertised, secret, out, err, verbose)
+        return collector, collector.address, None, None
+    if store is None and info.local:
+        store = _local_output_store()
+    if store is None:
+        if verbose > 0:
+            err.write("spark-hvd: rank output stays in the executors' logs: pass store= (storage the executors and "
+                      "this client both reach) to see it here\n")
+        return _NoOutput(), None, None, None
+    directory = store.join("jobs", f"run-{uuid.uuid4().hex[:16]}")
+    return StoreLogCollector(store, directory, secret, out, err, verbose), None, store, directory
+
+
+_output_store: Optional[Store] = None
+
+
+def _local_output_store() -> Store:
+    global _output_store
+    if _output_store is None:
+        path = tempfile.mkdtemp(prefix="spark-hvd-output-")
+        atexit.register(shutil.rmtree, path, True)
+        _output_store = Store.create(path)
+    return _output_store
+
+
+class _NoOutput:
+    """The collector of a job whose output cannot reach the client: failures come from the stage."""
+
+    failures: List[Dict[str, Any]] = []
+    finished: Dict[int, float] = {}
+
+    def wait_failure(self, timeout: float) -> None:
+        return None
+
+    def wait_closed(self, connections: int, timeout: float) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
 def run(
     fn: Callable[..., Any],
     args: Sequence[Any] = (),
@@ -247,15 +318,19 @@ def run(
     stderr: Optional[TextIO] = None,
     verbose: int = 1,
     use_gpu: Optional[bool] = None,
+    store: Optional[Store] = None,
+    spark: Any = None,
 ) -> List[Any]:
     """Call ``fn(*args, **kwargs)`` on ``num_proc`` ranks, one per Spark barrier task.
 
     Each rank runs in a fresh Python process with the worker environment (``SPARK_HVD_RANK``,
     ``SPARK_HVD_SIZE``, ... and ``env``), so ``spark_hvd.runtime.init()`` inside ``fn`` joins the
-    job. Returns every rank's return value, in rank order.
+    job. Returns every rank's return value, in rank order. Works on classic and Spark Connect
+    sessions alike; the stage is a ``mapInArrow`` with ``barrier=True`` and results come back as
+    its rows, sealed with the job secret.
 
     Args:
-        num_proc: number of ranks; default ``sparkContext.defaultParallelism``. The cluster must
+        num_proc: number of ranks; default the cluster's default parallelism. The cluster must
             have at least this many task slots, else ValueError before anything is submitted.
         start_timeout: seconds ranks may take to meet at the rendezvous (SPARK_HVD_START_TIMEOUT).
         env: extra environment variables for every rank.
@@ -264,6 +339,9 @@ def run(
         use_gpu: True gives each rank its Spark-assigned GPU (else GPU ``local_rank``) as
             CUDA_VISIBLE_DEVICES; False leaves CUDA_VISIBLE_DEVICES alone; None uses Spark's GPU
             assignment when tasks have one.
+        store: on Spark Connect, where the ranks' output travels to this client (the executors
+            need not reach it); default a temporary local store on a local master. Classic
+            sessions stream output over an authenticated socket and ignore it.
 
     Raises:
         RankFailedError: a rank's ``fn`` raised or its process died; names the rank, the error
@@ -272,52 +350,56 @@ def run(
             whose Python cannot import spark_hvd.
         TypeError: ``fn`` is not callable, or ``args``/``kwargs`` are not a sequence/mapping.
     """
-    sc = _spark_context()
-    num_proc = _validate(fn, args, kwargs, num_proc, int(sc.defaultParallelism), start_timeout, env, verbose)
-    _wait_for_slots(sc, num_proc)
-    check_executor_python(str(getattr(sc, "pythonExec", sys.executable)), str(sc.master),
-                          config.environ_snapshot())
+    session = spark if spark is not None else active_session("spark_hvd.spark.run()")
+    info = session_info(session)
+    num_proc = _validate(fn, args, kwargs, num_proc, info.default_parallelism, start_timeout, env, verbose)
+    if store is not None and not isinstance(store, Store):
+        raise TypeError(f"store must be a spark_hvd.spark.Store, got {type(store).__name__}; use Store.create(path)")
+    info = wait_for_slots(session, num_proc)
+    if info.client_is_local:
+        check_executor_python(executor_python(session, info), info.master, config.environ_snapshot())
     try:
         payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
     except Exception as exc:
         raise ValueError(f"fn, args or kwargs could not be pickled with cloudpickle: {exc}; pass picklable "
                          "values, or create unpicklable objects (sessions, sockets, locks) inside fn") from None
 
-    conf = sc.getConf()
-    local = str(sc.master).startswith("local")
-    advertised = conf.get("spark.driver.host", None) or ("127.0.0.1" if local else socket.gethostname())
-    bind = conf.get("spark.driver.bindAddress", None) or advertised
     secret = config.new_secret()
     out = stdout if stdout is not None else sys.stdout
     err = stderr if stderr is not None else sys.stderr
-    collector = LogCollector(bind, advertised, secret, out, err, verbose)
+    collector, address, log_store, log_dir = _output_channel(session, info, store, secret, out, err, verbose)
     spec = TaskSpec(
         num_proc=num_proc, payload=payload, driver_sys_path=tuple(p for p in sys.path if isinstance(p, str)),
-        secret=secret, collector_address=collector.address,
+        secret=secret, collector_address=address,
         settings={"start_timeout": start_timeout}, env=dict(env or {}), use_gpu=use_gpu, verbose=verbose,
+        log_store=log_store, log_dir=log_dir,
     )
 
-    def task(partition: Any) -> Any:
-        return run_task(spec, partition)
+    def task(batches: Any) -> Any:
+        return run_task(spec, batches)
 
     if verbose >= 2:
         err.write(f"spark-hvd: running {getattr(fn, '__name__', 'fn')} on {num_proc} barrier tasks\n")
     started = time.monotonic()
+    stage = session.range(0, num_proc, 1, num_proc).mapInArrow(task, RESULT_SCHEMA, barrier=True)
+    cancel_scope = _JobTag(session) if info.connect else _JobGroup(session.sparkContext,
+                                                                   f"spark_hvd.spark.run: {num_proc} ranks")
     try:
-        with _JobGroup(sc, f"spark_hvd.spark.run: {num_proc} ranks") as group:
+        with cancel_scope:
             try:
-                rows = sc.parallelize(range(num_proc), num_proc).barrier().mapPartitions(task).collect()
+                rows = stage.collect()
             except KeyboardInterrupt:
-                sc.cancelJobGroup(group.group)
+                cancel_scope.cancel()
                 raise
             except Exception as exc:
                 failure = collector.wait_failure(_FAILURE_REPORT_WAIT_S)
                 raise _root_cause(_rank_error(failure, exc), failure, dict(collector.finished)) from None
-        collector.wait_closed(sum(1 for row in rows if row[2]), _DRAIN_WAIT_S)
+        collector.wait_closed(sum(1 for row in rows if row["streamed"]), _DRAIN_WAIT_S)
     finally:
         collector.close()
     if verbose >= 2:
         err.write(f"spark-hvd: {num_proc} ranks finished in {time.monotonic() - started:.1f} s\n")
-    by_rank = {int(rank): blob for rank, blob, _ in rows}
-    # Each blob is the rank process's own ("ok", value) outcome, unpickled only here.
-    return [cloudpickle.loads(by_rank[rank])[1] for rank in range(num_proc)]
+    by_rank = {int(row["rank"]): bytes(row["result"]) for row in rows}
+    # Each blob is the rank process's own ("ok", value) outcome, sealed by its task; unpickled
+    # only once the seal proves it came from a holder of this job's secret.
+    return [cloudpickle.loads(unseal(secret, result_name(rank), by_rank[rank]))[1] for rank in range(num_proc)]

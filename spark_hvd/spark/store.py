@@ -10,7 +10,7 @@ import uuid
 from abc import ABC, abstractmethod
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Union
 
-__all__ = ["Store", "LocalStore", "DBFSLocalStore", "FsspecStore", "Data"]
+__all__ = ["Store", "LocalStore", "DBFSLocalStore", "VolumeStore", "FsspecStore", "Data"]
 
 Data = Union[bytes, bytearray, memoryview, Iterable[bytes]]
 """What :meth:`Store.write` accepts: a bytes-like object, or an iterable of byte chunks."""
@@ -76,11 +76,14 @@ class Store(ABC):
     @staticmethod
     def create(prefix: str, storage_options: Optional[Mapping[str, Any]] = None) -> "Store":
         """The store for ``prefix``: local path or ``file://`` -> :class:`LocalStore`;
+        ``/Volumes/<catalog>/<schema>/<volume>/...`` -> :class:`VolumeStore`;
         ``dbfs:/...`` or ``/dbfs/...`` -> :class:`DBFSLocalStore`; any other URL ->
         :class:`FsspecStore` (``hdfs://``, ``s3://``, ``gs://``, ``abfs://``, ``memory://``...)."""
         if not isinstance(prefix, str) or not prefix:
             raise ValueError(f"store prefix={prefix!r} is not valid: expected a non-empty path or URL, "
                              "e.g. '/tmp/spark-hvd' or 's3://bucket/spark-hvd'")
+        if VolumeStore.matches(prefix):
+            return VolumeStore(prefix)
         if DBFSLocalStore.matches(prefix):
             return DBFSLocalStore(prefix)
         if prefix.startswith("file://") or "://" not in prefix:
@@ -156,6 +159,21 @@ class Store(ABC):
     def url(self, path: str) -> str:
         """A location fsspec and the readers open, together with :attr:`storage_options`."""
         return path
+
+    def check_writable(self) -> None:
+        """Write and remove a small file under :attr:`prefix`, or raise a ValueError naming the
+        store, the error and the fix; called before any Spark job, so that a store nobody can
+        write fails at once instead of after Spark has worked."""
+        probe = self.join(f".spark-hvd-write-check-{uuid.uuid4().hex[:12]}")
+        try:
+            self.write(probe, b"ok")
+            self.delete(probe)
+        except Exception as exc:
+            raise ValueError(
+                f"store {self.prefix!r} cannot be written ({type(exc).__name__}: {exc}): expected a directory this "
+                "process and the executors can write; fix: choose a writable path (on Databricks a Unity Catalog "
+                "volume such as '/Volumes/<catalog>/<schema>/<volume>/spark-hvd' or 'dbfs:/tmp/spark-hvd'), or grant "
+                "write access") from None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.prefix!r})"
@@ -240,6 +258,33 @@ class DBFSLocalStore(LocalStore):
         if fuse != "/dbfs" and not fuse.startswith("/dbfs/"):
             raise ValueError(f"path {path!r} is outside the DBFS mount /dbfs")
         return "dbfs:/" + fuse[len("/dbfs"):].lstrip("/")
+
+
+class VolumeStore(LocalStore):
+    """A store on a Databricks Unity Catalog volume, ``/Volumes/<catalog>/<schema>/<volume>/...``.
+
+    Python reads and writes the volume through its POSIX mount on every node; Spark is given the
+    same path without a scheme, which Databricks resolves to the volume (``dbfs:/Volumes/...``
+    is accepted as a prefix too).
+    """
+
+    @staticmethod
+    def matches(prefix: str) -> bool:
+        """Whether ``prefix`` names a Unity Catalog volume path."""
+        return prefix == "/Volumes" or prefix.startswith(("/Volumes/", "dbfs:/Volumes/"))
+
+    def __init__(self, prefix: str) -> None:
+        if prefix.startswith("dbfs:"):
+            prefix = prefix[len("dbfs:"):]
+        parts = [p for p in prefix.split("/") if p]
+        if len(parts) < 4 or parts[0] != "Volumes":
+            raise ValueError(f"VolumeStore prefix={prefix!r} is not a path inside a volume: expected "
+                             "'/Volumes/<catalog>/<schema>/<volume>/<directory>', e.g. "
+                             "'/Volumes/main/default/ml/spark-hvd'")
+        super().__init__(prefix)
+
+    def spark_url(self, path: str) -> str:
+        return os.path.abspath(path)
 
 
 class FsspecStore(Store):

@@ -1,4 +1,10 @@
-"""Fixtures of the Spark layer's tests: one local SparkSession per test module."""
+"""Fixtures of the Spark layer's tests: one local SparkSession per test module (and session kind).
+
+A module that sets ``SESSION_KINDS = ("classic", "connect")`` runs every test that uses the
+``spark`` fixture twice: on a classic session and on a Spark Connect session
+(``SparkSession.builder.remote("local[2]")``); pytest finishes one kind before it starts the next,
+so the module holds one session at a time.
+"""
 
 from __future__ import annotations
 
@@ -12,16 +18,23 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "petastorm: needs petastorm (pyarrow<15); runs in .venv-petastorm via make test-petastorm")
 
 
-@pytest.fixture(scope="module")
-def spark() -> Iterator["object"]:
-    """A local[2] SparkSession on loopback, shared by the tests of one module and stopped after it."""
-    from spark_hvd.spark._session import LOCAL_ENVIRONMENT, build_local_session
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    kinds = getattr(metafunc.module, "SESSION_KINDS", None)
+    if kinds and "spark" in metafunc.fixturenames:
+        metafunc.parametrize("spark", list(kinds), indirect=True, scope="module")
 
+
+@pytest.fixture(scope="module")
+def spark(request: pytest.FixtureRequest) -> Iterator["object"]:
+    """A local[2] SparkSession on loopback, shared by the tests of one module and stopped after it."""
+    from spark_hvd.spark.session import LOCAL_ENVIRONMENT, local_session
+
+    kind = getattr(request, "param", "classic")
     with pytest.MonkeyPatch.context() as patch:
         # Read by the JVM launcher and the Python workers when the session starts.
         for name, value in LOCAL_ENVIRONMENT.items():
             patch.setenv(name, value)
-        session = build_local_session("spark-hvd-tests")
+        session = local_session("spark-hvd-tests", connect=kind == "connect")
         try:
             yield session
         finally:

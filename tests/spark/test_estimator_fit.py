@@ -1,23 +1,29 @@
-"""TorchEstimator.fit and TorchModel.transform end to end on tiny frames, on the module's local[2]
-session: checks before any job, training with progress, checkpoints and resume, validation
-columns and sample weights, save/load, Pipeline persistence and CrossValidator."""
+"""TorchEstimator.fit and TorchModel.transform end to end on tiny frames, on a classic and a Spark
+Connect local[2] session: checks before any job, training with progress, checkpoints and resume,
+validation columns and sample weights, Spark ML prediction columns and evaluators, save/load,
+Pipeline persistence and CrossValidator."""
 
 from __future__ import annotations
+
+import json
+import uuid
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 from pyspark.ml import Pipeline, PipelineModel
-from pyspark.ml.evaluation import BinaryClassificationEvaluator
+from pyspark.ml.evaluation import BinaryClassificationEvaluator, MulticlassClassificationEvaluator
 from pyspark.ml.feature import StandardScaler, VectorAssembler
 from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
 from pyspark.sql import functions as F
 
 from spark_hvd.spark import Store
+from spark_hvd.spark.session import is_connect
 from spark_hvd.spark.torch import TorchEstimator, TorchModel
 from spark_hvd.spark.torch.training import load_checkpoint
 
+SESSION_KINDS = ("classic", "connect")
 ROWS = 96
 
 
@@ -70,45 +76,90 @@ BAD_FITS = [
     ({"label_cols": ["y", "x1"]}, r"returned 1 output\(s\) for 2 label column"),
     ({"sample_weight_col": "missing"}, r"column 'missing' is not in the DataFrame"),
     ({"validation": "missing"}, r"validation column 'missing' is not in the DataFrame"),
+    ({"model": torch.nn.Linear(3, 2), "task": "none"},
+     r"the loss would compare tensors of different shapes: BCEWithLogitsLoss got the model's output of shape "
+     r"\(2, 2\) and label 'y' of shape \(2,\)"),
+    ({"model": torch.nn.Linear(3, 2)}, r"task='binary' needs one output value per row, but the model returns 2"),
+    ({"model": torch.nn.Linear(3, 2), "loss": torch.nn.MSELoss()}, r"task='regression' needs one output value per row"),
+    ({"model": "raises"}, r"the model's forward\(\) raised KeyError: 'oops' \(at .*test_estimator_fit.py.*this is an "
+                          r"error in Broken.forward, not in the data"),
+    ({"store": "/proc/spark-hvd-store"}, r"store '/proc/spark-hvd-store' cannot be written \(.*\): expected a "
+                                         r"directory.*writable path"),
 ]
+
+
+class Broken(torch.nn.Module):
+    """A model whose forward has a bug unrelated to its inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 1)
+
+    def forward(self, x):
+        return {"a": self.linear(x)}["oops"]
+
+
+def spark_jobs(spark, call):
+    """Run ``call()``; the ids of the Spark jobs it started on a classic session, None on Connect
+    (whose client cannot see jobs; the tests then check that nothing was written instead)."""
+    if is_connect(spark):
+        call()
+        return None
+    sc = spark.sparkContext
+    group = f"probe-{uuid.uuid4().hex[:8]}"
+    sc.setJobGroup(group, "fit checks")
+    try:
+        call()
+    finally:
+        sc.setLocalProperty("spark.jobGroup.id", None)
+    return list(sc.statusTracker().getJobIdsForGroup(group))
+
+
+def nothing_materialized(est):
+    store = est.getStore()
+    try:
+        return not any(n.startswith("intermediate_") for n in store.listdir(store.prefix))
+    except OSError:
+        return True
+
+
+def expect_error(est, frame, message):
+    def call():
+        with pytest.raises(ValueError, match=message):
+            est.fit(frame)
+    return call
 
 
 @pytest.mark.parametrize("overrides, message", BAD_FITS)
 def test_fit_refuses_bad_input_before_any_spark_job(spark, frame, tmp_path, overrides, message):
     """Each mistake raises a ValueError naming the value and the fix, and no Spark job ran."""
+    if overrides.get("model") == "raises":
+        overrides = dict(overrides, model=Broken())
+    if isinstance(overrides.get("store"), str):
+        overrides = dict(overrides, store=Store.create(overrides["store"]))
     est = make_estimator(tmp_path, **overrides)
     if "model" in overrides and overrides["model"] is not None and "optimizer" not in overrides:
         est.setOptimizer(torch.optim.SGD(overrides["model"].parameters(), lr=0.1))
-    sc = spark.sparkContext
-    group = f"checks-{abs(hash(message))}"
-    sc.setJobGroup(group, "fit checks")
-    try:
-        with pytest.raises(ValueError, match=message):
-            est.fit(frame)
-    finally:
-        sc.setLocalProperty("spark.jobGroup.id", None)
-    assert list(sc.statusTracker().getJobIdsForGroup(group)) == []
+    assert spark_jobs(spark, expect_error(est, frame, message)) in ([], None)
+    assert nothing_materialized(est)
 
 
 def test_fit_refuses_an_empty_frame(spark, frame, tmp_path):
     """An empty DataFrame fails with a message saying there are no rows (found by a Spark job,
     which the job-group probe of the test above does see)."""
-    sc = spark.sparkContext
-    sc.setJobGroup("checks-empty", "fit checks")
-    try:
-        with pytest.raises(ValueError, match=r"the DataFrame has no rows"):
-            make_estimator(tmp_path).fit(frame.filter("x1 > 100"))
-    finally:
-        sc.setLocalProperty("spark.jobGroup.id", None)
-    assert list(sc.statusTracker().getJobIdsForGroup("checks-empty")) != []
+    jobs = spark_jobs(spark, expect_error(make_estimator(tmp_path), frame.filter("x1 > 100"),
+                                          r"the DataFrame has no rows"))
+    assert jobs is None or jobs != []
 
 
 # -- fit, transform, save, load ----------------------------------------------------------------
 
 
-def test_fit_trains_reports_progress_and_the_model_transforms_saves_and_loads(frame, tmp_path, capsys):
-    """Two ranks train with live epoch lines; the model predicts like a local forward pass, adds
-    y__output as doubles, keeps the other columns, and predicts the same after save and load."""
+def test_fit_trains_reports_progress_and_the_model_transforms_saves_and_loads(spark, frame, tmp_path, capsys):
+    """Two ranks train with live epoch lines; the model adds Spark ML's rawPrediction, probability
+    and prediction columns (inferred from BCEWithLogitsLoss) that agree with a local forward pass
+    and that BinaryClassificationEvaluator and MulticlassClassificationEvaluator read as they are;
+    it predicts the same after save and load; task='none' gives the raw y__output column."""
     est = make_estimator(tmp_path, epochs=3, validation=0.25, metrics=[accuracy], verbose=1, run_id="basic")
     model = est.fit(frame)
     printed = capsys.readouterr().out
@@ -121,29 +172,41 @@ def test_fit_trains_reports_progress_and_the_model_transforms_saves_and_loads(fr
     assert {"loss", "accuracy", "val_loss", "val_accuracy", "rows_per_s"} <= set(history[0])
     assert history[-1]["loss"] < history[0]["loss"]
     assert set(model.fit_timings) == {"validation", "materialization", "launch", "training", "collection"}
-    assert model.getRunId() == "basic" and model.getInputShapes() == [[3]]
+    assert model.getRunId() == "basic" and model.getInputShapes() == [[3]] and model.getTask() == "binary"
+    frame_history = model.history_frame()
+    assert list(frame_history.index) == [1, 2, 3] and frame_history["loss"].iloc[-1] == history[-1]["loss"]
     checkpoint = load_checkpoint(est.getStore().read(est.getStore().get_checkpoint_path("basic")))
-    assert checkpoint["epoch"] == 3
+    assert checkpoint["epoch"] == 3 and set(checkpoint["fingerprint"]) == {"model architecture", "optimizer", "loss",
+                                                                           "data"}
     assert torch.equal(checkpoint["model"]["2.weight"], model.getModel()[2].weight.detach())
     assert not torch.equal(est.getModel()[2].weight, model.getModel()[2].weight)  # the driver's model is untouched
 
     out = model.transform(frame)
-    assert out.columns == frame.columns + ["y__output"]
-    assert dict(out.dtypes)["y__output"] == "double" and dict(out.dtypes)["features"] == "vector"
+    assert out.columns == frame.columns + ["rawPrediction", "probability", "prediction"]
+    types = dict(out.dtypes)
+    assert (types["rawPrediction"], types["probability"], types["prediction"]) == ("vector", "vector", "double")
     rows = out.orderBy("x1").collect()
     assert len(rows) == ROWS
-    predicted = np.array([r["y__output"] for r in rows])
-    np.testing.assert_allclose(predicted, local_predictions(model.getModel(), rows), rtol=1e-5, atol=1e-6)
+    logits = local_predictions(model.getModel(), rows)
+    np.testing.assert_allclose([r["rawPrediction"][1] for r in rows], logits, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose([r["probability"][1] for r in rows], 1 / (1 + np.exp(-logits)), rtol=1e-5, atol=1e-6)
+    assert [r["prediction"] for r in rows] == [float(v > 0) for v in logits]
+    auc = BinaryClassificationEvaluator(labelCol="y").evaluate(out)
+    accuracy_value = MulticlassClassificationEvaluator(labelCol="y", metricName="accuracy").evaluate(out)
+    assert 0.5 < auc <= 1.0 and 0.5 < accuracy_value <= 1.0
 
     path = str(tmp_path / "saved-model")
     model.write().overwrite().save(path)
     loaded = TorchModel.load(path)
     assert loaded.uid == model.uid and loaded.getHistory() == history and loaded.getLabelCols() == ["y"]
-    again = np.array([r["y__output"] for r in loaded.setOutputCols(["p"]).transform(frame).orderBy("x1")
-                      .select(F.col("p").alias("y__output")).collect()])
-    np.testing.assert_array_equal(again, predicted)
-    with pytest.raises(ValueError, match=r"output column\(s\) \['y__output'\] already exist"):
+    again = loaded.setPredictionCol("p").transform(frame).orderBy("x1").collect()
+    assert [r["p"] for r in again] == [r["prediction"] for r in rows]
+    assert [r["probability"] for r in again] == [r["probability"] for r in rows]
+    with pytest.raises(ValueError, match=r"output column\(s\) \['rawPrediction', 'probability', 'prediction'\] "
+                                         r"already exist.*setPredictionCol"):
         model.transform(out)
+    raw = model.copy().setTask("none").transform(frame).orderBy("x1").collect()
+    np.testing.assert_allclose([r["y__output"] for r in raw], logits, rtol=1e-5, atol=1e-6)
 
 
 def test_same_run_id_resumes_after_the_last_completed_epoch(frame, tmp_path):
@@ -160,11 +223,33 @@ def test_same_run_id_resumes_after_the_last_completed_epoch(frame, tmp_path):
     assert torch.equal(third.getModel()[0].weight, second.getModel()[0].weight)
 
 
+def test_a_changed_model_under_an_existing_run_id_is_refused_or_started_over(frame, tmp_path):
+    """A run_id whose checkpoint trained another architecture or optimizer is refused, naming what
+    changed and the fix; overwrite_run=True starts it over."""
+    make_estimator(tmp_path, run_id="rerun").fit(frame)
+    torch.manual_seed(1)
+    wider = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    changed = make_estimator(tmp_path, run_id="rerun", model=wider,
+                             optimizer=torch.optim.Adam(wider.parameters(), lr=0.05))
+    with pytest.raises(ValueError, match=r"run_id='rerun' already holds a checkpoint \(1 epoch\(s\) done\) of a "
+                                         r"different model architecture: .*overwrite_run=True"):
+        changed.fit(frame)
+    same_model = make_estimator(tmp_path, run_id="rerun")
+    same_model.setOptimizer(torch.optim.Adam(same_model.getModel().parameters(), lr=0.5))
+    with pytest.raises(ValueError, match=r"of a different optimizer"):
+        same_model.fit(frame)
+    restarted = changed.setOverwriteRun(True).fit(frame)
+    assert [h["epoch"] for h in restarted.getHistory()] == [1] and restarted.getModel()[0].out_features == 16
+
+
 def test_validation_column_and_zero_sample_weights(frame, tmp_path):
     """Rows marked by the validation column are validated on, and weights of zero zero the loss
     (so Adam leaves the weights where they were)."""
     est = make_estimator(tmp_path, validation="is_val", sample_weight_col="w", epochs=2)
     model = est.fit(frame)
+    # Without a run_id every fit is a run of its own, under a fresh name.
+    assert est.getRunId() is None and model.getRunId().startswith("torch-")
+    assert est.getStore().listdir(est.getStore().get_runs_path()) == [model.getRunId()]
     history = model.getHistory()
     assert [h["loss"] for h in history] == [0.0, 0.0]
     assert [h["val_loss"] for h in history] == [0.0, 0.0]
@@ -175,26 +260,45 @@ def test_validation_column_and_zero_sample_weights(frame, tmp_path):
 # -- Pipeline and CrossValidator ---------------------------------------------------------------
 
 
-def test_pipeline_fits_saves_and_loads(frame, tmp_path):
-    """Pipeline([VectorAssembler, StandardScaler, TorchEstimator]) fits; PipelineModel.save and
-    PipelineModel.load round-trip it with identical predictions; the estimator saves too."""
-    raw = frame.drop("features")
-    est = make_estimator(tmp_path, feature_cols=["scaled"], epochs=2)
-    pipeline = Pipeline(stages=[VectorAssembler(inputCols=["x1", "x2", "x3"], outputCol="features"),
+def test_pipeline_on_real_data_fits_evaluates_saves_and_loads(spark, tmp_path):
+    """Pipeline([VectorAssembler, StandardScaler, TorchEstimator]) on the bundled digits (1,797 real
+    8x8 images, 10 classes): CrossEntropyLoss makes it a multiclass model whose prediction column
+    MulticlassClassificationEvaluator scores on held-out rows as it is; PipelineModel.save and
+    load round-trip it with identical predictions; the estimator saves and loads too."""
+    from spark_hvd.datasets import load_digits
+
+    images, labels = load_digits()
+    pixels = [f"p{i}" for i in range(images.shape[1])]
+    pdf = pd.DataFrame(images.astype(np.float64), columns=pixels)
+    pdf["label"] = labels
+    train, test = spark.createDataFrame(pdf).randomSplit([0.8, 0.2], seed=5)
+    test = test.withColumn("row_id", F.monotonically_increasing_id())
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    est = TorchEstimator(num_proc=2, model=net, optimizer=torch.optim.Adam(net.parameters(), lr=0.005),
+                         loss=torch.nn.CrossEntropyLoss(), feature_cols=["scaled"], label_cols=["label"],
+                         batch_size=32, epochs=4, store=Store.create(str(tmp_path / "store")), random_seed=0,
+                         verbose=0)
+    pipeline = Pipeline(stages=[VectorAssembler(inputCols=pixels, outputCol="features"),
                                 StandardScaler(inputCol="features", outputCol="scaled"), est])
-    fitted = pipeline.fit(raw)
+    fitted = pipeline.fit(train)
+    scored = fitted.transform(test)
+    assert fitted.stages[-1].getTask() == "multiclass"
+    accuracy_value = MulticlassClassificationEvaluator(labelCol="label", metricName="accuracy").evaluate(scored)
+    assert accuracy_value > 0.85, accuracy_value
+
     path = str(tmp_path / "pipeline")
     fitted.write().overwrite().save(path)
     loaded = PipelineModel.load(path)
     assert isinstance(loaded.stages[-1], TorchModel)
-    before = [r["y__output"] for r in fitted.transform(raw).orderBy("x1").collect()]
-    after = [r["y__output"] for r in loaded.transform(raw).orderBy("x1").collect()]
+    before = [(r["prediction"], r["probability"]) for r in scored.orderBy("row_id").collect()]
+    after = [(r["prediction"], r["probability"]) for r in loaded.transform(test).orderBy("row_id").collect()]
     assert before == after
 
     est_path = str(tmp_path / "estimator")
     est.write().overwrite().save(est_path)
     reloaded = TorchEstimator.load(est_path)
-    assert reloaded.getFeatureCols() == ["scaled"] and reloaded.getEpochs() == 2
+    assert reloaded.getFeatureCols() == ["scaled"] and reloaded.getEpochs() == 4
     assert isinstance(reloaded.getOptimizer(), torch.optim.Adam)
     assert reloaded.getOptimizer().param_groups[0]["params"][0] is next(reloaded.getModel().parameters())
 
@@ -203,11 +307,92 @@ def test_cross_validator_with_a_parameter_grid(frame, tmp_path):
     """CrossValidator fits one model per fold and grid point (two at a time) and picks the best."""
     est = make_estimator(tmp_path, num_proc=1, epochs=1)
     grid = ParamGridBuilder().addGrid(est.getParam("batch_size"), [8, 32]).build()
-    evaluator = BinaryClassificationEvaluator(rawPredictionCol="y__output", labelCol="y")
+    evaluator = BinaryClassificationEvaluator(labelCol="y")
     cv = CrossValidator(estimator=est, estimatorParamMaps=grid, evaluator=evaluator, numFolds=2, parallelism=2,
                         seed=1)
     cv_model = cv.fit(frame)
     assert len(cv_model.avgMetrics) == 2 and all(0.0 <= m <= 1.0 for m in cv_model.avgMetrics)
     best = cv_model.bestModel
     assert isinstance(best, TorchModel)
+    # The batch size the grid chose is the estimator's; the model's own is for inference only.
+    assert best.getInferenceBatchSize() == 1024 and not best.hasParam("batch_size")
     assert best.transform(frame).count() == ROWS
+
+
+# -- bad data: counted, named, never silent ------------------------------------------------------
+
+
+def test_nan_and_infinite_values_are_refused_naming_columns_and_counts_or_skipped(spark, frame, tmp_path):
+    """NaN in an array feature and infinities in the label fail the fit with each column's count;
+    invalid_rows='skip' trains on the remaining rows instead."""
+    bad = (frame.withColumn("arr", F.array(F.when(F.col("x1") > 1.0, F.lit(float("nan"))).otherwise(F.col("x1")),
+                                           "x2", "x3"))
+           .withColumn("y", F.when(F.col("x2") > 1.2, F.lit(float("inf"))).otherwise(F.col("y"))))
+    counts = bad.select(F.sum((F.col("x1") > 1.0).cast("int")).alias("nan"),
+                        F.sum((F.col("x2") > 1.2).cast("int")).alias("inf"),
+                        F.sum(((F.col("x1") > 1.0) | (F.col("x2") > 1.2)).cast("int")).alias("either")).first()
+    assert counts["nan"] > 0 and counts["inf"] > 0
+    est = make_estimator(tmp_path, feature_cols=["arr"])
+    with pytest.raises(ValueError, match=rf"column 'arr': {counts['nan']} rows with NaN; column 'y': {counts['inf']} "
+                                         r"infinite\): expected a finite number.*invalid_rows='skip'"):
+        est.fit(bad)
+    model = est.setInvalidRows("skip").fit(bad)
+    assert np.isfinite(model.getHistory()[0]["loss"])
+    store = est.getStore()
+    metadata = [n for n in store.listdir(store.prefix) if n.startswith("intermediate_data_metadata")]
+    rows = {json.loads(store.read(store.join(n)))["train_rows"] for n in metadata}
+    assert ROWS - counts["either"] in rows
+
+
+def test_null_vectors_are_named_in_fit_and_in_transform(spark, frame, tmp_path):
+    """Rows whose Vector is null: fit says which column and how many; transform fails naming the
+    column, without a JVM stack (Spark's own Vector conversion would fail the job from the JVM)."""
+    holes = frame.withColumn("features", F.when(F.col("x1") > 1.0, F.lit(None)).otherwise(F.col("features")))
+    nulls = holes.filter(F.col("features").isNull()).count()
+    assert nulls > 0
+    with pytest.raises(ValueError, match=rf"column 'features': {nulls} null\): expected a finite number"):
+        make_estimator(tmp_path).fit(holes)
+    model = make_estimator(tmp_path).fit(frame)
+    with pytest.raises(Exception) as info:
+        model.transform(holes).collect()
+    text = str(info.value)
+    assert "feature column 'features' has null values" in text and "fillna" in text
+    assert "Py4JJavaError" not in text and "at org.apache.spark" not in text
+
+
+def test_a_label_the_loss_would_broadcast_fails_after_one_probe_batch_before_materialization(spark, frame, tmp_path):
+    """A label of 3 values per row against an output of 1 with MSELoss (which torch broadcasts with
+    only a warning) fails with both shapes named, before any data is written."""
+    three = frame.withColumn("y3", F.array("x1", "x2", "x3"))
+    est = make_estimator(tmp_path, label_cols=["y3"], loss=torch.nn.MSELoss())
+    with pytest.raises(ValueError, match=r"loss would compare tensors of different shapes: MSELoss got the model's "
+                                         r"output of shape \(8, 1\) and label 'y3' of shape \(8, 3\).*3 value\(s\) per row"):
+        est.fit(three)
+    assert nothing_materialized(est)
+
+
+def test_mlflow_gets_params_metrics_with_steps_timings_and_a_scorable_model(spark, frame, tmp_path, monkeypatch):
+    """Inside an active MLflow run (a local file store), fit logs the Params, each epoch's metrics
+    with the epoch as step, the phase timings, and a model mlflow.pyfunc.load_model scores."""
+    import mlflow
+    import mlflow.pyfunc
+
+    # MLflow 3 keeps the file store in maintenance mode; it needs no server or database.
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    mlflow.set_tracking_uri((tmp_path / "mlruns").as_uri())
+    with mlflow.start_run() as run:
+        model = make_estimator(tmp_path, epochs=2, validation=0.25).fit(frame)
+    assert model.mlflow_run_id == run.info.run_id
+    client = mlflow.tracking.MlflowClient()
+    logged = client.get_run(run.info.run_id).data
+    assert logged.params["batch_size"] == "8" and logged.params["task"] == "binary"
+    assert logged.params["loss"].startswith("[BCEWithLogitsLoss()")
+    history = client.get_metric_history(run.info.run_id, "val_loss")
+    assert [(m.step, m.value) for m in history] == [(h["epoch"], h["val_loss"]) for h in model.getHistory()]
+    assert {"fit_materialization_s", "fit_training_s"} <= set(logged.metrics)
+    scorer = mlflow.pyfunc.load_model(f"runs:/{run.info.run_id}/model")
+    rows = frame.orderBy("x1").limit(5).collect()
+    features = np.array([r["features"].toArray() for r in rows], dtype=np.float32)  # the logged signature's type
+    scored = np.asarray(scorer.predict(features)).reshape(-1)
+    np.testing.assert_allclose(scored, local_predictions(model.getModel(), rows), rtol=1e-5, atol=1e-6)
+    mlflow.set_tracking_uri("")

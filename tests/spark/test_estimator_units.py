@@ -395,10 +395,28 @@ def test_local_master_uses_the_driver_python_when_the_configured_one_lacks_spark
     driver's interpreter."""
     import sys
 
+    from spark_hvd.spark.session import SessionInfo
+
     class FakeContext:
         master = "local[2]"
         pythonExec = "/nonexistent/bin/python3"
 
-    context = FakeContext()
-    checks.ensure_executor_python(context)
-    assert context.pythonExec == sys.executable
+    class FakeSession:
+        sparkContext = FakeContext()
+
+        class conf:
+            @staticmethod
+            def get(key, default=None):
+                return "/nonexistent/bin/python3" if key == "spark.pyspark.python" else default
+
+    session = FakeSession()
+    classic = SessionInfo(connect=False, master="local[2]", slots=2, default_parallelism=2, client_is_local=True)
+    checks.ensure_executor_python(session, classic)
+    assert session.sparkContext.pythonExec == sys.executable
+    # A Spark Connect server started with its Python already: the fix is named instead.
+    connect = SessionInfo(connect=True, master="local[2]", slots=2, default_parallelism=2, client_is_local=True)
+    with pytest.raises(ValueError, match=r"/nonexistent/bin/python3.*PYSPARK_PYTHON=.*local_session\(connect=True\)"):
+        checks.ensure_executor_python(session, connect)
+    # A remote cluster's executors are not this machine's: nothing to probe here.
+    remote = SessionInfo(connect=True, master="spark://h:7077", slots=None, default_parallelism=2, client_is_local=False)
+    checks.ensure_executor_python(session, remote)

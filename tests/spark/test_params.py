@@ -41,17 +41,31 @@ ISSUE_PARAMS = [
     "gradient_compression", "backward_passes_per_step", "input_shapes", "transformation_fn",
     "train_minibatch_fn", "use_gpu", "verbose", "reader", "scale_lr",
 ]
+OUR_PARAMS = ["invalid_rows", "overwrite_run", "task", "prediction_col", "probability_col", "raw_prediction_col",
+              "log_to_mlflow"]
 
 
 def test_estimator_table_declares_the_issue_params():
-    """The estimator table has exactly the Params the issue names, each with get/set methods."""
-    assert [s.name for s in ESTIMATOR_PARAMS] == ISSUE_PARAMS
+    """The estimator table has Horovod's Params, then ours, each with get/set methods."""
+    assert [s.name for s in ESTIMATOR_PARAMS] == ISSUE_PARAMS + OUR_PARAMS
     est = ProbeEstimator()
     for spec in ESTIMATOR_PARAMS:
         assert callable(getattr(est, "get" + spec.camel)) and callable(getattr(est, "set" + spec.camel))
         assert est.hasParam(spec.name)
         assert spec.doc in est.explainParam(spec.name)
-    assert {p.name for p in est.params} == set(ISSUE_PARAMS)
+    assert {p.name for p in est.params} == set(ISSUE_PARAMS + OUR_PARAMS)
+
+
+def test_no_param_name_means_two_things():
+    """A name the estimator and the model share has the same meaning (doc) and default in both."""
+    model_specs = {s.name: s for s in MODEL_PARAMS}
+    shared = [s for s in ESTIMATOR_PARAMS if s.name in model_specs]
+    assert {s.name for s in shared} >= {"feature_cols", "label_cols", "prediction_col", "probability_col"}
+    for spec in shared:
+        other = model_specs[spec.name]
+        assert spec.name in ("model", "run_id", "input_shapes", "task", "label_cols") or spec.doc == other.doc, spec.name
+        assert spec.name in ("task", "model") or spec.default == other.default, spec.name
+    assert "batch_size" not in model_specs and model_specs["inference_batch_size"].default == 1024
 
 
 @pytest.mark.parametrize("name, camel", [("batch_size", "BatchSize"), ("num_proc", "NumProc"),
@@ -174,7 +188,9 @@ def test_model_params():
     """The model mixin declares output_cols and the inference Params, with defaults."""
     model = ProbeModel(feature_cols=["x"], label_cols=["y"], output_cols=["y_hat"])
     assert [s.name for s in MODEL_PARAMS][:4] == ["model", "feature_cols", "label_cols", "output_cols"]
-    assert model.getOutputCols() == ["y_hat"] and model.getBatchSize() == 1024
+    assert model.getOutputCols() == ["y_hat"] and model.getInferenceBatchSize() == 1024
+    assert (model.getTask(), model.getPredictionCol(), model.getProbabilityCol(), model.getRawPredictionCol()) == (
+        "none", "prediction", "probability", "rawPrediction")
     assert model.copy().getOutputCols() == ["y_hat"]
 
 

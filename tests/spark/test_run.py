@@ -14,6 +14,8 @@ from spark_hvd.runner.errors import RankFailedError
 from spark_hvd.spark import _task, runner
 from spark_hvd.spark.runner import run
 
+SESSION_KINDS = ("classic", "connect")
+
 CONTRACT = (
     "SPARK_HVD_RANK", "SPARK_HVD_SIZE", "SPARK_HVD_LOCAL_RANK", "SPARK_HVD_LOCAL_SIZE",
     "SPARK_HVD_CROSS_RANK", "SPARK_HVD_CROSS_SIZE", "SPARK_HVD_RENDEZVOUS_ADDR", "SPARK_HVD_SECRET",
@@ -101,6 +103,12 @@ def test_spark_error_text_is_translated_when_no_rank_reported():
     assert isinstance(error, RankFailedError) and error.rank == 1 and error.exc_type == "KeyError"
     missing = runner._rank_error(None, RuntimeError("ModuleNotFoundError: No module named 'spark_hvd'"))
     assert isinstance(missing, ValueError) and "PYSPARK_PYTHON" in str(missing)
+    # Spark's own refusal, as a Connect client sees it when the slots could not be read before.
+    slots = runner._rank_error(None, RuntimeError("[SPARK-24819]: Barrier execution mode does not allow run a "
+                                                  "barrier stage that requires more slots ... JVM stacktrace: "
+                                                  "org.apache.spark.scheduler.BarrierJobSlotsNumberCheckFailed"))
+    assert isinstance(slots, ValueError) and "fewer task slots than num_proc" in str(slots)
+    assert "JVM" not in str(slots)
 
 
 def test_run_without_a_session_says_how_to_create_one(monkeypatch):
@@ -110,6 +118,7 @@ def test_run_without_a_session_says_how_to_create_one(monkeypatch):
 
     monkeypatch.setattr(SparkSession, "getActiveSession", classmethod(lambda cls: None))
     monkeypatch.setattr(SparkContext, "_active_spark_context", None)
+    monkeypatch.setattr(SparkSession, "_instantiatedSession", None)
     with pytest.raises(ValueError, match=r"needs an active SparkSession.*SparkSession\.builder"):
         run(lambda: 0, num_proc=1)
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import inspect
 import logging
+import traceback
+import warnings
 import os
 import shutil
 import subprocess
 import sys
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -28,6 +30,7 @@ __all__ = [
     "schema_row_sizes",
     "feature_shapes",
     "dry_run",
+    "dry_run_batch",
     "ensure_executor_python",
     "check_slots",
 ]
@@ -137,6 +140,34 @@ def feature_shapes(input_shapes: Optional[Sequence[Sequence[int]]], feature_cols
             for shape, size, col in zip(input_shapes, sizes, feature_cols)]
 
 
+_SHAPE_WORDS = ("shape", "size", "mat1 and mat2", "dimension", "expected input")
+
+
+def _call_forward(model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> Any:
+    """``model(*inputs)`` in eval mode without gradients; a ValueError that tells an input-size
+    problem from a bug in ``forward``."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return model(*inputs)
+    except Exception as exc:
+        described = ", ".join(str(tuple(t.shape)) for t in inputs)
+        text = str(exc)
+        if isinstance(exc, RuntimeError) and any(word in text for word in _SHAPE_WORDS):
+            raise ValueError(
+                f"the model cannot take the features: {type(model).__name__}({described}) raised "
+                f"{type(exc).__name__}: {text}; expected inputs of these shapes (rows first); fix: match the model's "
+                "input size to the feature columns, or set input_shapes") from None
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        raise ValueError(
+            f"the model's forward() raised {type(exc).__name__}: {text} (at {frame.filename}:{frame.lineno}, "
+            f"'{(frame.line or '').strip()}') when called with inputs of shapes {described}; this is an error in "
+            f"{type(model).__name__}.forward, not in the data; fix forward() and fit again") from None
+    finally:
+        model.train(was_training)
+
+
 def dry_run(model: torch.nn.Module, shapes: Sequence[Tuple[int, ...]], num_labels: Optional[int],
             dtype: torch.dtype) -> List[Tuple[int, ...]]:
     """Call the model on two rows of zeros of ``shapes``; returns each output's per-row shape.
@@ -146,22 +177,56 @@ def dry_run(model: torch.nn.Module, shapes: Sequence[Tuple[int, ...]], num_label
     """
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     inputs = [torch.zeros((2,) + tuple(shape), dtype=dtype, device=device) for shape in shapes]
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            outputs = model(*inputs)
-    except Exception as exc:
-        described = ", ".join(str(tuple(t.shape)) for t in inputs)
-        raise ValueError(
-            f"the model cannot take the features: {type(model).__name__}({described}) raised "
-            f"{type(exc).__name__}: {exc}; expected inputs of these shapes (rows first); fix: match the model's "
-            "input size to the feature columns, or set input_shapes") from None
-    finally:
-        model.train(was_training)
+    outputs = _call_forward(model, inputs)
     outs = outputs_list(outputs, num_labels if num_labels is not None else
                         (len(outputs) if isinstance(outputs, (list, tuple)) else 1))
     return [tuple(out.shape[1:]) for out in outs]
+
+
+_ELEMENTWISE_LOSSES = (torch.nn.MSELoss, torch.nn.L1Loss, torch.nn.SmoothL1Loss, torch.nn.HuberLoss,
+                       torch.nn.BCELoss, torch.nn.BCEWithLogitsLoss, torch.nn.SoftMarginLoss,
+                       torch.nn.MultiLabelSoftMarginLoss, torch.nn.PoissonNLLLoss, torch.nn.GaussianNLLLoss)
+
+
+def dry_run_batch(model: torch.nn.Module, loss_fn: Any, batch: Mapping[str, Any], feature_cols: Sequence[str],
+                  label_cols: Sequence[str], shapes: Sequence[Tuple[int, ...]], dtype: torch.dtype) -> None:
+    """One real batch through ``forward`` and the loss, as the ranks will run them, on the driver.
+
+    Raises a ValueError naming the shapes when the loss refuses an output and its label, or would
+    silently broadcast them (torch's elementwise losses accept a (rows, 3) label against a
+    (rows, 1) output and average over 3x the pairs). The model's parameters are not changed.
+    """
+    from spark_hvd.spark.torch.batches import feature_tensors, label_tensors, transform_outputs
+
+    rows = len(next(iter(batch.values()))) if batch else 0
+    if rows == 0:
+        return
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    inputs = feature_tensors(batch, feature_cols, shapes, dtype, device)
+    labels = label_tensors(batch, label_cols, device)
+    outputs = _call_forward(model, inputs)
+    outs, labs = transform_outputs(outputs, labels)
+    for fn, col, out, lab, raw in zip(loss_fn.losses, label_cols, outs, labs, labels):
+        name = type(fn).__name__ if isinstance(fn, torch.nn.Module) else getattr(fn, "__name__", repr(fn))
+        shapes_text = (f"{name} got the model's output of shape {tuple(out.shape)} and label {col!r} of shape "
+                       f"{tuple(raw.shape)} (as given to the loss: {tuple(lab.shape)})")
+        fix = (f"fix: make the model return {int(raw[0].numel())} value(s) per row for {col!r}, or give a label "
+               f"column with {int(out[0].numel())} value(s) per row")
+        if isinstance(fn, _ELEMENTWISE_LOSSES) and tuple(out.shape) != tuple(lab.shape):
+            raise ValueError(f"the loss would compare tensors of different shapes: {shapes_text}; {name} needs "
+                             f"the label to have the output's shape, else torch broadcasts them silently; {fix}")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with torch.no_grad():
+                    fn(out, lab)
+            except Exception as exc:
+                raise ValueError(f"the loss failed on a real batch: {shapes_text}; it raised {type(exc).__name__}: "
+                                 f"{exc}; {fix}, or choose a loss for these shapes") from None
+        broadcast = [w for w in caught if "size" in str(w.message).lower() and "target" in str(w.message).lower()]
+        if broadcast:
+            raise ValueError(f"the loss would broadcast the label against the output: {shapes_text}; torch warned "
+                             f"'{broadcast[0].message}'; {fix}")
 
 
 _WORKER_MODULES = ("spark_hvd", "torch", "numpy", "pyarrow", "pandas", "cloudpickle")
@@ -183,32 +248,39 @@ def _has_worker_modules(python: str) -> bool:
     return _probed[python]
 
 
-def ensure_executor_python(sc: Any) -> None:
+def ensure_executor_python(session: Any, info: Any) -> None:
     """Make Spark's Python workers run an interpreter with spark_hvd and torch, or say how.
 
     On a local master the workers run on this machine: when the configured Python
     (``PYSPARK_PYTHON``, else ``python3`` on PATH, which need not be this virtualenv's) lacks
-    spark_hvd, torch, numpy, pyarrow or pandas, this process's own interpreter is used instead,
-    with a warning. On a cluster the executors are checked by the job itself, which fails with
-    advice naming PYSPARK_PYTHON.
+    spark_hvd, torch, numpy, pyarrow or pandas, a classic session switches to this process's own
+    interpreter, with a warning; a Spark Connect server was started with its Python already, so
+    there the answer is a ValueError naming PYSPARK_PYTHON. On a cluster the executors are checked
+    by the job itself, which fails with the same advice.
     """
     from spark_hvd.runtime import config
+    from spark_hvd.spark.runner import executor_python
 
-    if not str(sc.master).startswith("local"):
+    if not info.local:
         return
-    configured = str(getattr(sc, "pythonExec", None) or "python3")
+    configured = executor_python(session, info)
     resolved = shutil.which(configured, path=config.environ_snapshot().get("PATH")) or configured
     if _has_worker_modules(resolved):
         return
+    if info.connect:
+        raise ValueError(f"Spark runs its Python tasks with {resolved}, which lacks some of {', '.join(_WORKER_MODULES)}; "
+                         f"fix: set PYSPARK_PYTHON={sys.executable} before the Spark Connect server starts (or "
+                         "use spark_hvd.spark.local_session(connect=True), which does)")
     log.warning("Spark's Python workers would run %s, which lacks some of %s; using this driver's interpreter %s "
                 "instead (set PYSPARK_PYTHON=%s before creating the SparkSession to choose it yourself)",
                 resolved, ", ".join(_WORKER_MODULES), sys.executable, sys.executable)
-    sc.pythonExec = sys.executable
+    session.sparkContext.pythonExec = sys.executable
 
 
-def check_slots(sc: Any, num_proc: int) -> None:
-    """ValueError naming both numbers when the cluster cannot run ``num_proc`` barrier tasks at once."""
+def check_slots(session: Any, num_proc: int) -> Any:
+    """ValueError naming both numbers when the cluster cannot run ``num_proc`` barrier tasks at once;
+    returns the session's :class:`spark_hvd.spark.session.SessionInfo`."""
     from spark_hvd.spark import runner
 
     # The same check run() makes, done before the data is materialized rather than after.
-    runner._wait_for_slots(sc, num_proc)
+    return runner.wait_for_slots(session, num_proc)

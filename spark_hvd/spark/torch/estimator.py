@@ -18,13 +18,17 @@ import torch
 from pyspark.ml import Estimator
 from pyspark.ml.util import MLReadable, MLWritable
 
-from spark_hvd.spark.data import PreparedData, prepare_data
+from spark_hvd.spark.data import PreparedData, _inspect_column, plan_columns, prepare_data, sample_batch
+from spark_hvd.spark.mlflow_log import params_for_logging, start_logging
+from spark_hvd.spark.outputs import check_task, infer_task
 from spark_hvd.spark.params import EstimatorParams
 from spark_hvd.spark.reader import steps_for
 from spark_hvd.spark.runner import run
+from spark_hvd.spark.session import session_info
 from spark_hvd.spark.store import Store
 from spark_hvd.spark.torch import checks
-from spark_hvd.spark.torch.batches import metric_names, model_dtype
+from spark_hvd.spark.torch.batches import LossFunction, metric_names, model_dtype
+from spark_hvd.spark.torch.fingerprint import changed_parts, run_fingerprint
 from spark_hvd.spark.torch.model import TorchModel
 from spark_hvd.spark.torch.persistence import ParamsReader, ParamsWriter
 from spark_hvd.spark.torch.progress import ProgressPrinter
@@ -33,6 +37,9 @@ from spark_hvd.spark.torch.training import OptimizerSpec, TrainingSpec, load_che
 __all__ = ["TorchEstimator"]
 
 log = logging.getLogger("spark_hvd.spark")
+
+_PROBE_ROWS = 64
+"""Rows of real data the driver puts through forward and the loss before materializing."""
 
 _default_store: Optional[Store] = None
 _prepare_lock = threading.Lock()
@@ -64,6 +71,7 @@ class _Checked:
     num_proc: int
     store: Store
     run_id: str
+    task: str
 
 
 class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
@@ -123,43 +131,94 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
             raise ValueError(f"sample_weight_col={weight_col!r} is also a feature or label column: expected a "
                              "separate column of per-row weights")
         optimizer_spec = OptimizerSpec.of(optimizer, model)
+        plan_columns(df, feature_cols, label_cols, weight_col, self.getValidation(), "float32")
+        task = infer_task(self.getTask(), losses, label_cols)
 
-        sc = df.sparkSession.sparkContext
-        local = str(sc.master).startswith("local")
+        session = df.sparkSession
+        info = session_info(session)
         store = self.getStore()
         if store is None:
-            if not local:
+            if not info.local:
                 raise ValueError("store=None is not valid on a cluster: expected storage every executor can read; "
-                                 "pass e.g. store=Store.create('hdfs:///user/me/spark-hvd')")
+                                 "pass e.g. store=Store.create('hdfs:///user/me/spark-hvd'), or on Databricks "
+                                 "store=Store.create('/Volumes/<catalog>/<schema>/<volume>/spark-hvd')")
             store = _local_default_store()
-        num_proc = self.getNumProc() or int(sc.defaultParallelism)
-        checks.check_slots(sc, num_proc)
-        checks.ensure_executor_python(sc)
+        num_proc = self.getNumProc() or info.default_parallelism
+        checks.check_slots(session, num_proc)
+        checks.ensure_executor_python(session, info)
+        store.check_writable()
         run_id = self.getRunId() or f"torch-{uuid.uuid4().hex[:12]}"
         store.get_run_path(run_id)  # checks the name
         return _Checked(model, optimizer_spec, losses, weights, metrics, list(feature_cols), list(label_cols),
-                        num_proc, store, run_id)
+                        num_proc, store, run_id, task)
 
     def _check_early_dry_run(self, df: Any, c: _Checked) -> None:
-        """When the schema tells every feature's size, try the model before materializing."""
+        """When the schema tells every feature's size, try the model before any Spark job, and
+        the loss too when it tells every label's size (rows of zeros stand in for the data)."""
         sizes = checks.schema_row_sizes(df.schema, c.feature_cols)
         shapes = checks.feature_shapes(self.getInputShapes(), c.feature_cols, sizes)
-        if shapes is not None:
-            checks.dry_run(c.model, shapes, len(c.label_cols), model_dtype(c.model))
+        if shapes is None:
+            return
+        dtype = model_dtype(c.model)
+        check_task(c.task, checks.dry_run(c.model, shapes, len(c.label_cols), dtype))
+        label_sizes = checks.schema_row_sizes(df.schema, c.label_cols)
+        if any(size is None for size in label_sizes) or self.getTransformationFn() is not None:
+            return
+        fields = {f.name: f.dataType for f in df.schema.fields}
+        batch = {col: np.zeros((2,) + tuple(shape), dtype=str(dtype).replace("torch.", ""))
+                 for col, shape in zip(c.feature_cols, shapes)}
+        for col, size in zip(c.label_cols, label_sizes):
+            stored = _inspect_column(col, fields[col], "float32")
+            batch[col] = np.zeros((2,) if stored.kind == "scalar" else (2, int(size)), dtype=stored.dtype)
+        checks.dry_run_batch(c.model, LossFunction(c.losses, c.loss_weights), batch, c.feature_cols, c.label_cols,
+                             shapes, dtype)
+
+    def _check_real_batch(self, df: Any, c: _Checked) -> None:
+        """One batch of real rows through forward and the loss on the driver (one small Spark job,
+        before anything is written), so shape mismatches fail at once with the shapes named."""
+        dtype = model_dtype(c.model)
+        batch = sample_batch(df, c.feature_cols + c.label_cols, min(self.getBatchSize(), _PROBE_ROWS),
+                             "float64" if dtype == torch.float64 else "float32")
+        if self.getTransformationFn() is not None:
+            batch = self.getTransformationFn()(batch)
+        if not batch or len(next(iter(batch.values()))) == 0:
+            return  # no complete row: the materialization names the nulls, or the empty frame
+        sizes = [max(1, int(np.prod(np.asarray(batch[col]).shape[1:]))) for col in c.feature_cols]
+        shapes = checks.feature_shapes(self.getInputShapes(), c.feature_cols, sizes)
+        assert shapes is not None, "a batch knows every size"
+        check_task(c.task, checks.dry_run(c.model, shapes, len(c.label_cols), dtype))
+        checks.dry_run_batch(c.model, LossFunction(c.losses, c.loss_weights), batch, c.feature_cols, c.label_cols,
+                             shapes, dtype)
 
     # ---- resume --------------------------------------------------------------------------------
-    def _resume_state(self, c: _Checked, model_copy: torch.nn.Module) -> Optional[Dict[str, Any]]:
+    def _resume_state(self, c: _Checked, model_copy: torch.nn.Module,
+                      fingerprint: Dict[str, str]) -> Optional[Dict[str, Any]]:
         path = c.store.get_checkpoint_path(c.run_id)
         if not c.store.exists(path):
             return None
         try:
             state = load_checkpoint(c.store.read(path))
+        except Exception as exc:
+            state, changed = None, [f"checkpoint format ({exc})"]
+        else:
+            changed = changed_parts(state.get("fingerprint"), fingerprint)
+        if changed:
+            if self.getOverwriteRun():
+                log.warning("run_id=%r: starting over; its checkpoint trained a different %s", c.run_id,
+                            ", ".join(changed))
+                c.store.delete(c.store.get_run_path(c.run_id))
+                return None
+            trained = f" ({state['epoch']} epoch(s) done)" if state else ""
+            raise ValueError(
+                f"run_id={c.run_id!r} already holds a checkpoint{trained} of a different {', '.join(changed)}: "
+                "resuming it would continue another training and return its model; fix: use a new run_id (or "
+                f"leave run_id unset for a new run every fit), or pass overwrite_run=True to start {c.run_id!r} over")
+        try:
             model_copy.load_state_dict(state["model"])
         except Exception as exc:
             raise ValueError(
-                f"run_id={c.run_id!r} has a checkpoint at {path} that does not fit this model ({exc}); expected a "
-                "checkpoint of the same model class and shapes; fix: use a new run_id, or delete "
-                f"{c.store.get_run_path(c.run_id)} to start this run over") from None
+                f"run_id={c.run_id!r} has a checkpoint at {path} that does not fit this model ({exc}); fix: use a new "
+                "run_id, or pass overwrite_run=True to start this run over") from None
         return state
 
     # ---- fit -----------------------------------------------------------------------------------
@@ -168,8 +227,12 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         started = time.monotonic()
         c = self._check(dataset)
         self._check_early_dry_run(dataset, c)
+        self._check_real_batch(dataset, c)
         trained = copy.deepcopy(c.model).cpu()
-        resume = self._resume_state(c, trained)
+        fingerprint = run_fingerprint(c.model, c.optimizer, c.losses, c.loss_weights, dataset,
+                                      c.feature_cols + c.label_cols + [self.getSampleWeightCol() or ""],
+                                      self.getValidation())
+        resume = self._resume_state(c, trained, fingerprint)
         timings["validation"] = time.monotonic() - started
 
         mark = time.monotonic()
@@ -179,7 +242,8 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
             prepared = prepare_data(
                 dataset, c.store, c.feature_cols, c.label_cols, self.getSampleWeightCol(), self.getValidation(),
                 c.num_proc, seed=seed if seed is not None else 0,
-                vector_dtype="float64" if dtype == torch.float64 else "float32")
+                vector_dtype="float64" if dtype == torch.float64 else "float32",
+                skip_invalid=self.getInvalidRows() == "skip")
         shapes = self._feature_shapes(prepared, c.feature_cols)
         checks.dry_run(c.model, shapes, len(c.label_cols), dtype)
         timings["materialization"] = time.monotonic() - mark
@@ -189,29 +253,57 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         history: List[Dict[str, Any]] = list(resume["history"]) if resume else []
         verbose = self.getVerbose()
         if start_epoch >= epochs:
+            log.warning("run_id=%r has already trained %d of epochs=%d with this model, optimizer, loss and data; "
+                        "returning its model without training (raise epochs to continue it, or use a new run_id)",
+                        c.run_id, start_epoch, epochs)
             if verbose:
-                print(f"run {c.run_id!r} has already trained {start_epoch} of epochs={epochs}; nothing to train "
-                      "(raise epochs to continue it)")
-            return self._model(trained, c, shapes, history, timings)
+                print(f"run {c.run_id!r} has already trained {start_epoch} of epochs={epochs} with this model, "
+                      "optimizer, loss and data: returning its model without training (raise epochs to continue, "
+                      "or use a new run_id)")
+            return self._finish(self._model(trained, c, shapes, history, timings), c)
 
         spec = self._spec(c, trained, prepared, shapes, start_epoch, history, resume, seed)
+        spec.fingerprint = fingerprint
         printer = ProgressPrinter(verbose)
-        mark = time.monotonic()
+        mark_wall = time.time()
         try:
             results = run(train_on_rank, args=(spec,), num_proc=c.num_proc, stdout=printer.stdout,  # type: ignore[arg-type]
-                          stderr=printer.stderr, verbose=1, use_gpu=self.getUseGpu())
+                          stderr=printer.stderr, verbose=1, use_gpu=self.getUseGpu(), store=c.store,
+                          spark=dataset.sparkSession)
         finally:
             printer.close()
-        done = time.monotonic()
-        launched = printer.started_at or done
-        last_epoch = printer.last_epoch_at or done
-        timings["launch"] = launched - mark
-        timings["training"] = last_epoch - launched
+        # Phases by the ranks' own clock where they are the ranks' (training on a remote
+        # cluster reaches a Connect client in bursts, so arrival times would mislead).
+        done = time.time()
+        launched = printer.rank_started_at or done
+        last_epoch = printer.rank_last_epoch_at or done
+        timings["launch"] = max(0.0, launched - mark_wall)
+        timings["training"] = max(0.0, last_epoch - launched)
         result = results[0]
         trained.load_state_dict(result["model"])
         model = self._model(trained, c, shapes, list(result["history"]), timings)
-        timings["collection"] = time.monotonic() - last_epoch
+        timings["collection"] = max(0.0, time.time() - last_epoch)
         model.fit_timings = timings
+        return self._finish(model, c)
+
+    def _finish(self, model: TorchModel, c: _Checked) -> TorchModel:
+        """Log the fit to MLflow when asked or when a run is active (see ``log_to_mlflow``)."""
+        logger = start_logging(self.getLogToMlflow())
+        if logger is None:
+            return model
+        try:
+            json_params = {s.name: self.getOrDefault(s.name) for s in self.param_specs() if s.json}
+            objects = {"model": c.model, "optimizer": c.optimizer.cls.__name__, "loss": c.losses}
+            logger.log_params({**params_for_logging(json_params, objects), "num_proc": c.num_proc,
+                               "run_id": c.run_id, "task": c.task, "lr": c.optimizer.defaults.get("lr")})
+            logger.log_history(model.getHistory() or [])
+            logger.log_timings(model.fit_timings)
+            torch_model = model.getModel()
+            shapes = [tuple(s) for s in model.getInputShapes() or []]
+            logger.log_model(lambda mlflow: _log_torch_model(mlflow, torch_model, shapes))
+            model.mlflow_run_id = logger.run_id
+        finally:
+            logger.close()
         return model
 
     def _feature_shapes(self, prepared: PreparedData, feature_cols: List[str]) -> List[Tuple[int, ...]]:
@@ -256,7 +348,9 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
     def _model(self, trained: torch.nn.Module, c: _Checked, shapes: List[Tuple[int, ...]],
                history: List[Dict[str, Any]], timings: Dict[str, float]) -> TorchModel:
         model = TorchModel(model=trained, feature_cols=c.feature_cols, label_cols=c.label_cols,
-                           input_shapes=[list(s) for s in shapes], run_id=c.run_id, history=history)
+                           input_shapes=[list(s) for s in shapes], run_id=c.run_id, history=history, task=c.task,
+                           prediction_col=self.getPredictionCol(), probability_col=self.getProbabilityCol(),
+                           raw_prediction_col=self.getRawPredictionCol())
         model.fit_timings = timings
         return model
 
@@ -269,3 +363,27 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
     def read(cls) -> ParamsReader["TorchEstimator"]:
         """A reader loading a saved TorchEstimator (``TorchEstimator.load(path)``)."""
         return ParamsReader(cls)
+
+
+def _log_torch_model(mlflow: Any, model: torch.nn.Module, shapes: List[Tuple[int, ...]]) -> None:
+    """Log ``model`` with MLflow's PyTorch flavor, which ``mlflow.pyfunc.load_model`` scores.
+
+    A one-input model gets an input example (one row of zeros), from which MLflow records the
+    signature that Unity Catalog's registry requires. The model is pickled (cloudpickle), which
+    any module allows; MLflow 3's default traced format refuses models torch.export cannot trace.
+    """
+    import inspect
+
+    import mlflow.pytorch
+
+    kwargs: Dict[str, Any] = {"pip_requirements": [f"torch=={torch.__version__.split('+')[0]}"]}
+    accepted = inspect.signature(mlflow.pytorch.log_model).parameters
+    if "serialization_format" in accepted:
+        kwargs["serialization_format"] = "pickle"
+    if len(shapes) == 1 and len(shapes[0]) == 1:
+        kwargs["input_example"] = np.zeros((1, shapes[0][0]), dtype=np.float32)
+    if "name" in accepted:
+        kwargs["name"] = "model"
+    else:  # MLflow 2 names the artifact by path
+        kwargs["artifact_path"] = "model"
+    mlflow.pytorch.log_model(model, **kwargs)

@@ -12,7 +12,9 @@ import torch
 from pyspark.ml import Model
 from pyspark.ml.util import MLReadable, MLWritable
 
+from spark_hvd.spark.outputs import check_task, column_kinds
 from spark_hvd.spark.params import ModelParams
+from spark_hvd.spark.session import session_info
 from spark_hvd.spark.torch import checks
 from spark_hvd.spark.torch.batches import model_dtype
 from spark_hvd.spark.torch.persistence import ParamsReader, ParamsWriter
@@ -28,18 +30,22 @@ def _cpu_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class TorchModel(Model, ModelParams, MLReadable, MLWritable):
-    """A fitted torch model; ``transform(df)`` adds one prediction column per label column.
+    """A fitted torch model; ``transform(df)`` adds Spark ML's prediction columns.
 
     Params (keyword-only constructor, ``getX``/``setX`` accessors): ``model``, ``feature_cols``,
-    ``label_cols``, ``output_cols`` (default ``<label>__output``), ``input_shapes``,
-    ``batch_size`` (rows per forward pass, default 1024), ``run_id``, ``history`` (one dict per
-    epoch: loss, metrics, ``val_`` metrics, rows_per_s, seconds).
+    ``label_cols``, ``task``, ``prediction_col``, ``probability_col``, ``raw_prediction_col``,
+    ``output_cols`` (raw outputs when ``task`` is 'none', default ``<label>__output``),
+    ``input_shapes``, ``inference_batch_size`` (rows per forward pass, default 1024), ``run_id``,
+    ``history`` (one dict per epoch: loss, metrics, ``val_`` metrics, rows_per_s, seconds).
 
-    ``transform`` feeds the feature columns (numeric scalars, arrays or Spark ML Vectors) to the
-    model over Arrow (a scalar-iterator pandas UDF: only the features leave the JVM), cast to
-    the model's dtype, in batches of ``batch_size`` rows; the model is broadcast once and loaded
-    once per Python worker, on the task's GPU when Spark assigned one. An output with one value per row becomes a double column; a larger output
-    becomes a dense Vector. Saved with ``write().save(path)`` / loaded with
+    For a classification task ``transform`` adds ``rawPrediction`` and ``probability`` (Vectors)
+    and ``prediction`` (the class index), for regression ``prediction``, as Spark ML's own models
+    do, so its evaluators work unchanged; with ``task='none'`` one raw output column per label
+    (a double for one value per row, else a dense Vector). It feeds the feature columns (numeric
+    scalars, arrays or Spark ML Vectors) to the model over Arrow (an Arrow UDF: only the features
+    leave the JVM), cast to the model's dtype, in batches of ``inference_batch_size`` rows; the
+    model travels with the UDF and is loaded once per Python worker, on the task's GPU when Spark
+    assigned one; classic and Spark Connect sessions alike. Saved with ``write().save(path)`` / loaded with
     ``TorchModel.load(path)``, also inside a ``PipelineModel``. Loading unpickles the model:
     load only what you trust, as with ``torch.load``.
     """
@@ -49,12 +55,8 @@ class TorchModel(Model, ModelParams, MLReadable, MLWritable):
         self.fit_timings: Dict[str, float] = {}
         """Seconds fit() spent per phase (validation, materialization, launch, training,
         collection); empty for a model that was loaded or built by hand."""
-        self._broadcast: Optional[Tuple[str, Any, Any]] = None
-
-    def __getstate__(self) -> Dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_broadcast"] = None  # a SparkContext and its broadcast do not travel
-        return state
+        self.mlflow_run_id: Optional[str] = None
+        """The MLflow run this model's fit was logged to, if it was."""
 
     def getOutputCols(self) -> List[str]:
         """Prediction column of each label: ``output_cols`` when set, else ``<label>__output``."""
@@ -80,17 +82,28 @@ class TorchModel(Model, ModelParams, MLReadable, MLWritable):
         if labels and len(output_cols) != len(labels):
             raise ValueError(f"output_cols={output_cols} has {len(output_cols)} names for {len(labels)} label "
                              f"column(s) {labels}: expected one output column per label column")
+        new_cols = self._task_columns() or output_cols
+        if len(set(new_cols)) != len(new_cols):
+            raise ValueError(f"prediction columns {new_cols} repeat a name: expected distinct names; fix: "
+                             "setPredictionCol / setProbabilityCol / setRawPredictionCol")
         fields = {f.name: f.dataType for f in df.schema.fields}
         for col in feature_cols:
             if col not in fields:
                 raise ValueError(f"feature column {col!r} is not in the DataFrame; available columns: "
                                  f"{', '.join(fields) or '(none)'}; fix: add it or set feature_cols")
             _inspect_column(col, fields[col], "float32")  # raises for strings, structs, nested arrays
-        clash = [c for c in output_cols if c in fields]
+        clash = [c for c in new_cols if c in fields]
         if clash:
+            setter = "setPredictionCol(...) and the like" if self._task_columns() else "setOutputCols([...])"
             raise ValueError(f"output column(s) {clash} already exist in the DataFrame: expected new names; fix: "
-                             "setOutputCols([...]) with other names, or drop those columns first")
+                             f"{setter} with other names, or drop those columns first")
         return model, feature_cols, output_cols
+
+    def _task_columns(self) -> List[str]:
+        """Names of the Spark ML columns transform() adds for the task, in the UDF's field order."""
+        names = {"prediction": self.getPredictionCol(), "probability": self.getProbabilityCol(),
+                 "raw_prediction": self.getRawPredictionCol()}
+        return [names[role] for role, _ in column_kinds(self.getTask())]
 
     def _input_shapes(self, df: Any, feature_cols: List[str]) -> List[Tuple[int, ...]]:
         shapes = self.getInputShapes()
@@ -103,13 +116,11 @@ class TorchModel(Model, ModelParams, MLReadable, MLWritable):
         assert resolved is not None, "all sizes are known here"
         return resolved
 
-    def _payload(self, sc: Any, model: torch.nn.Module) -> Tuple[str, Any]:
-        """The model's key and broadcast, broadcast again only when the model or context changed."""
+    def _payload(self, model: torch.nn.Module) -> Tuple[str, bytes]:
+        """The serialized model and its key; it travels in the UDF's closure, which Spark ships
+        (and broadcasts, when large) on classic and Connect sessions alike."""
         data = cloudpickle.dumps(_cpu_model(model))
-        key = hashlib.blake2b(data, digest_size=16).hexdigest()
-        if self._broadcast is None or self._broadcast[0] != key or self._broadcast[1] is not sc:
-            self._broadcast = (key, sc, sc.broadcast(data))
-        return key, self._broadcast[2]
+        return hashlib.blake2b(data, digest_size=16).hexdigest(), data
 
     # ---- Spark ML -------------------------------------------------------------------------
     def _transform(self, dataset: Any) -> Any:
@@ -117,19 +128,29 @@ class TorchModel(Model, ModelParams, MLReadable, MLWritable):
         from pyspark.sql import functions as F
 
         model, feature_cols, output_cols = self._check(dataset)
-        sc = dataset.sparkSession.sparkContext
-        checks.ensure_executor_python(sc)
+        session = dataset.sparkSession
+        checks.ensure_executor_python(session, session_info(session))
         shapes = self._input_shapes(dataset, feature_cols)
         dtype = model_dtype(model)
         row_shapes = checks.dry_run(model, shapes, len(output_cols), dtype)
+        check_task(self.getTask(), row_shapes)
         scalar = tuple(output_is_scalar(s) for s in row_shapes)
-        key, payload = self._payload(sc, model)
+        key, payload = self._payload(model)
         dtype_name = str(dtype).replace("torch.", "")
         plan = InferencePlan(
             key=key, feature_cols=tuple(feature_cols), input_shapes=tuple(tuple(s) for s in shapes),
-            output_cols=tuple(output_cols), scalar_outputs=scalar, batch_size=self.getBatchSize(),
-            dtype=dtype_name, sys_path=tuple(p for p in sys.path if isinstance(p, str)))
+            output_cols=tuple(output_cols), scalar_outputs=scalar, batch_size=self.getInferenceBatchSize(),
+            dtype=dtype_name, sys_path=tuple(p for p in sys.path if isinstance(p, str)), task=self.getTask())
         predicted = prediction_udf(plan, payload)(*feature_args(dataset.schema, feature_cols, dtype_name))
+        if plan.task != "none":
+            packed = "__spark_hvd_outputs"
+            kinds = column_kinds(plan.task)
+            result = dataset.withColumn(packed, predicted)
+            columns = []
+            for (role, kind), name in zip(kinds, self._task_columns()):
+                column = F.col(packed)[role]
+                columns.append((array_to_vector(column) if kind == "vector" else column).alias(name))
+            return result.select(*[F.col(f"`{c}`") for c in dataset.columns], *columns)
         if len(output_cols) == 1:
             result = dataset.withColumn(output_cols[0], predicted)
         else:
@@ -141,6 +162,37 @@ class TorchModel(Model, ModelParams, MLReadable, MLWritable):
             if not is_scalar:
                 result = result.withColumn(col, array_to_vector(F.col(f"`{col}`")))
         return result
+
+    def history_frame(self) -> Any:
+        """The per-epoch history as a pandas DataFrame indexed by epoch (one column per metric)."""
+        import pandas as pd
+
+        frame = pd.DataFrame(list(self.getHistory() or []))
+        return frame.set_index("epoch") if "epoch" in frame.columns else frame
+
+    def plot_history(self, metrics: Optional[List[str]] = None, ax: Any = None) -> Any:
+        """Plot loss and metrics per epoch (training solid, validation dashed) with matplotlib;
+        returns the Axes. ``metrics`` picks the training metrics (default: all of them)."""
+        try:
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise ImportError("plot_history() needs matplotlib: pip install matplotlib") from None
+        frame = self.history_frame()
+        if frame.empty:
+            raise ValueError("the model has no history to plot: expected a model returned by fit(); "
+                             "history_frame() shows what there is")
+        names = metrics or [c for c in frame.columns if not c.startswith("val_") and c not in ("rows_per_s", "seconds")]
+        if ax is None:
+            _, ax = plt.subplots(figsize=(6, 3.5))
+        for name in names:
+            line, = ax.plot(frame.index, frame[name], marker="o", label=name)
+            if f"val_{name}" in frame.columns:
+                ax.plot(frame.index, frame[f"val_{name}"], marker="o", linestyle="--", color=line.get_color(),
+                        label=f"val_{name}")
+        ax.set_xlabel("epoch")
+        ax.set_title(f"run {self.getRunId()}" if self.getRunId() else "training history")
+        ax.legend()
+        return ax
 
     def write(self) -> ParamsWriter:
         """A writer saving this model (``.save(path)``; ``.overwrite()`` to replace)."""
@@ -155,7 +207,7 @@ class TorchModel(Model, ModelParams, MLReadable, MLWritable):
         """A copy sharing the torch model object, with ``extra`` Params set."""
         that = super().copy(extra)
         that.fit_timings = dict(self.fit_timings)
-        that._broadcast = None
+        that.mlflow_run_id = self.mlflow_run_id
         return that
 
 

@@ -59,8 +59,17 @@ class ParamsWriter(MLWriter):
                 json_params[spec.name] = value
             else:
                 objects[spec.name] = value
-        DefaultParamsWriter.saveMetadata(instance, path, self.sparkSession, paramMap=json_params)
-        write_blob(self.sparkSession, os.path.join(path, _OBJECTS_DIR), _dumps(objects))
+        spark = self.sparkSession
+        metadata = DefaultParamsWriter._get_metadata_to_save(instance, spark, paramMap=json_params)
+        # Spark's own metadata writer refuses an existing directory; each part is replaced here
+        # instead, so overwrite() works without the JVM helper Spark Connect lacks.
+        mode = "overwrite" if self.shouldOverwrite else "error"
+        spark.createDataFrame([(metadata,)], schema=["value"]).coalesce(1).write.mode(mode).text(
+            os.path.join(path, "metadata"))
+        write_blob(spark, os.path.join(path, _OBJECTS_DIR), _dumps(objects))
+
+    def _handleOverwrite(self, path: str) -> None:
+        """Nothing to clear first: :meth:`saveImpl` replaces each part it writes."""
 
 
 def _dumps(objects: Dict[str, Any]) -> bytes:

@@ -48,7 +48,7 @@ class ProgressReporter:
         """Training begins: the totals the driver needs for its bar."""
         if self.enabled:
             self._emit({"event": "start", "epochs": epochs, "start_epoch": start_epoch, "steps": steps,
-                        "val_steps": val_steps, "size": size, "batch_size": batch_size})
+                        "val_steps": val_steps, "size": size, "batch_size": batch_size, "t": time.time()})
 
     def step(self, epoch: int, step: int, loss: float, force: bool = False) -> None:
         """Step ``step`` (from 1) of epoch ``epoch`` is done; ``loss`` is the epoch's running mean."""
@@ -62,7 +62,7 @@ class ProgressReporter:
     def epoch(self, epoch: int, logs: Mapping[str, float]) -> None:
         """Epoch ``epoch`` (from 0) is done; ``logs`` are its rank-averaged metrics."""
         if self.enabled:
-            self._emit({"event": "epoch", "epoch": epoch, "logs": dict(logs)})
+            self._emit({"event": "epoch", "epoch": epoch, "logs": dict(logs), "t": time.time()})
 
 
 def format_epoch(epoch: int, epochs: int, logs: Mapping[str, Any]) -> str:
@@ -140,6 +140,10 @@ class ProgressPrinter:
         """``time.monotonic()`` when rank 0 announced the start of training."""
         self.last_epoch_at: Optional[float] = None
         """``time.monotonic()`` when the last epoch's results arrived."""
+        self.rank_started_at: Optional[float] = None
+        """Rank 0's ``time.time()`` when training started."""
+        self.rank_last_epoch_at: Optional[float] = None
+        """Rank 0's ``time.time()`` when its last epoch ended."""
         self.epoch_logs: List[Dict[str, Any]] = []
         self.stdout = _Stream(self._on_stdout)
         self.stderr = _Stream(self._on_stderr)
@@ -178,6 +182,7 @@ class ProgressPrinter:
         kind = event.get("event")
         if kind == "start":
             self.started_at = time.monotonic()
+            self.rank_started_at = event.get("t") if isinstance(event.get("t"), (int, float)) else None
             self.epochs = int(event.get("epochs", 0))
             self.steps = int(event.get("steps", 0))
         elif kind == "step":
@@ -188,6 +193,7 @@ class ProgressPrinter:
                             f"loss {float(event.get('loss', float('nan'))):.4f}")
         elif kind == "epoch":
             self.last_epoch_at = time.monotonic()
+            self.rank_last_epoch_at = event.get("t") if isinstance(event.get("t"), (int, float)) else None
             logs = dict(event.get("logs", {}))
             self.epoch_logs.append(logs)
             self._close_bar()

@@ -134,14 +134,18 @@ class TrainingSpec:
     progress: bool = True
     """Whether rank 0 reports steps while an epoch runs (epochs are always reported)."""
     progress_interval_s: float = 0.25
+    fingerprint: Dict[str, str] = field(default_factory=dict)
+    """What the run trains (see ``fingerprint.run_fingerprint``), recorded in every checkpoint."""
 
 
 def checkpoint_bytes(epoch: int, model: torch.nn.Module, optimizer_state: Dict[str, Any],
-                     history: List[Dict[str, Any]]) -> bytes:
-    """A checkpoint as stored: ``torch.save`` of a dict of plain values and tensors."""
+                     history: List[Dict[str, Any]], fingerprint: Optional[Dict[str, str]] = None) -> bytes:
+    """A checkpoint as stored: ``torch.save`` of a dict of plain values and tensors; ``fingerprint``
+    identifies the model architecture, optimizer, loss and data the run trains."""
     buf = io.BytesIO()
     torch.save({"format": CHECKPOINT_FORMAT, "epoch": epoch, "model": _to_cpu(model.state_dict()),
-                "optimizer": _to_cpu(optimizer_state), "history": history}, buf)
+                "optimizer": _to_cpu(optimizer_state), "history": history,
+                "fingerprint": dict(fingerprint or {})}, buf)
     return buf.getvalue()
 
 
@@ -297,7 +301,8 @@ class _Trainer:
             for group in state["param_groups"]:
                 group["lr"] = group["lr"] / self.lr_scale
         self.spec.store.write(self.spec.checkpoint_path,
-                              checkpoint_bytes(completed, self.model, state, self.state.history))
+                              checkpoint_bytes(completed, self.model, state, self.state.history,
+                                               self.spec.fingerprint))
 
     def run(self) -> Optional[Dict[str, Any]]:
         spec = self.spec

@@ -4,9 +4,10 @@ The prediction runs in a scalar-iterator Arrow UDF (``arrow_udf``, Spark 4.1+; a
 older Spark), Spark's Arrow-based batch interface for column functions: only the feature columns
 travel to Python as Arrow record batches; the other columns stay in the JVM and the predictions
 are appended to them. A ``mapInArrow`` pass would ship every column through Python and back,
-which with Spark ML Vector columns in the frame takes about three times as long. The driver
-broadcasts the serialized model once; each Python worker deserializes it once (and keeps it
-while the worker is reused), then predicts ``batch_size`` rows per forward pass.
+which with Spark ML Vector columns in the frame takes about three times as long. The serialized
+model travels in the UDF's closure (Spark broadcasts large closures itself, on classic and
+Connect sessions alike); each Python worker deserializes it once (and keeps it while the worker
+is reused), then predicts ``batch_size`` rows per forward pass.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any, Iterator, List, Sequence, Tuple
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+
+from spark_hvd.spark.outputs import column_kinds, standard_columns
 
 __all__ = ["InferencePlan", "output_is_scalar", "prediction_udf", "feature_args"]
 
@@ -45,6 +48,8 @@ class InferencePlan:
     """torch dtype name of the model's parameters, e.g. 'float32'."""
     sys_path: Tuple[str, ...]
     """The driver's sys.path, so model classes imported there import here too."""
+    task: str = "none"
+    """The Spark ML columns to compute from the single output (see ``spark_hvd.spark.outputs``)."""
 
 
 def output_is_scalar(row_shape: Sequence[int]) -> bool:
@@ -78,7 +83,7 @@ def _load(plan: InferencePlan, payload: Any) -> Tuple[Any, Any]:
         _models.move_to_end(key)
         return _models[key], device
     sys.path.extend(p for p in plan.sys_path if p not in sys.path)
-    model = cloudpickle.loads(payload.value).to(device)
+    model = cloudpickle.loads(payload).to(device)
     model.eval()
     _models[key] = model
     while len(_models) > _CACHE_SIZE:
@@ -134,12 +139,24 @@ def _arrow_output(values: np.ndarray, scalar: bool) -> Any:
     return pa.ListArray.from_arrays(offsets, pa.array(values.reshape(-1)))
 
 
+def _task_fields(plan: InferencePlan, values: np.ndarray) -> List[Tuple[str, np.ndarray, bool]]:
+    """(field name, values, scalar) of each Spark ML column of the task, in ``column_kinds`` order."""
+    columns = standard_columns(plan.task, values)
+    return [(role, columns[role], kind == "double") for role, kind in column_kinds(plan.task)]
+
+
 def _predict_arrow(plan: InferencePlan, payload: Any, batches: Iterator[Any]) -> Iterator[Any]:
     model, device = _load(plan, payload)
     for batch in batches:
         arrays = batch if isinstance(batch, tuple) else (batch,)
         columns = [_arrow_to_numpy(a, c) for a, c in zip(arrays, plan.feature_cols)]
-        outputs = [_arrow_output(v, s) for v, s in zip(_predict(model, device, plan, columns), plan.scalar_outputs)]
+        predicted = _predict(model, device, plan, columns)
+        if plan.task != "none":
+            fields = _task_fields(plan, predicted[0])
+            yield pa.StructArray.from_arrays([_arrow_output(v.reshape(len(v), -1), s) for _, v, s in fields],
+                                             names=[name for name, _, _ in fields])
+            continue
+        outputs = [_arrow_output(v, s) for v, s in zip(predicted, plan.scalar_outputs)]
         if len(outputs) == 1:
             yield outputs[0]
         else:
@@ -155,7 +172,11 @@ def _predict_pandas(plan: InferencePlan, payload: Any, batches: Iterator[Any]) -
     for batch in batches:
         series = batch if isinstance(batch, tuple) else (batch,)
         columns = [_series_to_numpy(s, c) for s, c in zip(series, plan.feature_cols)]
-        outputs = [_series(v, s) for v, s in zip(_predict(model, device, plan, columns), plan.scalar_outputs)]
+        predicted = _predict(model, device, plan, columns)
+        if plan.task != "none":
+            yield pd.DataFrame({name: _series(v.reshape(len(v), -1), s) for name, v, s in _task_fields(plan, predicted[0])})
+            continue
+        outputs = [_series(v, s) for v, s in zip(predicted, plan.scalar_outputs)]
         if len(outputs) == 1:
             yield outputs[0]
         else:
@@ -163,13 +184,19 @@ def _predict_pandas(plan: InferencePlan, payload: Any, batches: Iterator[Any]) -
 
 
 def prediction_udf(plan: InferencePlan, payload: Any) -> Any:
-    """The UDF predicting ``plan.output_cols`` from the feature arguments: a double or
-    array<double> column for one output, a struct with fields ``o0, o1, ...`` for several."""
+    """The UDF predicting from the feature arguments: with a task, a struct with one field per
+    Spark ML column role; else a double or array<double> column for one output, a struct with
+    fields ``o0, o1, ...`` for several."""
     from pyspark.sql.types import ArrayType, DataType, DoubleType, StructField, StructType
 
-    types: List[DataType] = [DoubleType() if s else ArrayType(DoubleType()) for s in plan.scalar_outputs]
-    return_type = types[0] if len(types) == 1 else StructType(
-        [StructField(f"o{i}", t) for i, t in enumerate(types)])
+    return_type: DataType
+    if plan.task != "none":
+        return_type = StructType([StructField(role, DoubleType() if kind == "double" else ArrayType(DoubleType()))
+                                  for role, kind in column_kinds(plan.task)])
+    else:
+        types: List[DataType] = [DoubleType() if s else ArrayType(DoubleType()) for s in plan.scalar_outputs]
+        return_type = types[0] if len(types) == 1 else StructType(
+            [StructField(f"o{i}", t) for i, t in enumerate(types)])
     single = len(plan.feature_cols) == 1
     # Spark picks the UDF kind from the type hints, so each arity gets its own exact signature.
     try:
@@ -207,6 +234,9 @@ def feature_args(schema: Any, feature_cols: Sequence[str], dtype: str) -> List[A
     for col in feature_cols:
         column = F.col("`" + col.replace("`", "``") + "`")
         if isinstance(fields[col], (VectorUDT, OldVectorUDT)):
-            column = vector_to_array(column, dtype="float64" if dtype == "float64" else "float32")
+            # Spark's conversion fails the job with a JVM error on a null Vector; a null array
+            # reaches the UDF, which names the column instead.
+            converted = vector_to_array(column, dtype="float64" if dtype == "float64" else "float32")
+            column = F.when(column.isNull(), F.lit(None)).otherwise(converted)
         args.append(column)
     return args

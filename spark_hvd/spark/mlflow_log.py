@@ -1,0 +1,95 @@
+"""MLflow logging of a fit (optional): Params, per-epoch metrics with their step, timings, the model.
+
+MLflow is an optional dependency. A fit logs when MLflow is importable and a run is active, or
+when the estimator's ``log_to_mlflow`` Param is True (a run is then started and ended around
+the logging); ``log_to_mlflow=False`` never logs. Framework-neutral: the estimator hands a
+function that logs its model flavor.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+__all__ = ["MLflowLogger", "start_logging", "params_for_logging", "PARAM_VALUE_CHARS"]
+
+log = logging.getLogger("spark_hvd.spark")
+
+PARAM_VALUE_CHARS = 500
+"""Longest Param value logged (MLflow refuses values above its own limit; long reprs say little)."""
+
+_INSTALL = 'pip install "mlflow-skinny>=2.10"  (or mlflow)'
+
+
+def _import_mlflow(required: bool) -> Any:
+    try:
+        import mlflow
+    except ImportError:
+        if required:
+            raise ImportError(f"log_to_mlflow=True needs MLflow: {_INSTALL}") from None
+        return None
+    return mlflow
+
+
+class MLflowLogger:
+    """Logs one fit into the active MLflow run (or one it started)."""
+
+    def __init__(self, mlflow: Any, started_run: bool) -> None:
+        self.mlflow = mlflow
+        self._started_run = started_run
+        self.run_id: str = mlflow.active_run().info.run_id
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Each Param as text, cut to :data:`PARAM_VALUE_CHARS`."""
+        self.mlflow.log_params({name: str(value)[:PARAM_VALUE_CHARS] for name, value in params.items()
+                                if value is not None})
+
+    def log_history(self, history: List[Mapping[str, Any]]) -> None:
+        """Every numeric entry of every epoch, with the epoch as the step."""
+        for entry in history:
+            step = int(entry.get("epoch", 0))
+            metrics = {key: float(value) for key, value in entry.items()
+                       if key != "epoch" and isinstance(value, numbers.Real) and not isinstance(value, bool)}
+            if metrics:
+                self.mlflow.log_metrics(metrics, step=step)
+
+    def log_timings(self, timings: Mapping[str, float]) -> None:
+        """Seconds per fit phase as metrics ``fit_<phase>_s``."""
+        if timings:
+            self.mlflow.log_metrics({f"fit_{phase}_s": float(seconds) for phase, seconds in timings.items()})
+
+    def log_model(self, log_flavor: Callable[[Any], Any]) -> None:
+        """Log the model through ``log_flavor(mlflow)``, e.g. ``mlflow.pytorch.log_model``."""
+        log_flavor(self.mlflow)
+
+    def close(self) -> None:
+        """End the run when this logger started it."""
+        if self._started_run:
+            self.mlflow.end_run()
+
+
+def start_logging(setting: Optional[bool]) -> Optional[MLflowLogger]:
+    """A logger for this fit, or None: ``setting`` None logs into an active run only, True starts
+    a run when none is active (and needs MLflow installed), False never logs."""
+    if setting is False:
+        return None
+    mlflow = _import_mlflow(required=setting is True)
+    if mlflow is None:
+        return None
+    if mlflow.active_run() is not None:
+        return MLflowLogger(mlflow, started_run=False)
+    if setting is True:
+        mlflow.start_run()
+        return MLflowLogger(mlflow, started_run=True)
+    return None
+
+
+def params_for_logging(json_params: Mapping[str, Any], objects: Mapping[str, Any]) -> Dict[str, Any]:
+    """The Params to log: JSON values as they are, objects (model, optimizer, loss) by description."""
+    logged: Dict[str, Any] = dict(json_params)
+    for name, value in objects.items():
+        if value is None:
+            continue
+        logged[name] = type(value).__name__ if name == "model" else repr(value)
+    return logged

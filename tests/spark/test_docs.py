@@ -1,0 +1,19 @@
+"""The generated reference (docs/params.md, docs/api.md) matches the code it is generated from."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_generated_reference_is_up_to_date():
+    """Each file equals what docs/generate.py writes today; run the script after changing Params or docstrings."""
+    spec = importlib.util.spec_from_file_location("docs_generate", ROOT / "docs" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for path, text in module.generated().items():
+        assert path.read_text() == text, f"{path.name} is out of date: run .venv/bin/python docs/generate.py"
+    params = (ROOT / "docs" / "params.md").read_text()
+    assert "| `inference_batch_size` |" in params and "| `invalid_rows` |" in params
