@@ -80,13 +80,34 @@ def _split(items: Sequence[torch.Tensor], parts: int) -> List[Tuple[torch.Tensor
     return [g for g in out if g]
 
 
+def _buckets(trainable: List[torch.Tensor], cap_mb: float) -> List[Tuple[torch.Tensor, ...]]:
+    """Buckets of at most ``cap_mb`` MiB of gradients each (a larger tensor gets one of its own),
+    filled in reverse registration order: backward produces the last layers' gradients first, so
+    the first bucket is complete, and its reduction starts, while backward still runs. The order
+    depends only on the model, so every rank forms the same buckets."""
+    cap = cap_mb * (1 << 20)
+    out: List[Tuple[torch.Tensor, ...]] = []
+    current: List[torch.Tensor] = []
+    filled = 0
+    for p in reversed(trainable):
+        nbytes = p.numel() * p.element_size()
+        if current and filled + nbytes > cap:
+            out.append(tuple(current))
+            current, filled = [], 0
+        current.append(p)
+        filled += nbytes
+    if current:
+        out.append(tuple(current))
+    return out
+
+
 class _DistributedOptimizer:
     """Methods mixed in front of the wrapped optimizer's class (see :func:`DistributedOptimizer`)."""
 
     def _hvd_setup(self, named: List[Tuple[str, torch.Tensor]], compression: Compressor,
                    backward_passes_per_step: int, op: int, gradient_predivide_factor: float,
                    groups: Union[None, int, Sequence[Sequence[torch.Tensor]]], sparse_as_dense: bool,
-                   process_set: Any) -> None:
+                   process_set: Any, bucket_cap_mb: Optional[float] = None) -> None:
         self._compression = compression
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
@@ -104,10 +125,18 @@ class _DistributedOptimizer:
         self._group_of: Dict[torch.Tensor, Tuple[torch.Tensor, ...]] = {}
         self._group_ready: Dict[Tuple[torch.Tensor, ...], int] = {}
         self._hook_handles: List[Any] = []
+        if bucket_cap_mb is not None:
+            groups = _buckets(trainable, bucket_cap_mb)
         self._set_groups(groups, trainable)
         # Hooks always: an elastic world of one may grow, and reductions start in the first
         # backward after that.
         self._register_hooks(trainable)
+
+    @property
+    def buckets(self) -> List[List[str]]:
+        """The parameter names of each grouped reduction (buckets or groups), in the order their
+        gradients are expected to be ready; empty when every gradient is reduced on its own."""
+        return [[self._parameter_names[p] for p in group] for group in self._group_ready]
 
     @property
     def _communicate(self) -> bool:
@@ -329,6 +358,7 @@ def DistributedOptimizer(
     groups: Union[None, int, Sequence[Sequence[torch.Tensor]]] = None,
     sparse_as_dense: bool = False,
     process_set: Any = global_process_set,
+    bucket_cap_mb: Optional[float] = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
@@ -352,6 +382,11 @@ def DistributedOptimizer(
         sparse_as_dense: Reduce sparse gradients as dense tensors (otherwise they are allgathered);
             the reduced gradient is made sparse again before the wrapped optimizer's step.
         process_set: Ranks that average their gradients (default: all ranks).
+        bucket_cap_mb: Reduce gradients in buckets of about this many MiB (as torch DDP's
+            ``bucket_cap_mb``) instead of one request per parameter: buckets are filled from the
+            last parameter to the first, and each is reduced as one grouped operation once all
+            its gradients are ready, so a model with hundreds of parameter tensors sends a few
+            requests per step. ``optimizer.buckets`` lists them. Not combined with ``groups``.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -375,6 +410,14 @@ def DistributedOptimizer(
         warnings.warn("num_groups is deprecated; pass groups=<number> instead", DeprecationWarning, stacklevel=2)
         if groups is None:
             groups = num_groups
+    if bucket_cap_mb is not None:
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} is invalid: expected a number of MiB > 0, e.g. "
+                             "bucket_cap_mb=25, or None to reduce each gradient on its own")
+        if groups:
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} and groups={groups!r} both say how gradients are "
+                             "grouped: expected one of them; drop groups to use buckets, or bucket_cap_mb to use "
+                             "your groups")
     named = _named(optimizer, named_parameters)
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     # Adopt the optimizer's attributes instead of constructing anew: its state (a loaded
@@ -382,5 +425,5 @@ def DistributedOptimizer(
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped._hvd_setup(named, compression, backward_passes_per_step, op, gradient_predivide_factor, groups,
-                       sparse_as_dense, process_set)
+                       sparse_as_dense, process_set, bucket_cap_mb)
     return wrapped

@@ -276,6 +276,52 @@ def check_groups_and_predivide(hvd, rank, size):
         close(p.grad, q.grad * scale, 1e-5, "op=Sum")
 
 
+def check_bucket_cap_mb(hvd, rank, size):
+    """bucket_cap_mb groups gradients into buckets filled from the last parameter to the first
+    (a tensor larger than the cap gets a bucket of its own), and training with buckets of any
+    size matches single-process training; the last layers' bucket starts during backward."""
+    data = _data(size, steps=3)
+    want = _reference(_model(), data, _sgd)
+    names = [n for n, _ in _model().named_parameters()]
+    expected = {
+        1e-9: [[n] for n in reversed(names)],
+        120 / (1 << 20): [["2.bias", "2.weight"], ["0.bias"], ["0.weight"]],
+        25: [list(reversed(names))],
+    }
+    for cap, buckets in expected.items():
+        model = _model()
+        opt = _distributed(hvd, rank, model, data, _sgd, bucket_cap_mb=cap)
+        assert opt.buckets == buckets, (cap, opt.buckets)
+        _assert_same_params(model, want, 1e-5, f"bucket_cap_mb={cap}")
+    if size > 1:
+        first, last = torch.nn.Linear(6, 8), torch.nn.Linear(8, 3)
+        model = torch.nn.Sequential(first, last)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), bucket_cap_mb=120 / (1 << 20))
+        assert opt.buckets == [["1.bias", "1.weight"], ["0.bias"], ["0.weight"]], opt.buckets
+        seen = {}
+
+        def during_backward():
+            pending = opt._handles.get((last.bias, last.weight))
+            seen["started"] = pending is not None and pending[0] is not None
+            seen["first_pending"] = any(t is first.weight for key in opt._handles if isinstance(key, tuple) for t in key)
+
+        out = last(_Probe.apply(first(torch.randn(BATCH, 6)), during_backward))
+        out.sum().backward()
+        opt.step()
+        assert seen == {"started": True, "first_pending": False}, seen
+    model = _model()
+    for options, phrase in (({"bucket_cap_mb": 0}, "bucket_cap_mb=0 is invalid"),
+                            ({"bucket_cap_mb": "25"}, "expected a number of MiB"),
+                            ({"bucket_cap_mb": 25, "groups": 2}, "both say how gradients are grouped")):
+        try:
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **options)
+        except ValueError as exc:
+            assert phrase in str(exc), (phrase, str(exc))
+        else:
+            raise AssertionError(f"{options} did not raise ValueError")
+
+
 def check_wrapping_keeps_optimizer_identity(hvd, rank, size):
     """The wrapped optimizer is an instance of the original class with its state and param groups,
     works with an LR scheduler, and param groups with several groups get unique default names."""
@@ -354,7 +400,8 @@ def check_argument_errors(hvd, rank, size):
 
 ALL = [check_matches_single_process_training, check_backward_passes_per_step, check_fp16_compression,
        check_allreduce_starts_during_backward, check_unused_parameters, check_clipping_between_synchronize_and_step,
-       check_zero_grad_between_backward_and_step, check_groups_and_predivide, check_wrapping_keeps_optimizer_identity,
+       check_zero_grad_between_backward_and_step, check_groups_and_predivide, check_bucket_cap_mb,
+       check_wrapping_keeps_optimizer_identity,
        check_sparse_gradients, check_argument_errors]
 
 
