@@ -104,6 +104,21 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("cycle_time_ms", "SPARK_HVD_CYCLE_TIME", float, 0.0,
             "Milliseconds the coordinator may hold ready requests back to fuse more; 0 answers at once.",
             ("HOROVOD_CYCLE_TIME",)),
+    Setting("autotune", "SPARK_HVD_AUTOTUNE", _parse_bool, False,
+            "Rank 0 tries fusion thresholds and cycle times during the first steps, then keeps the best.",
+            ("HOROVOD_AUTOTUNE",)),
+    Setting("autotune_log", "SPARK_HVD_AUTOTUNE_LOG", str, None,
+            "CSV file where rank 0 writes each autotune sample (setting, steps, seconds, bytes/s) and the choice.",
+            ("HOROVOD_AUTOTUNE_LOG",)),
+    Setting("autotune_warmup_samples", "SPARK_HVD_AUTOTUNE_WARMUP_SAMPLES", int, 3,
+            "Autotune samples run under the starting settings and discarded before trials begin.",
+            ("HOROVOD_AUTOTUNE_WARMUP_SAMPLES",)),
+    Setting("autotune_steps_per_sample", "SPARK_HVD_AUTOTUNE_STEPS_PER_SAMPLE", int, 10,
+            "Training steps (a tensor name reduced again) measured under each autotune setting.",
+            ("HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE",)),
+    Setting("autotune_max_samples", "SPARK_HVD_AUTOTUNE_MAX_SAMPLES", int, 20,
+            "Autotune trials at most (after the warm-up) before the best setting is kept.",
+            ("HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES",)),
     Setting("hierarchical_allreduce", "SPARK_HVD_HIERARCHICAL_ALLREDUCE", _parse_bool, False,
             "Allreduce within each host first, then across hosts among one rank per host (several hosts).",
             ("HOROVOD_HIERARCHICAL_ALLREDUCE",)),
@@ -194,6 +209,11 @@ class RuntimeConfig:
     worker_id: Optional[str] = _default("worker_id")
     fusion_threshold: int = _default("fusion_threshold")
     cycle_time_ms: float = _default("cycle_time_ms")
+    autotune: bool = _default("autotune")
+    autotune_log: Optional[str] = _default("autotune_log")
+    autotune_warmup_samples: int = _default("autotune_warmup_samples")
+    autotune_steps_per_sample: int = _default("autotune_steps_per_sample")
+    autotune_max_samples: int = _default("autotune_max_samples")
     hierarchical_allreduce: bool = _default("hierarchical_allreduce")
     eager_threshold: int = _default("eager_threshold")
     cache_capacity: int = _default("cache_capacity")
@@ -214,6 +234,9 @@ class RuntimeConfig:
         checks = (
             ("fusion_threshold", self.fusion_threshold >= 0, "a byte count >= 0"),
             ("cycle_time_ms", self.cycle_time_ms >= 0, "milliseconds >= 0"),
+            ("autotune_warmup_samples", self.autotune_warmup_samples >= 0, "a count >= 0"),
+            ("autotune_steps_per_sample", self.autotune_steps_per_sample >= 1, "a count >= 1"),
+            ("autotune_max_samples", self.autotune_max_samples >= 1, "a count >= 1"),
             ("cache_capacity", self.cache_capacity >= 0, "a count >= 0"),
             ("eager_threshold", self.eager_threshold >= 0, "a byte count >= 0"),
             ("stall_check_seconds", self.stall_check_seconds >= 0, "seconds >= 0"),

@@ -27,6 +27,7 @@ from .execution import Executor
 from .handles import Entry, Handle
 from .messages import (Announce, Meta, RequestBatch, Response, dump_requests, dump_responses, load_requests,
                        load_responses)
+from .autotune import Autotuner
 from .negotiation import Coordinator, WorkerSignatures
 from .ops import storage_dtype
 from .timeline import MEMCPY_OUT, NEGOTIATE, QUEUE, Timeline
@@ -101,6 +102,12 @@ class Engine(Executor):
         self._stall_period: Optional[float] = min(1.0, min(stall_times) / 4.0) if stall_times else None
         self.coordinator: Optional[Coordinator] = None
         self._signatures = WorkerSignatures()
+        self._cycle_time_ms = config.cycle_time_ms
+        self.autotuner: Optional[Autotuner] = None
+        if self.rank == 0 and config.autotune and self.size > 1:
+            self.autotuner = Autotuner(config.fusion_threshold, config.cycle_time_ms, config.autotune_log,
+                                       config.autotune_warmup_samples, config.autotune_steps_per_sample,
+                                       config.autotune_max_samples)
         if self.rank == 0:
             self.coordinator = Coordinator(self.size, config.cache_capacity, config.fusion_threshold,
                                            config.stall_check_seconds, config.stall_shutdown_seconds,
@@ -430,6 +437,8 @@ class Engine(Executor):
                     self._timeline.cycle(arrived * 1e6)
                 for response in batch.responses:
                     self._execute(response, metas, arrived)
+                if self.autotuner is not None and not self.autotuner.done:
+                    self._autotune(batch.responses, metas)
         lines, shutdown = coord.stalled(time.monotonic())
         if lines:
             log.warning(
@@ -440,16 +449,35 @@ class Engine(Executor):
                 "stalled operations exceeded SPARK_HVD_STALL_SHUTDOWN_TIME_SECONDS="
                 f"{self.config.stall_shutdown_seconds}: " + "; ".join(lines))
 
+    def _autotune(self, responses: Sequence[Response], metas: Mapping[int, Meta]) -> None:
+        """Feed the autotuner the allreduces just executed; apply the setting it moves to."""
+        names: List[str] = []
+        nbytes = 0
+        for response in responses:
+            if response.kind in ("allreduce", "allreduce_eager"):
+                names.extend(response.names)
+                for sid in response.sids:
+                    meta = metas.get(sid)
+                    if meta is not None:
+                        nbytes += meta.count() * storage_dtype(meta.dtype).itemsize
+        if not names:
+            return
+        assert self.autotuner is not None and self.coordinator is not None
+        setting = self.autotuner.observe(names, nbytes)
+        if setting is not None:
+            self.coordinator.fusion_threshold, self._cycle_time_ms = setting
+
     def _cycle_allows(self) -> bool:
         """With a cycle time, hold ready requests back until the oldest has waited that long."""
-        if self.config.cycle_time_ms <= 0:
+        cycle_ms = self._cycle_time_ms
+        if cycle_ms <= 0:
             return True
         coord = self.coordinator
         assert coord is not None
         oldest = min((coord.pending[key].first_seen for key in coord.ready if key in coord.pending), default=0.0)
-        if time.monotonic() - oldest >= self.config.cycle_time_ms / 1000.0:
+        if time.monotonic() - oldest >= cycle_ms / 1000.0:
             return True
-        time.sleep(min(self.config.cycle_time_ms / 1000.0, 0.001))
+        time.sleep(min(cycle_ms / 1000.0, 0.001))
         return False
 
     def _send(self, peer: int, frame: bytes) -> None:

@@ -72,6 +72,16 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="tensor fusion buffer size in MiB (0 disables fusion)")
     parser.add_argument("--cycle-time-ms", type=float, metavar="MS",
                         help="milliseconds the coordinator may wait to fuse more requests")
+    parser.add_argument("--autotune", action="store_true",
+                        help="let rank 0 try fusion thresholds and cycle times during the first steps and keep the best")
+    parser.add_argument("--autotune-log-file", metavar="FILE",
+                        help="write each autotune sample and the final choice to FILE (CSV)")
+    parser.add_argument("--autotune-warmup-samples", type=int, metavar="K",
+                        help="autotune samples discarded before trials begin (default 3)")
+    parser.add_argument("--autotune-steps-per-sample", type=int, metavar="K",
+                        help="training steps measured under each autotune setting (default 10)")
+    parser.add_argument("--autotune-bayes-opt-max-samples", type=int, metavar="K",
+                        help="autotune trials at most before the best setting is kept (default 20)")
     parser.add_argument("--cache-capacity", type=int, metavar="K",
                         help="request signatures to cache (0 disables the cache)")
     parser.add_argument("--start-timeout", type=float, metavar="S",
@@ -200,7 +210,20 @@ def parse_options(argv: Sequence[str], environ: Optional[Dict[str, str]] = None)
                   args.cache_capacity is not None and args.cache_capacity >= 0, "a count >= 0")
     _check_number("--start-timeout", args.start_timeout,
                   args.start_timeout is not None and args.start_timeout > 0, "seconds > 0")
+    _check_number("--autotune-warmup-samples", args.autotune_warmup_samples,
+                  args.autotune_warmup_samples is not None and args.autotune_warmup_samples >= 0, "a count >= 0")
+    _check_number("--autotune-steps-per-sample", args.autotune_steps_per_sample,
+                  args.autotune_steps_per_sample is not None and args.autotune_steps_per_sample >= 1, "a count >= 1")
+    _check_number("--autotune-bayes-opt-max-samples", args.autotune_bayes_opt_max_samples,
+                  args.autotune_bayes_opt_max_samples is not None and args.autotune_bayes_opt_max_samples >= 1,
+                  "a count >= 1")
     settings: Dict[str, Any] = {
+        "autotune": True if args.autotune or args.autotune_log_file else None,
+        "autotune_log": None if args.autotune_log_file is None
+        else _check_writable_file("--autotune-log-file", args.autotune_log_file),
+        "autotune_warmup_samples": args.autotune_warmup_samples,
+        "autotune_steps_per_sample": args.autotune_steps_per_sample,
+        "autotune_max_samples": args.autotune_bayes_opt_max_samples,
         "fusion_threshold": None if args.fusion_threshold_mb is None
         else int(args.fusion_threshold_mb * _MIB),
         "cycle_time_ms": args.cycle_time_ms,
