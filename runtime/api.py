@@ -198,6 +198,12 @@ def is_initialized() -> bool:
     return _state.session is not None
 
 
+def runtime_config() -> Optional[RuntimeConfig]:
+    """The settings the running world was initialized with (None before init())."""
+    session = _state.session
+    return session.config if session is not None else None
+
+
 def _world(what: str) -> World:
     return _session(what).world
 

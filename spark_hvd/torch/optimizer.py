@@ -6,6 +6,8 @@ communication overlaps the rest of backward; ``step()`` waits for them.
 
 from __future__ import annotations
 
+import logging
+import time
 import warnings
 import weakref
 from contextlib import contextmanager
@@ -13,7 +15,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from spark_hvd.torch.basics import Adasum, Average, global_process_set
+from spark_hvd.torch.basics import Adasum, Average, Max, global_process_set
 from spark_hvd.torch.compression import Compression, Compressor
 from spark_hvd.torch.handles import Handle, enqueue
 from spark_hvd.torch.mpi_ops import sparse_allreduce_async
@@ -28,6 +30,11 @@ _ZERO_GRAD_RACE = (
     "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
     "optimizer.synchronize(). This is prohibited as it can cause a race condition."
 )
+
+log = logging.getLogger("spark_hvd.torch")
+
+BUCKET_CANDIDATES: Tuple[Optional[float], ...] = (None, 1.0, 4.0, 25.0)
+"""Bucket sizes (MiB; None: one request per gradient) autotune tries when no bucket size was given."""
 
 # A pending reduction: the handle (None while gradients still accumulate locally) and the
 # compression context(s) needed to unpack its result.
@@ -80,6 +87,17 @@ def _split(items: Sequence[torch.Tensor], parts: int) -> List[Tuple[torch.Tensor
     return [g for g in out if g]
 
 
+def _bucket_tuner() -> Optional[_BucketTuner]:
+    """A bucket-size search when the runtime autotunes (``HOROVOD_AUTOTUNE``), else None."""
+    from spark_hvd.runtime.api import runtime_config
+
+    config = runtime_config()
+    if config is None or not config.autotune:
+        return None
+    steps = config.autotune_steps_per_sample
+    return _BucketTuner(config.autotune_warmup_samples * steps, steps)
+
+
 def _buckets(trainable: List[torch.Tensor], cap_mb: float) -> List[Tuple[torch.Tensor, ...]]:
     """Buckets of at most ``cap_mb`` MiB of gradients each (a larger tensor gets one of its own),
     filled in reverse registration order: backward produces the last layers' gradients first, so
@@ -99,6 +117,23 @@ def _buckets(trainable: List[torch.Tensor], cap_mb: float) -> List[Tuple[torch.T
     if current:
         out.append(tuple(current))
     return out
+
+
+class _BucketTuner:
+    """Tries each of :data:`BUCKET_CANDIDATES` for a sample of steps after a warm-up, then keeps the
+    fastest. Every rank decides from the same numbers (the slowest rank's seconds per step, agreed by
+    an allreduce at the end of each sample), so all form the same buckets at the same step."""
+
+    def __init__(self, warmup_steps: int, steps_per_sample: int) -> None:
+        self.warmup_steps = warmup_steps
+        self.steps_per_sample = steps_per_sample
+        self.plan: List[Optional[float]] = list(BUCKET_CANDIDATES)
+        self.trials: List[Tuple[Optional[float], float]] = []
+        self.current: Optional[float] = None
+        self.steps = 0
+        self.in_sample = -1  # warming up
+        self.mark = 0.0
+        self.done = False
 
 
 class _DistributedOptimizer:
@@ -125,12 +160,62 @@ class _DistributedOptimizer:
         self._group_of: Dict[torch.Tensor, Tuple[torch.Tensor, ...]] = {}
         self._group_ready: Dict[Tuple[torch.Tensor, ...], int] = {}
         self._hook_handles: List[Any] = []
+        self._trainable = trainable
         if bucket_cap_mb is not None:
             groups = _buckets(trainable, bucket_cap_mb)
         self._set_groups(groups, trainable)
+        self._bucket_tuner: Optional[_BucketTuner] = None
+        if bucket_cap_mb is None and not groups:
+            self._bucket_tuner = _bucket_tuner()
         # Hooks always: an elastic world of one may grow, and reductions start in the first
         # backward after that.
         self._register_hooks(trainable)
+
+    @property
+    def bucket_trials(self) -> List[Tuple[Optional[float], float]]:
+        """With autotune: each bucket size tried (MiB, None for one request per gradient) and the
+        slowest rank's seconds per step under it; the fastest is kept once all are tried."""
+        return list(self._bucket_tuner.trials) if self._bucket_tuner is not None else []
+
+    def _use_buckets(self, cap_mb: Optional[float]) -> None:
+        """Regroup the gradients (between steps, when nothing is pending)."""
+        self._group_of.clear()
+        self._group_ready.clear()
+        if cap_mb is not None:
+            self._set_groups(_buckets(self._trainable, cap_mb), self._trainable)
+
+    def _tune_buckets(self) -> None:
+        tuner = self._bucket_tuner
+        if tuner is None or tuner.done or not self._communicate:
+            return
+        tuner.steps += 1
+        if tuner.in_sample < 0:
+            if tuner.steps >= tuner.warmup_steps:
+                self._next_bucket_trial(tuner)
+            return
+        tuner.in_sample += 1
+        if tuner.in_sample < tuner.steps_per_sample:
+            return
+        seconds = (time.perf_counter() - tuner.mark) / tuner.steps_per_sample
+        handle = enqueue("allreduce", [torch.tensor([seconds], dtype=torch.float64)], name=
+                         f"spark_hvd.bucket_autotune.{len(tuner.trials)}", op=Max, process_set=self.process_set)
+        worst = handle.wait()
+        tuner.trials.append((tuner.current, float(worst[0])))
+        self._next_bucket_trial(tuner)
+
+    def _next_bucket_trial(self, tuner: _BucketTuner) -> None:
+        if tuner.plan:
+            tuner.current = tuner.plan.pop(0)
+            self._use_buckets(tuner.current)
+            tuner.in_sample = 0
+            tuner.mark = time.perf_counter()
+            return
+        best = min(tuner.trials, key=lambda trial: trial[1])
+        tuner.current = best[0]
+        tuner.done = True
+        self._use_buckets(best[0])
+        log.info("spark-hvd autotune: keeping bucket_cap_mb=%s (%.3g ms per step; tried %s)", best[0],
+                 best[1] * 1e3, ", ".join(f"{c}: {s * 1e3:.3g} ms" for c, s in tuner.trials))
 
     @property
     def buckets(self) -> List[List[str]]:
@@ -329,7 +414,10 @@ class _DistributedOptimizer:
                 )
             self.synchronize()
         self._synchronized = False
-        return super().step(closure)  # type: ignore[misc]
+        result = super().step(closure)  # type: ignore[misc]
+        if self._bucket_tuner is not None and not self._bucket_tuner.done:
+            self._tune_buckets()
+        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients; refused while reductions are pending (between backward and step)."""
@@ -387,6 +475,9 @@ def DistributedOptimizer(
             last parameter to the first, and each is reduced as one grouped operation once all
             its gradients are ready, so a model with hundreds of parameter tensors sends a few
             requests per step. ``optimizer.buckets`` lists them. Not combined with ``groups``.
+            Left unset while the runtime autotunes (``HOROVOD_AUTOTUNE``), the sizes in
+            :data:`BUCKET_CANDIDATES` are each tried for a sample of steps after the warm-up and
+            the fastest is kept (``optimizer.bucket_trials``).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from harness import assert_passed, launch
-from runtime.autotune import CYCLE_CANDIDATES, FUSION_CANDIDATES, LOG_FIELDS, Autotuner
+from spark_hvd.runtime.autotune import CYCLE_CANDIDATES, FUSION_CANDIDATES, LOG_FIELDS, Autotuner
 
 MiB = 1024 * 1024
 

@@ -415,3 +415,32 @@ def world(request):
 def test_distributed_optimizer(world, check):
     """The optimizer check (its docstring says what it asserts) passed on every rank."""
     assert_passed(world, check)
+
+
+def check_autotune_picks_a_bucket_size_on_every_rank(hvd, rank, size):
+    """Under HOROVOD_AUTOTUNE, an optimizer without bucket_cap_mb tries every candidate after the
+    warm-up, keeps the fastest, forms the same buckets on every rank, and still trains exactly."""
+    from spark_hvd.torch.optimizer import BUCKET_CANDIDATES
+
+    data = _data(size, steps=14)
+    want = _reference(_model(), data, _sgd)
+    model = _model()
+    opt = _distributed(hvd, rank, model, data, _sgd)
+    trials = opt.bucket_trials
+    assert [cap for cap, _ in trials] == list(BUCKET_CANDIDATES), trials
+    assert all(seconds > 0 for _, seconds in trials)
+    kept = min(trials, key=lambda t: t[1])[0]
+    names = [n for n, _ in model.named_parameters()]
+    assert opt.buckets == ([] if kept is None else [list(reversed(names))]), (kept, opt.buckets)
+    assert hvd.allgather_object(opt.buckets) == [opt.buckets] * size
+    _assert_same_params(model, want, 1e-5, "autotuned buckets")
+    explicit = hvd.DistributedOptimizer(_sgd(_model()), bucket_cap_mb=25)
+    assert explicit.bucket_trials == []  # a size the user chose is kept
+
+
+def test_autotune_chooses_bucket_size():
+    """Autotune's bucket search at np=2 (warm-up 1 sample of 2 steps, then 4 samples of 2 steps)."""
+    results = launch([check_autotune_picks_a_bucket_size_on_every_rank], np=2,
+                     env={"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1",
+                          "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "2"})
+    assert_passed(results, check_autotune_picks_a_bucket_size_on_every_rank)
