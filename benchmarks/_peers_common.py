@@ -139,12 +139,44 @@ def _async_case(c: Collectives, plan: Dict[str, Any]) -> Dict[str, Any]:
             "single_bytes": count * each, "single": single}
 
 
+def _busy(seconds: float) -> None:
+    """Keep this core busy for ``seconds`` in Python, as a training step's host code would."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _after_case(c: Collectives, plan: Dict[str, Any]) -> Dict[str, Any]:
+    """A 4-byte allreduce back to back, then after ``after_ms`` of compute (a busy loop) and after
+    as long idle (a sleep) before each: the latency a training step sees when its few small
+    allreduces follow a stretch of other work, when the peers' threads may have gone to sleep."""
+    pause = plan["after_ms"] / 1000.0
+    iters = plan["after_iters"]
+    buf = _check(c, 4)
+    _timed(c.allreduce, buf, warmup_for(4, plan["quick"]))
+    c.barrier()
+    back_to_back = _timed(c.allreduce, buf, iters)
+    out: Dict[str, Any] = {"after_ms": plan["after_ms"], "back_to_back": back_to_back}
+    for label, wait in (("compute", _busy), ("idle", time.sleep)):
+        c.barrier()
+        times = []
+        for _ in range(iters):
+            wait(pause)
+            start = time.perf_counter()
+            c.allreduce(buf)
+            times.append(time.perf_counter() - start)
+        out[label] = times
+    return out
+
+
 def measure(c: Collectives, plan: Dict[str, Any]) -> Dict[str, Any]:
-    """Run the size sweep and (if planned) the asynchronous case; this rank's raw times."""
+    """Run the size sweep and (if planned) the asynchronous and after-compute cases; this rank's raw times."""
     started = time.perf_counter()
     result: Dict[str, Any] = {"rank": c.rank, "size": c.size, "sizes": _sweep(c, plan["sizes"], plan)}
     if plan["async_count"]:
         result["async"] = _async_case(c, plan)
+    if plan.get("after_ms"):
+        result["after"] = _after_case(c, plan)
     result["wall_s"] = time.perf_counter() - started
     result["pid"] = os.getpid()
     result["python"] = platform.python_version()
