@@ -1,11 +1,16 @@
 """Training throughput at np=1 and np=2: spark-hvd's DistributedOptimizer next to PyTorch DDP (gloo).
 
-    python benchmarks/training_scaling.py [--models mlp cnn] [--repeats 3] [--steps 30]
-                                          [--batch mlp=64] [--pin] [--json PATH]
+    python benchmarks/training_scaling.py [--models mlp cnn tabular deep] [--repeats 3] [--steps 30]
+                                          [--batch mlp=64 --batch tabular=32,128,512] [--pin] [--json PATH]
+                                          [--frameworks spark-hvd spark-hvd-buckets ddp-gloo]
 
-Two compute-bound models train on synthetic data with one torch thread per rank: an MLP of 4.2
-million parameters (1024-2048-1024-10, batch 64 per rank) and a small CNN on 32x32 RGB images
-(2.2 million parameters, batch 32 per rank). Every configuration runs as fresh processes:
+Models train on synthetic data with one torch thread per rank: two compute-bound ones, an MLP of
+4.2 million parameters (1024-2048-1024-10, batch 64 per rank) and a small CNN on 32x32 RGB images
+(2.2 million parameters, batch 32 per rank); the small tabular MLP of fraud detection (16 features,
+16-64-64-2, 5.4 thousand parameters) at batches 32, 128 and 512, where per-step communication
+overhead decides whether two ranks beat one; and a deep residual MLP with 162 parameter tensors
+(40 blocks of Linear(128, 128) + LayerNorm, 0.7 million parameters, batch 64), where the number
+of requests per step counts. ``spark-hvd-buckets`` is spark-hvd with ``bucket_cap_mb=25``. Every configuration runs as fresh processes:
 spark-hvd ranks through ``spark_hvd.runner.run``, DDP ranks as ``torch.distributed`` gloo
 processes on 127.0.0.1, and plain single-process torch as the common baseline. After warm-up,
 every rank times the same number of steps between two barriers.
@@ -40,11 +45,15 @@ __all__ = ["main", "MODELS", "FRAMEWORKS"]
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_JSON = HERE / "results" / "training_scaling.json"
-FRAMEWORKS = ("spark-hvd", "ddp-gloo")
-MODELS = {
-    "mlp": {"batch": 64, "describe": "MLP 1024-2048-1024-10 (4.2M parameters)"},
-    "cnn": {"batch": 32, "describe": "CNN 3x32x32: conv32-conv64-pool-conv128-pool-fc256-fc10 (2.2M parameters)"},
+FRAMEWORKS = ("spark-hvd", "spark-hvd-buckets", "ddp-gloo")
+DEFAULT_FRAMEWORKS = ("spark-hvd", "ddp-gloo")
+MODELS: Dict[str, Dict[str, Any]] = {
+    "mlp": {"batch": [64], "describe": "MLP 1024-2048-1024-10 (4.2M parameters)"},
+    "cnn": {"batch": [32], "describe": "CNN 3x32x32: conv32-conv64-pool-conv128-pool-fc256-fc10 (2.2M parameters)"},
+    "tabular": {"batch": [32, 128, 512], "describe": "tabular MLP 16-64-64-2 (5.4k parameters)"},
+    "deep": {"batch": [64], "describe": "residual MLP, 40 x (Linear 128-128 + LayerNorm) + head (162 tensors, 0.7M)"},
 }
+DEFAULT_MODELS = ("mlp", "cnn", "tabular", "deep")
 TARGET_EFFICIENCY = 0.90
 
 
@@ -57,6 +66,18 @@ def _build(model_name: str) -> Tuple[Any, Tuple[int, ...]]:
     if model_name == "mlp":
         model = nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 1024), nn.ReLU(), nn.Linear(1024, 10))
         return model, (1024,)
+    if model_name == "tabular":
+        return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2)), (16,)
+    if model_name == "deep":
+        class Block(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.linear, self.norm = nn.Linear(128, 128), nn.LayerNorm(128)
+
+            def forward(self, x: Any) -> Any:
+                return x + torch.relu(self.norm(self.linear(x)))
+
+        return nn.Sequential(*[Block() for _ in range(40)], nn.Linear(128, 10)), (128,)
     model = nn.Sequential(
         nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(),
         nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
@@ -72,7 +93,8 @@ def _synthetic_step(model: Any, optimizer: Any, shape: Tuple[int, ...], batch: i
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(batch, *shape, generator=g)
-    y = torch.randint(0, 10, (batch,), generator=g)
+    classes = 2 if shape == (16,) else 10  # the tabular model is a binary classifier
+    y = torch.randint(0, classes, (batch,), generator=g)
 
     def step() -> None:
         optimizer.zero_grad()
@@ -116,7 +138,8 @@ def sparkhvd_rank(config: Dict[str, Any]) -> Dict[str, Any]:
         model, shape = _build(config["model"])
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                             bucket_cap_mb=config.get("bucket_cap_mb"))
         return _timed(_synthetic_step(model, optimizer, shape, config["batch"]), hvd.barrier, config)
     finally:
         hvd.shutdown()
@@ -188,7 +211,9 @@ def _launch_processes(config: Dict[str, Any], np: int, timeout: float) -> List[D
 def _launch(framework: str, config: Dict[str, Any], np: int, timeout: float) -> Dict[str, float]:
     """One run: samples/s over the slowest rank's wall time, and CPU ms per sample per rank."""
     config = dict(config, framework=framework)
-    if framework == "spark-hvd":
+    if framework == "spark-hvd-buckets":
+        config["bucket_cap_mb"] = 25
+    if framework.startswith("spark-hvd"):
         from spark_hvd.runner import run
 
         results = run(sparkhvd_rank, args=(config,), np=np, timeout=timeout, env={"OMP_NUM_THREADS": "1"})
@@ -203,13 +228,14 @@ def _launch(framework: str, config: Dict[str, Any], np: int, timeout: float) -> 
 
 # -- report ---------------------------------------------------------------------------------------------
 def _table(rows: List[Dict[str, Any]]) -> str:
-    header = (f"{'model':<5} {'framework':<10} {'np=1 samples/s':>15} {'np=2 samples/s':>15} {'efficiency':>11} "
-              f"{'vs torch':>9} {'CPU eff.':>9} {'target':>7}")
+    header = (f"{'model':<12} {'framework':<17} {'np=1 samples/s':>15} {'np=2 samples/s':>15} {'np2/np1':>8} "
+              f"{'efficiency':>11} {'vs torch':>9} {'CPU eff.':>9} {'target':>7}")
     lines = [header, "-" * len(header)]
     for row in rows:
         ok = "met" if row["efficiency"] >= row["target"] else "missed"
         lines.append(
-            f"{row['model']:<5} {row['framework']:<10} {row['np1']:>15.1f} {row['np2']:>15.1f} "
+            f"{row['model'] + '@' + str(row['batch_per_rank']):<12} {row['framework']:<17} {row['np1']:>15.1f} "
+            f"{row['np2']:>15.1f} {row['np2'] / row['np1']:>8.2f} "
             f"{row['efficiency'] * 100:>10.1f}% {row['vs_torch'] * 100:>8.1f}% {row['cpu_efficiency'] * 100:>8.1f}% "
             f"{ok:>7}"
         )
@@ -218,13 +244,14 @@ def _table(rows: List[Dict[str, Any]]) -> str:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["mlp", "cnn"])
-    parser.add_argument("--frameworks", nargs="+", choices=FRAMEWORKS, default=list(FRAMEWORKS))
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(DEFAULT_MODELS))
+    parser.add_argument("--frameworks", nargs="+", choices=FRAMEWORKS, default=list(DEFAULT_FRAMEWORKS))
     parser.add_argument("--repeats", type=int, default=3, help="runs per configuration; the median counts")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps before timing")
-    parser.add_argument("--batch", action="append", default=[], metavar="MODEL=ROWS",
-                        help="rows per rank per step for a model, e.g. mlp=128 (default: mlp=64, cnn=32)")
+    parser.add_argument("--batch", action="append", default=[], metavar="MODEL=ROWS[,ROWS...]",
+                        help="rows per rank per step for a model, e.g. mlp=128 or tabular=32,512 (default: mlp=64, "
+                             "cnn=32, tabular=32,128,512, deep=64)")
     parser.add_argument("--pin", action="store_true", help="pin rank r to the r-th allowed CPU")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one run may take")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the raw results")
@@ -232,12 +259,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.steps < 1 or args.warmup < 0:
         parser.error(f"--repeats {args.repeats} and --steps {args.steps} must be >= 1, --warmup >= 0")
-    args.batches = {m: spec["batch"] for m, spec in MODELS.items()}
+    args.batches = {m: list(spec["batch"]) for m, spec in MODELS.items()}
     for item in args.batch:
         model, _, rows = item.partition("=")
-        if model not in MODELS or not rows.isdigit() or int(rows) < 1:
-            parser.error(f"--batch {item!r} is invalid: expected MODEL=ROWS with MODEL in {sorted(MODELS)}")
-        args.batches[model] = int(rows)
+        sizes = rows.split(",")
+        if model not in MODELS or not all(r.isdigit() and int(r) >= 1 for r in sizes):
+            parser.error(f"--batch {item!r} is invalid: expected MODEL=ROWS[,ROWS...] with MODEL in {sorted(MODELS)} "
+                         "and ROWS >= 1")
+        args.batches[model] = [int(r) for r in sizes]
     return args
 
 
@@ -257,12 +286,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     runs = [("torch", 1)] + [(f, np) for f in args.frameworks for np in (1, 2)]
     measured: Dict[str, List[Dict[str, float]]] = {}
     loads = []
+    cases = [(model, batch) for model in args.models for batch in args.batches[model]]
     for repeat in range(args.repeats):
-        for model in args.models:
-            config = {"model": model, "batch": args.batches[model], "steps": args.steps, "warmup": args.warmup,
+        for model, batch in cases:
+            config = {"model": model, "batch": batch, "steps": args.steps, "warmup": args.warmup,
                       "pin": args.pin}
             for framework, np in runs:
-                key = f"{model}/{framework}/np{np}"
+                key = f"{model}@{batch}/{framework}/np{np}"
                 result = _launch(framework, config, np, args.timeout)
                 measured.setdefault(key, []).append(result)
                 loads.append(os.getloadavg()[0])
@@ -274,25 +304,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return statistics.median(r[field] for r in measured[key])
 
     rows = []
-    for model in args.models:
-        base = median(f"{model}/torch/np1", "samples_per_second")
+    for model, batch in cases:
+        case = f"{model}@{batch}"
+        base = median(f"{case}/torch/np1", "samples_per_second")
         for framework in args.frameworks:
-            np1 = median(f"{model}/{framework}/np1", "samples_per_second")
-            np2 = median(f"{model}/{framework}/np2", "samples_per_second")
-            cpu1 = median(f"{model}/{framework}/np1", "cpu_ms_per_sample")
-            cpu2 = median(f"{model}/{framework}/np2", "cpu_ms_per_sample")
-            rows.append({"model": model, "framework": framework, "batch_per_rank": args.batches[model],
+            np1 = median(f"{case}/{framework}/np1", "samples_per_second")
+            np2 = median(f"{case}/{framework}/np2", "samples_per_second")
+            cpu1 = median(f"{case}/{framework}/np1", "cpu_ms_per_sample")
+            cpu2 = median(f"{case}/{framework}/np2", "cpu_ms_per_sample")
+            rows.append({"model": model, "framework": framework, "batch_per_rank": batch,
                          "np1": np1, "np2": np2, "torch_np1": base, "efficiency": np2 / (2 * np1),
                          "vs_torch": np2 / (2 * base), "cpu_efficiency": cpu1 / cpu2, "target": TARGET_EFFICIENCY})
     print("efficiency: np=2 samples/s over 2 x the same framework's np=1; vs torch: over 2 x plain torch np=1;")
     print("CPU eff.: CPU time per sample at np=1 over that per rank at np=2 (less sensitive to other load)")
     print(_table(rows))
-    for model in args.models:
-        effs = {r["framework"]: r["efficiency"] for r in rows if r["model"] == model}
+    for model, batch in cases:
+        effs = {r["framework"]: r["efficiency"] for r in rows if (r["model"], r["batch_per_rank"]) == (model, batch)}
         if {"spark-hvd", "ddp-gloo"} <= effs.keys():
             verdict = "at least" if effs["spark-hvd"] >= effs["ddp-gloo"] else "below"
-            print(f"{model}: spark-hvd scales {verdict} DDP's efficiency "
+            print(f"{model}@{batch}: spark-hvd scales {verdict} DDP's efficiency "
                   f"({effs['spark-hvd'] * 100:.1f}% vs {effs['ddp-gloo'] * 100:.1f}%)")
+        tabular = [r for r in rows if r["model"] == "tabular" and r["batch_per_rank"] == batch
+                   and r["framework"] == "spark-hvd" and model == "tabular"]
+        for r in tabular:
+            verdict = "met" if batch < 128 or r["np2"] >= r["np1"] else "missed"
+            print(f"tabular@{batch}: spark-hvd np=2 / np=1 rows/s = {r['np2'] / r['np1']:.2f} "
+                  f"(target >= 1 from batch 128 up: {verdict if batch >= 128 else 'not a target below 128'})")
     report = {
         "rows": rows,
         "runs": measured,
