@@ -8,8 +8,8 @@ CUDA tensors take the NCCL path (no staging warning, a communicator exists), tha
 gives the host path's answer (allreduce of each NCCL dtype single and fused, Average with
 pre/postscale, broadcast, allgather and alltoall with uneven rows, reducescatter, a process set),
 that a dtype NCCL lacks (int16) is staged and still right, that tensors written on a side stream
-are read after that work, and that DistributedOptimizer keeps a CUDA model identical on every
-rank. Then it times an in-place float32 Sum allreduce of each size through spark-hvd and through
+are read after that work, that DistributedOptimizer keeps a CUDA model identical on every
+rank, and that TorchModel.transform's batched inference on the GPU matches the CPU. Then it times an in-place float32 Sum allreduce of each size through spark-hvd and through
 torch.distributed (NCCL), and prints both with their ratio.
 
 Without a CUDA device it says so and exits 0: nothing here can run on CPU.
@@ -145,6 +145,27 @@ def _checks(hvd: Any, torch: Any, dev: Any) -> List[str]:
     return passed
 
 
+def transform_check(torch: Any, dev: Any) -> str:
+    """TorchModel.transform's batched inference on ``dev`` (what a Spark task assigned a GPU uses)
+    gives the CPU answer."""
+    import numpy as np
+
+    from spark_hvd.spark.torch import transform
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).eval()
+    plan = transform.InferencePlan(key="gpu-check", feature_cols=("features",), input_shapes=((8,),),
+                                   output_cols=("out",), scalar_outputs=(False,), batch_size=256, dtype="float32",
+                                   sys_path=())
+    columns = [np.random.default_rng(0).standard_normal((5000, 8)).astype(np.float32)]
+    want = transform._predict(model, torch.device("cpu"), plan, columns)[0]
+    moved = model.to(dev)
+    got = transform._predict(moved, dev, plan, columns)[0]
+    assert next(moved.parameters()).device.type == dev.type
+    assert np.allclose(got, want, atol=1e-4), float(np.abs(got - want).max())
+    return f"TorchModel.transform inference on {dev}: 5000 rows match the CPU (max diff {np.abs(got - want).max():.1e})"
+
+
 def run_rank(sizes: Sequence[int], port: int) -> Dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -158,6 +179,7 @@ def run_rank(sizes: Sequence[int], port: int) -> Dict[str, Any]:
     result: Dict[str, Any] = {"rank": hvd.rank(), "device": torch.cuda.get_device_name(dev)}
     try:
         result["passed"] = _checks(hvd, torch, dev)
+        result["passed"].append(transform_check(torch, dev))
     except Exception as exc:  # reported with the rest; the timing still runs
         import traceback
 

@@ -202,3 +202,34 @@ def test_output_through_a_store_arrives_in_order_and_rejects_forgeries(tmp_path)
     silent = StoreLogCollector(store, store.join("jobs", "none"), "ab" * 32, out, err)
     assert silent.wait_closed(1, 0.3) is False and silent.wait_failure(0.3) is None
     silent.close()
+
+
+def test_transform_runs_on_the_gpu_spark_assigned_to_the_task(monkeypatch):
+    """A task that Spark gave GPU 3 predicts on cuda:3; without an assignment, or without CUDA, on the CPU."""
+    import pyspark
+    import torch
+
+    from spark_hvd.spark.torch import transform
+
+    class Gpus:
+        def __init__(self, addresses):
+            self.addresses = addresses
+
+    class Context:
+        def __init__(self, resources):
+            self._resources = resources
+
+        def resources(self):
+            return self._resources
+
+    context = {"now": Context({"gpu": Gpus(["3"])})}
+    monkeypatch.setattr(pyspark.TaskContext, "get", classmethod(lambda cls: context["now"]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert transform._device() == torch.device("cuda", 3)
+    context["now"] = Context({})
+    assert transform._device() == torch.device("cpu")
+    context["now"] = None
+    assert transform._device() == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    context["now"] = Context({"gpu": Gpus(["0"])})
+    assert transform._device() == torch.device("cpu")
