@@ -49,6 +49,14 @@ DYNAMIC_TIMELINE = "DYNAMIC"
 """Timeline setting (Horovod's) that writes no file until start_timeline() is called."""
 
 
+_POLL_BUSY = 50e-6
+"""Seconds between polls of MPI links while a request waits, when each rank has a core."""
+_POLL_BUSY_SHARED = 200e-6
+"""The same on an oversubscribed host."""
+_POLL_IDLE = 0.005
+"""The longest interval between polls of an idle job's MPI links."""
+
+
 def _usable_cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -114,8 +122,12 @@ class Engine(Executor):
                                            config.eager_threshold)
         self._eager = EagerAnswers(config.eager_threshold)
         self._links: Dict[int, ControlLink] = dict(world.control)
-        # Links without a descriptor to wait on (MPI) are polled this often while idle.
-        self._poll_interval = 0.0002 if any(link.fileno() is None for link in self._links.values()) else None
+        # Links without a descriptor to wait on (MPI) are polled: often while a request of this rank
+        # waits for an answer, and ever less often (up to _POLL_IDLE) while nothing does, so an idle
+        # job takes no core from the training code or from MPI's own progress in other threads.
+        self._polled = any(link.fileno() is None for link in self._links.values())
+        self._poll_busy = _POLL_BUSY if self._spin_budget else _POLL_BUSY_SHARED
+        self._poll_interval: Optional[float] = self._poll_busy if self._polled else None
         if config.timeline and config.timeline != DYNAMIC_TIMELINE and self.rank == 0:
             self.start_timeline(config.timeline, config.timeline_mark_cycles)
         # A world of one has nobody to wait for: requests complete on the caller's thread.
@@ -287,7 +299,12 @@ class Engine(Executor):
         else:
             timeout = self._idle_timeout()
         fds = [self._wake_r] + [fd for fd in (link.fileno() for link in self._links.values()) if fd is not None]
-        if self._poll_interval is not None:
+        if self._polled:
+            waiting = self.coordinator.pending if self.coordinator is not None else self._local
+            if waiting or self._queue:
+                self._poll_interval = self._poll_busy
+            else:
+                self._poll_interval = min(_POLL_IDLE, (self._poll_interval or self._poll_busy) * 2)
             timeout = self._poll_interval if timeout is None else min(timeout, self._poll_interval)
         try:
             select.select(fds, [], [], timeout)
