@@ -78,16 +78,20 @@ class FittedModel(Model, ModelParams, MLReadable, MLWritable):
                  "raw_prediction": self.getRawPredictionCol()}
         return [names[role] for role, _ in column_kinds(self.getTask())]
 
-    def _input_shapes(self, df: Any, feature_cols: List[str]) -> List[Tuple[int, ...]]:
-        """Per-row shape of each feature: ``input_shapes`` resolved against the columns' sizes
-        (from the schema, else from one row of data)."""
+    def _input_sizes(self, df: Any, feature_cols: List[str]) -> List[int]:
+        """Values per row of each feature column: from the schema, else from ``input_shapes``,
+        else from one row of data."""
         shapes = self.getInputShapes()
         sizes = checks.schema_row_sizes(df.schema, feature_cols)
-        if shapes is not None and all(-1 not in s for s in shapes):
+        if shapes is not None and len(shapes) == len(feature_cols) and all(-1 not in s for s in shapes):
             sizes = [max(1, _size(s)) if z is None else z for s, z in zip(shapes, sizes)]
         if any(z is None for z in sizes):
             sizes = checks.sizes_from_data(df, feature_cols, sizes)
-        resolved = checks.feature_shapes(shapes, feature_cols, sizes)
+        return [int(z) for z in sizes]  # type: ignore[arg-type]
+
+    def _input_shapes(self, df: Any, feature_cols: List[str]) -> List[Tuple[int, ...]]:
+        """Per-row shape of each feature: ``input_shapes`` resolved against the columns' sizes."""
+        resolved = checks.feature_shapes(self.getInputShapes(), feature_cols, self._input_sizes(df, feature_cols))
         assert resolved is not None, "all sizes are known here"
         return resolved
 
