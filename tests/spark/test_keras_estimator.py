@@ -114,12 +114,10 @@ def test_a_label_the_loss_would_broadcast_fails_after_one_probe_batch_before_mat
 # -- fit, transform, save, load, resume --------------------------------------------------------
 
 
-def test_pipeline_on_digits_fits_evaluates_saves_loads_and_resumes(spark, tmp_path, capsys):
-    """A compiled softmax model on the bundled digits (1,797 real 8x8 images): its loss makes the
-    model multiclass_probability; each 64-value row is reshaped to the model's (8, 8) input; two
-    ranks train with epoch lines; rank 0's checkpoint is a .keras file Keras loads; the Spark ML
-    columns match a local predict and MulticlassClassificationEvaluator scores them; PipelineModel
-    and KerasEstimator save and load; the same run_id with more epochs continues the run."""
+@pytest.fixture(scope="module")
+def digits(spark, tmp_path_factory):
+    """The bundled digits (1,797 real 8x8 images) as a 64-value Vector, split 80/20, and a
+    compiled softmax model over an (8, 8) input."""
     from spark_hvd.datasets import load_digits
 
     images, labels = load_digits()
@@ -128,20 +126,40 @@ def test_pipeline_on_digits_fits_evaluates_saves_loads_and_resumes(spark, tmp_pa
     pdf["label"] = labels
     assembled = VectorAssembler(inputCols=pixels, outputCol="features").transform(spark.createDataFrame(pdf))
     train, test = assembled.select("features", "label").randomSplit([0.8, 0.2], seed=5)
-    train = train.cache()
-    test = test.withColumn("row_id", F.monotonically_increasing_id()).cache()
     keras.utils.set_random_seed(0)
     net = keras.Sequential([keras.Input((8, 8)), keras.layers.Flatten(), keras.layers.Dense(32, activation="relu"),
                             keras.layers.Dense(10, activation="softmax")])
     net.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    initial = [w.copy() for w in net.get_weights()]
-    store = Store.create(str(tmp_path / "store"))
-    est = KerasEstimator(num_proc=2, model=net, feature_cols=["features"], label_cols=["label"], batch_size=32,
-                         epochs=2, validation=0.2, store=store, run_id="digits", random_seed=0, verbose=1)
-    fitted = Pipeline(stages=[est]).fit(train)
-    printed = capsys.readouterr().out
-    assert "epoch 1/2: accuracy " in printed and "val_accuracy" in printed and "spark-hvd-progress" not in printed
+    store = Store.create(str(tmp_path_factory.mktemp("digits") / "store"))
+    return {"train": train.cache(), "test": test.withColumn("row_id", F.monotonically_increasing_id()).cache(),
+            "net": net, "store": store}
 
+
+@pytest.fixture(scope="module")
+def digits_fit(digits):
+    """Pipeline([KerasEstimator]) fitted on two ranks for 2 epochs under run_id 'digits'; the
+    printed output and the model's weights before the fit."""
+    import contextlib
+    import io
+
+    net = digits["net"]
+    initial = [w.copy() for w in net.get_weights()]
+    est = KerasEstimator(num_proc=2, model=net, feature_cols=["features"], label_cols=["label"], batch_size=32,
+                         epochs=2, validation=0.2, store=digits["store"], run_id="digits", random_seed=0, verbose=1)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        fitted = Pipeline(stages=[est]).fit(digits["train"])
+    return {"est": est, "fitted": fitted, "printed": printed.getvalue(), "initial": initial}
+
+
+def test_pipeline_on_digits_fits_evaluates_saves_and_loads(digits, digits_fit, tmp_path):
+    """The loss makes a multiclass_probability model; each 64-value row is reshaped to the model's
+    (8, 8) input; two ranks train with epoch lines; rank 0's checkpoint is a .keras file Keras
+    loads; the Spark ML columns match a local predict and MulticlassClassificationEvaluator scores
+    them; PipelineModel and KerasEstimator save and load."""
+    fitted, est, store = digits_fit["fitted"], digits_fit["est"], digits["store"]
+    printed = digits_fit["printed"]
+    assert "epoch 1/2: accuracy " in printed and "val_accuracy" in printed and "spark-hvd-progress" not in printed
     model = fitted.stages[-1]
     assert isinstance(model, KerasModel) and model.getTask() == "multiclass_probability"
     assert model.getInputShapes() == [[8, 8]]
@@ -150,7 +168,8 @@ def test_pipeline_on_digits_fits_evaluates_saves_loads_and_resumes(spark, tmp_pa
     assert {"loss", "accuracy", "val_loss", "val_accuracy", "rows_per_s"} <= set(history[0])
     assert history[1]["loss"] < history[0]["loss"]
     assert set(model.fit_timings) == {"validation", "materialization", "launch", "training", "collection"}
-    assert all(np.array_equal(a, b) for a, b in zip(net.get_weights(), initial))  # the driver's model is untouched
+    # The driver's model is untouched.
+    assert all(np.array_equal(a, b) for a, b in zip(digits["net"].get_weights(), digits_fit["initial"]))
 
     checkpoint = store.read(os.path.join(store.get_run_path("digits"), "checkpoint.keras"))
     assert read_checkpoint(checkpoint).epoch == 2
@@ -160,6 +179,7 @@ def test_pipeline_on_digits_fits_evaluates_saves_loads_and_resumes(spark, tmp_pa
     for a, b in zip(from_checkpoint.get_weights(), model.getModel().get_weights()):
         np.testing.assert_array_equal(a, b)
 
+    test = digits["test"]
     scored = fitted.transform(test)
     assert scored.columns == test.columns + ["rawPrediction", "probability", "prediction"]
     rows = scored.orderBy("row_id").collect()
@@ -179,10 +199,16 @@ def test_pipeline_on_digits_fits_evaluates_saves_loads_and_resumes(spark, tmp_pa
     assert reloaded.getEpochs() == 2 and reloaded.getRunId() == "digits"
     assert isinstance(reloaded.getModel(), keras.Model)
 
-    resumed = est.copy({est.epochs: 3}).setVerbose(0).fit(train)
+
+def test_the_same_run_id_resumes_after_the_last_completed_epoch(digits, digits_fit):
+    """A fit with the run_id and epochs=3 trains one more epoch and numbers it 3, its history
+    starting with the first fit's; once complete, a fit returns the run's model without training."""
+    est, store = digits_fit["est"], digits["store"]
+    history = digits_fit["fitted"].stages[-1].getHistory()
+    resumed = est.copy({est.epochs: 3}).setVerbose(0).fit(digits["train"])
     assert [h["epoch"] for h in resumed.getHistory()] == [1, 2, 3] and resumed.getHistory()[:2] == history
     assert read_checkpoint(store.read(os.path.join(store.get_run_path("digits"), "checkpoint.keras"))).epoch == 3
-    complete = est.copy({est.epochs: 3}).setVerbose(0).fit(train)
+    complete = est.copy({est.epochs: 3}).setVerbose(0).fit(digits["train"])
     assert complete.getHistory() == resumed.getHistory() and "launch" not in complete.fit_timings
     for a, b in zip(complete.getModel().get_weights(), resumed.getModel().get_weights()):
         np.testing.assert_array_equal(a, b)
