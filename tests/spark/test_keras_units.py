@@ -117,6 +117,19 @@ def test_a_real_batch_through_the_model_and_the_loss_names_both_shapes():
         checks.dry_run(model, [(3,)], 2, "float32")
 
 
+def test_a_model_without_inputs_is_built_on_the_drivers_copy_only():
+    """A Sequential without keras.Input: the driver copies it through .keras, the dry run builds the
+    copy from the column sizes, and the copy saves with its weights; the user's model stays unbuilt."""
+    from spark_hvd.spark.keras.checkpoint import load_model_bytes, model_bytes
+    from spark_hvd.spark.keras.estimator import _copy_model
+
+    unbuilt = keras.Sequential([keras.layers.Dense(4), keras.layers.Dense(1)])
+    copy = _copy_model(unbuilt, None)
+    assert checks.dry_run(copy, checks.feature_shapes(None, copy, ["features"], [3]), 1, "float32") == [(1,)]
+    assert not unbuilt.built
+    assert [w.shape for w in load_model_bytes(model_bytes(copy)).get_weights()] == [(3, 4), (4,), (4, 1), (1,)]
+
+
 def test_a_compiled_model_brings_optimizer_loss_and_metrics():
     """Fresh objects from the compile config: the same class and settings."""
     model = dense()

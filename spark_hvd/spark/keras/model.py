@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import sys
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Tuple
 
 import cloudpickle
 import numpy as np
@@ -116,7 +116,3 @@ class KerasModel(FittedModel, KerasModelParams):
         udf = inference.prediction_udf(plan, payload, KerasPredictor())
         predicted = udf(*feature_args(dataset.schema, feature_cols, dtype))
         return self._add_predictions(dataset, predicted, output_cols, scalar)
-
-    def copy(self, extra: Optional[Dict[Any, Any]] = None) -> "KerasModel":
-        """A copy sharing the Keras model object, with ``extra`` Params set."""
-        return super().copy(extra)
