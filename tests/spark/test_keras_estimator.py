@@ -23,6 +23,9 @@ from spark_hvd.spark.keras import KerasEstimator, KerasModel
 from spark_hvd.spark.keras.checkpoint import read_checkpoint
 
 ROWS = 96
+# Every rank process and Python worker imports TensorFlow first: on a busy 2-core machine a
+# test here can take longer than the suite's default 300 s without anything being stuck.
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
