@@ -17,7 +17,6 @@ RANK_ENVIRONMENT: Dict[str, str] = {
     "KERAS_BACKEND": "tensorflow",
     # 2: TensorFlow's C++ layer prints errors only (no start-up banners in every rank's output).
     "TF_CPP_MIN_LOG_LEVEL": "2",
-    "TF_ENABLE_ONEDNN_OPTS": "0",
 }
 """Variables every rank process of a KerasEstimator fit starts with."""
 

@@ -18,7 +18,7 @@ from pyspark.ml.util import MLReadable, MLWritable
 from spark_hvd.spark import checks as common
 from spark_hvd.spark.data import PreparedData, plan_columns, prepare_data, sample_batch
 from spark_hvd.spark.fingerprint import changed_parts
-from spark_hvd.spark.fitting import local_default_store, prepare_lock
+from spark_hvd.spark.fitting import PROBE_ROWS, fit_store, prepare_lock
 from spark_hvd.spark.keras import checks
 from spark_hvd.spark.keras.checkpoint import (CHECKPOINT_NAME, KerasCheckpoint, load_model_bytes, model_bytes,
                                               read_checkpoint)
@@ -39,9 +39,6 @@ from spark_hvd.spark.store import Store
 __all__ = ["KerasEstimator"]
 
 log = logging.getLogger("spark_hvd.spark")
-
-_PROBE_ROWS = 64
-"""Rows of real data the driver puts through the model and the loss before materializing."""
 
 _SHUFFLE_BUFFER_ROWS = 10_000
 """Default of ``shuffle_buffer_size``."""
@@ -152,13 +149,7 @@ class KerasEstimator(Estimator, KerasEstimatorParams, MLReadable, MLWritable):
 
         session = df.sparkSession
         info = session_info(session)
-        store = self.getStore()
-        if store is None:
-            if not info.local:
-                raise ValueError("store=None is not valid on a cluster: expected storage every executor can read; "
-                                 "pass e.g. store=Store.create('hdfs:///user/me/spark-hvd'), or on Databricks "
-                                 "store=Store.create('/Volumes/<catalog>/<schema>/<volume>/spark-hvd')")
-            store = local_default_store()
+        store = fit_store(self.getStore(), info)
         num_proc = self.getNumProc() or info.default_parallelism
         common.check_slots(session, num_proc)
         common.ensure_executor_python(session, info, WORKER_MODULES)
@@ -185,7 +176,7 @@ class KerasEstimator(Estimator, KerasEstimatorParams, MLReadable, MLWritable):
     def _check_real_batch(self, df: Any, c: _Checked) -> None:
         """One batch of real rows through the model and the loss on the driver (one small Spark
         job, before anything is written), so shape mismatches fail at once with the shapes named."""
-        batch = sample_batch(df, c.feature_cols + c.label_cols, min(self.getBatchSize(), _PROBE_ROWS), c.dtype)
+        batch = sample_batch(df, c.feature_cols + c.label_cols, min(self.getBatchSize(), PROBE_ROWS), c.dtype)
         if self.getTransformationFn() is not None:
             batch = self.getTransformationFn()(batch)
         if not batch or len(next(iter(batch.values()))) == 0:

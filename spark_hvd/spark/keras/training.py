@@ -181,7 +181,7 @@ class _Trainer:
             self.optimizer.learning_rate = float(self.base_lr)
         try:
             data = checkpoint_bytes(self.model, completed, self.history, self.spec.fingerprint,
-                                    [np.asarray(v) for v in self.optimizer.variables])
+                                    [keras.ops.convert_to_numpy(v) for v in self.optimizer.variables])
         finally:
             if scaled:
                 self.optimizer.learning_rate = float(self.base_lr) * self.lr_scale
@@ -210,7 +210,7 @@ class _Trainer:
                 val_reader.close()
         if self.rank != 0:
             return None
-        return {"weights": [np.asarray(w) for w in self.model.get_weights()], "history": self.history}
+        return {"weights": self.model.get_weights(), "history": self.history}
 
 
 def _recorder(trainer: _Trainer) -> Any:
