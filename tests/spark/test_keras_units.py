@@ -254,3 +254,19 @@ def test_rank_loop_scales_lr_averages_gradients_checkpoints_and_resumes(tmp_path
     assert [h["epoch"] for h in out["history"]] == [1, 2, 3] and out["history"][:2] == saved.history
     again = read_checkpoint(store.read(first.checkpoint_path))
     assert again.epoch == 3 and int(again.optimizer_variables[0]) == 6
+
+
+def test_each_estimator_package_imports_only_its_framework():
+    """spark_hvd.spark.keras pulls in no torch, and spark_hvd.spark.torch no TensorFlow or Keras:
+    the layers they share (data, stores, run, progress, persistence, inference) are framework-free."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, importlib; importlib.import_module({package!r}); "
+             "print(sorted(m for m in {banned!r} if m in sys.modules))")
+    for package, banned in (("spark_hvd.spark.keras", ("torch",)),
+                            ("spark_hvd.spark.torch", ("tensorflow", "keras"))):
+        out = subprocess.run([sys.executable, "-c", probe.format(package=package, banned=banned)],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip().splitlines()[-1] == "[]", (package, out.stdout)
