@@ -1,6 +1,7 @@
-"""Where TorchEstimator.fit() spends its wall time, and how fast TorchModel.transform() predicts.
+"""Where TorchEstimator.fit() and KerasEstimator.fit() spend their wall time, and how fast their models' transform() predicts.
 
     python benchmarks/estimator.py [--fits 3] [--rows 256] [--transform-rows 200000] [--json PATH]
+                                   [--frameworks torch keras]
 
 Runs on an embedded local[2] Spark. fit() on a small frame (256 rows by default, as in the
 Horovod measurement of about 80 s) is split into validation, materialization (Parquet in the
@@ -9,7 +10,9 @@ last epoch to the returned model); the first fit pays the cold start of Spark's 
 are warm (each on a new DataFrame, so materialization is measured every time). transform() is
 timed on a larger frame against a row-by-row baseline on the same model: an RDD pass that calls
 the model once per row, the way Horovod's TorchModel predicts. Targets: fit() overhead beyond
-the training loop under 10 s; transform at least 100x the row-by-row baseline.
+the training loop under 10 s; transform at least 100x the row-by-row baseline. KerasEstimator
+gets the same fits and the same batched transform timing, with the same MLP in Keras (its ranks
+import TensorFlow, so its launch phase is longer); the row-by-row baseline is timed for torch.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ FIT_OVERHEAD_TARGET_S = 10.0
 TRANSFORM_SPEEDUP_TARGET = 100.0
 HOROVOD_FIT_S = 80.0
 FEATURES = 16
+FRAMEWORKS = ("torch", "keras")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--transform-rows", type=int, default=200_000, help="rows for transform()")
     parser.add_argument("--baseline-rows", type=int, default=20_000, help="rows for the row-by-row baseline")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where the results go")
+    parser.add_argument("--frameworks", nargs="+", choices=FRAMEWORKS, default=list(FRAMEWORKS),
+                        help="estimators to time (torch is always timed: the baseline compares against it)")
     return parser
 
 
@@ -55,6 +61,37 @@ def make_model() -> Any:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(FEATURES, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
                                torch.nn.ReLU(), torch.nn.Linear(64, 1))
+
+
+def make_keras_model() -> Any:
+    """The same MLP as :func:`make_model`, in Keras 3."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(64, activation="relu"),
+                             keras.layers.Dense(64, activation="relu"), keras.layers.Dense(1)])
+
+
+def make_estimator(framework: str, args: argparse.Namespace, store_dir: str, run_id: str) -> Any:
+    """A TorchEstimator or KerasEstimator of the benchmark's MLP with the same settings."""
+    from spark_hvd.spark import Store
+
+    common = dict(num_proc=2, feature_cols=["features"], label_cols=["label"], batch_size=32, epochs=args.epochs,
+                  store=Store.create(store_dir), run_id=run_id, verbose=0)
+    if framework == "keras":
+        import keras
+
+        from spark_hvd.spark.keras import KerasEstimator
+
+        return KerasEstimator(model=make_keras_model(), optimizer=keras.optimizers.Adam(1e-3),
+                              loss=keras.losses.BinaryCrossentropy(from_logits=True), **common)
+    import torch
+
+    from spark_hvd.spark.torch import TorchEstimator
+
+    model = make_model()
+    return TorchEstimator(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3),
+                          loss=torch.nn.BCEWithLogitsLoss(), **common)
 
 
 def make_frame(spark: Any, rows: int, seed: int) -> Any:
@@ -71,20 +108,11 @@ def make_frame(spark: Any, rows: int, seed: int) -> Any:
         .select("features", "label")
 
 
-def time_fits(spark: Any, args: argparse.Namespace, store_dir: str) -> List[Dict[str, float]]:
-    import torch
-
-    from spark_hvd.spark import Store
-    from spark_hvd.spark.torch import TorchEstimator
-
+def time_fits(spark: Any, args: argparse.Namespace, store_dir: str, framework: str = "torch") -> List[Dict[str, float]]:
     results = []
     for i in range(args.fits):
         df = make_frame(spark, args.rows, seed=i)
-        model = make_model()
-        est = TorchEstimator(num_proc=2, model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3),
-                             loss=torch.nn.BCEWithLogitsLoss(), feature_cols=["features"], label_cols=["label"],
-                             batch_size=32, epochs=args.epochs, store=Store.create(store_dir),
-                             run_id=f"bench-{i}-{int(time.time())}", verbose=0)
+        est = make_estimator(framework, args, store_dir, run_id=f"bench-{framework}-{i}-{int(time.time())}")
         started = time.monotonic()
         fitted = est.fit(df)
         total = time.monotonic() - started
@@ -92,7 +120,7 @@ def time_fits(spark: Any, args: argparse.Namespace, store_dir: str) -> List[Dict
         row["total"] = total
         row["overhead"] = total - row["training"]
         results.append(row)
-        print(f"fit {i + 1}/{args.fits}: {total:.1f} s ({', '.join(f'{p} {row[p]:.2f}' for p in PHASES)})",
+        print(f"{framework} fit {i + 1}/{args.fits}: {total:.1f} s ({', '.join(f'{p} {row[p]:.2f}' for p in PHASES)})",
               flush=True)
     return results
 
@@ -153,10 +181,31 @@ def time_transform(spark: Any, args: argparse.Namespace) -> Dict[str, Any]:
             "speedup": batched_rate / baseline_rate}
 
 
-def print_tables(fits: List[Dict[str, float]], transform: Dict[str, Any], rows: int) -> None:
+def time_keras_transform(spark: Any, args: argparse.Namespace) -> Dict[str, Any]:
+    """KerasModel.transform of the Keras MLP on the same frames: warm-up, then the best of three."""
+    from spark_hvd.spark.keras import KerasModel
+
+    keras_model = KerasModel(model=make_keras_model(), feature_cols=["features"], label_cols=["label"])
+    big = make_frame(spark, args.transform_rows, seed=100).repartition(2).cache()
+    small = make_frame(spark, args.baseline_rows, seed=101).repartition(2).cache()
+    big.count()
+    small.count()
+
+    def run_batched(frame: Any) -> float:
+        started = time.monotonic()
+        keras_model.transform(frame).write.format("noop").mode("overwrite").save()
+        return time.monotonic() - started
+
+    run_batched(small)  # warm-up: Python workers import TensorFlow and load the model
+    batched_s = min(run_batched(big) for _ in range(3))
+    return {"batched_rows": args.transform_rows, "batched_s": batched_s,
+            "batched_rows_per_s": args.transform_rows / batched_s}
+
+
+def print_fit_table(fits: List[Dict[str, float]], rows: int, estimator: str) -> None:
     warm = fits[1:] or fits
     print()
-    print(f"fit() on {rows} rows, local[2], num_proc=2 (seconds)")
+    print(f"{estimator}.fit() on {rows} rows, local[2], num_proc=2 (seconds)")
     print(f"| {'phase':<30} | {'cold (fit 1)':>12} | {'warm median':>12} |")
     print(f"|{'-' * 32}|{'-' * 14}|{'-' * 14}|")
     for key in PHASES + ("total", "overhead"):
@@ -166,12 +215,23 @@ def print_tables(fits: List[Dict[str, float]], transform: Dict[str, Any], rows: 
     verdict = "meets" if overhead < FIT_OVERHEAD_TARGET_S else "MISSES"
     print(f"warm overhead {overhead:.1f} s {verdict} the target of < {FIT_OVERHEAD_TARGET_S:.0f} s "
           f"(Horovod 0.28.1: about {HOROVOD_FIT_S:.0f} s for the whole fit here)")
+
+
+def print_tables(fits: List[Dict[str, float]], transform: Dict[str, Any], rows: int,
+                 keras_result: Optional[Dict[str, Any]] = None) -> None:
+    print_fit_table(fits, rows, "TorchEstimator")
+    if keras_result is not None:
+        print_fit_table(keras_result["fits"], rows, "KerasEstimator")
     print()
     print(f"transform() of a {FEATURES}-feature MLP (rows per second)")
     print(f"| {'method':<52} | {'rows':>8} | {'seconds':>8} | {'rows/s':>11} |")
     print(f"|{'-' * 54}|{'-' * 10}|{'-' * 10}|{'-' * 13}|")
     print(f"| {'TorchModel.transform (Arrow, batches of 1024)':<52} | {transform['batched_rows']:>8} | "
           f"{transform['batched_s']:>8.2f} | {transform['batched_rows_per_s']:>11,.0f} |")
+    if keras_result is not None:
+        keras_transform = keras_result["transform"]
+        print(f"| {'KerasModel.transform (Arrow, batches of 1024)':<52} | {keras_transform['batched_rows']:>8} | "
+              f"{keras_transform['batched_s']:>8.2f} | {keras_transform['batched_rows_per_s']:>11,.0f} |")
     print(f"| {'row by row (Row in, forward, Row out: Horovod)':<52} | {transform['baseline_rows']:>8} | "
           f"{transform['baseline_s']:>8.2f} | {transform['baseline_rows_per_s']:>11,.0f} |")
     verdict = "meets" if transform["speedup"] >= TRANSFORM_SPEEDUP_TARGET else "MISSES"
@@ -180,7 +240,7 @@ def print_tables(fits: List[Dict[str, float]], transform: Dict[str, Any], rows: 
 
 def _versions() -> Dict[str, Optional[str]]:
     found: Dict[str, Optional[str]] = {}
-    for name in ("spark-hvd", "torch", "pyspark", "pyarrow", "numpy"):
+    for name in ("spark-hvd", "torch", "keras", "tensorflow", "tensorflow-cpu", "pyspark", "pyarrow", "numpy"):
         try:
             found[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
@@ -197,13 +257,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     os.environ.update(LOCAL_ENVIRONMENT)  # read by the Spark JVM when it starts
     spark = build_local_session("spark-hvd-benchmark-estimator")
     spark.sparkContext.setLogLevel("ERROR")
+    keras_result: Optional[Dict[str, Any]] = None
     try:
         with tempfile.TemporaryDirectory(prefix="spark-hvd-bench-") as store_dir:
             fits = time_fits(spark, args, store_dir)
+            if "keras" in args.frameworks:
+                keras_fits = time_fits(spark, args, store_dir, "keras")
         transform = time_transform(spark, args)
+        if "keras" in args.frameworks:
+            keras_warm = keras_fits[1:] or keras_fits
+            keras_result = {"fits": keras_fits,
+                            "fit_warm_median": {k: statistics.median(r[k] for r in keras_warm) for k in keras_fits[0]},
+                            "transform": time_keras_transform(spark, args)}
     finally:
         spark.stop()
-    print_tables(fits, transform, args.rows)
+    print_tables(fits, transform, args.rows, keras_result)
     warm = fits[1:] or fits
     result = {
         "benchmark": "estimator",
@@ -216,6 +284,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "fits": fits,
         "fit_warm_median": {k: statistics.median(r[k] for r in warm) for k in fits[0]},
         "transform": transform,
+        "keras": keras_result,
         "targets": {"fit_overhead_s": FIT_OVERHEAD_TARGET_S, "transform_speedup": TRANSFORM_SPEEDUP_TARGET,
                     "horovod_fit_s": HOROVOD_FIT_S},
     }

@@ -15,13 +15,15 @@ import numpy as np
 
 __all__ = ["TASKS", "infer_task", "check_task", "standard_columns", "column_kinds"]
 
-TASKS = ("auto", "binary", "binary_probability", "multiclass", "multiclass_log_probability", "regression", "none")
+TASKS = ("auto", "binary", "binary_probability", "multiclass", "multiclass_log_probability", "multiclass_probability",
+         "regression", "none")
 """Values of the ``task`` Param.
 
 - ``binary``: one logit per row (``BCEWithLogitsLoss``).
 - ``binary_probability``: one probability per row (``BCELoss``, a model ending in a sigmoid).
 - ``multiclass``: one logit per class (``CrossEntropyLoss``).
 - ``multiclass_log_probability``: one log-probability per class (``NLLLoss`` after ``log_softmax``).
+- ``multiclass_probability``: one probability per class (a Keras model ending in a softmax).
 - ``regression``: one value per row (``MSELoss``, ``L1Loss``, ``SmoothL1Loss``, ``HuberLoss``).
 - ``none``: only the raw output columns (``<label>__output``).
 - ``auto``: inferred from the loss of a single label column; ``none`` when it cannot be.
@@ -102,6 +104,13 @@ def standard_columns(task: str, values: np.ndarray) -> Dict[str, np.ndarray]:
         raw = np.stack([-column, column], axis=1) if task == "binary" else np.stack([1.0 - p, p], axis=1)
         return {"raw_prediction": raw, "probability": np.stack([1.0 - p, p], axis=1),
                 "prediction": (p > 0.5).astype(np.float64)}
+    if task == "multiclass_probability":
+        clipped = np.clip(values, 0.0, None)
+        total = clipped.sum(axis=1, keepdims=True)
+        probability = np.divide(clipped, total, out=np.full_like(clipped, 1.0 / max(1, clipped.shape[1])),
+                                where=total > 0)
+        return {"raw_prediction": values, "probability": probability,
+                "prediction": probability.argmax(axis=1).astype(np.float64)}
     probability = _softmax(values)  # log-probabilities give the same distribution back
     return {"raw_prediction": values, "probability": probability,
             "prediction": probability.argmax(axis=1).astype(np.float64)}

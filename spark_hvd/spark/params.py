@@ -19,6 +19,10 @@ __all__ = [
     "MODEL_PARAMS",
     "EstimatorParams",
     "ModelParams",
+    "KERAS_PARAMS",
+    "KERAS_ESTIMATOR_PARAMS",
+    "KerasEstimatorParams",
+    "KerasModelParams",
     "Converter",
     "AnyValue",
     "ToInt",
@@ -403,8 +407,8 @@ ESTIMATOR_PARAMS: Tuple[ParamSpec, ...] = (
     ParamSpec("overwrite_run", "Start the run over when run_id holds a checkpoint of a different model, "
                                "optimizer, loss or data (otherwise fit refuses).", False, ToBool()),
     ParamSpec("task", "Prediction columns of the fitted model: 'auto' (from the loss), 'binary', "
-                      "'binary_probability', 'multiclass', 'multiclass_log_probability', 'regression' or "
-                      "'none' (raw outputs only).", "auto", ToChoice(TASKS)),
+                      "'binary_probability', 'multiclass', 'multiclass_log_probability', 'multiclass_probability', "
+                      "'regression' or 'none' (raw outputs only).", "auto", ToChoice(TASKS)),
     ParamSpec("prediction_col", "Column of the predicted class index or value.", "prediction", ToString()),
     ParamSpec("probability_col", "Column of the Vector of class probabilities.", "probability", ToString()),
     ParamSpec("raw_prediction_col", "Column of the Vector of raw class scores.", "rawPrediction", ToString()),
@@ -431,5 +435,19 @@ MODEL_PARAMS: Tuple[ParamSpec, ...] = (
 )
 """Params of the fitted models (TorchModel, KerasModel)."""
 
+KERAS_PARAMS: Tuple[ParamSpec, ...] = (
+    ParamSpec("custom_objects", "Custom Keras classes and functions by name (layers, losses, metrics) for "
+                                "loading the model on the workers.", None, AnyValue(), json=False),
+)
+"""Params KerasEstimator and KerasModel add to their tables."""
+
+KERAS_ESTIMATOR_PARAMS: Tuple[ParamSpec, ...] = KERAS_PARAMS + (
+    ParamSpec("shuffle_buffer_size", "Rows each process holds to shuffle within (default 10,000; 0 shuffles "
+                                     "row groups only).", None, ToInt(0)),
+)
+"""Params KerasEstimator adds to ESTIMATOR_PARAMS."""
+
 EstimatorParams = params_mixin("EstimatorParams", ESTIMATOR_PARAMS)
 ModelParams = params_mixin("ModelParams", MODEL_PARAMS)
+KerasEstimatorParams = params_mixin("KerasEstimatorParams", KERAS_ESTIMATOR_PARAMS, bases=(EstimatorParams,))
+KerasModelParams = params_mixin("KerasModelParams", KERAS_PARAMS, bases=(ModelParams,))

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import copy
 import inspect
-import math
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+
+from spark_hvd.spark.checks import resolve_shape
 
 __all__ = [
     "model_dtype",
@@ -44,21 +45,6 @@ def model_dtype(model: torch.nn.Module) -> torch.dtype:
         if tensor.is_floating_point():
             return tensor.dtype
     return torch.float32
-
-
-def resolve_shape(shape: Sequence[int], numel: int, column: str) -> Tuple[int, ...]:
-    """``shape`` with its -1 replaced so that it holds ``numel`` values per row, or a ValueError."""
-    dims = [int(d) for d in shape]
-    known = math.prod(d for d in dims if d != -1)
-    if -1 in dims:
-        if known == 0 or numel % known:
-            raise ValueError(f"input shape {list(shape)} of column {column!r} cannot hold its {numel} values per "
-                             f"row: expected a shape whose size divides {numel}; fix input_shapes")
-        dims[dims.index(-1)] = numel // known
-    elif known != numel:
-        raise ValueError(f"input shape {list(shape)} of column {column!r} holds {known} values per row but the "
-                         f"column has {numel}: expected shapes whose sizes match the data; fix input_shapes")
-    return tuple(dims)
 
 
 def _tensor(values: np.ndarray) -> torch.Tensor:

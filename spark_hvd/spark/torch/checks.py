@@ -1,5 +1,7 @@
 """Checks TorchEstimator and TorchModel make on the driver before any Spark job runs.
 
+The framework-independent ones live in :mod:`spark_hvd.spark.checks` and are re-exported here.
+
 Each failure is a ValueError that names the parameter or column, the value seen, what was
 expected and how to fix it.
 """
@@ -7,18 +9,15 @@ expected and how to fix it.
 from __future__ import annotations
 
 import inspect
-import logging
 import traceback
 import warnings
-import os
-import shutil
-import subprocess
-import sys
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from spark_hvd.spark.torch.batches import outputs_list, resolve_shape
+from spark_hvd.spark.checks import check_slots, feature_shapes, require, schema_row_sizes
+from spark_hvd.spark.checks import ensure_executor_python as _ensure_executor_python
+from spark_hvd.spark.torch.batches import outputs_list
 
 __all__ = [
     "require",
@@ -34,16 +33,6 @@ __all__ = [
     "ensure_executor_python",
     "check_slots",
 ]
-
-log = logging.getLogger("spark_hvd.spark")
-
-_PROBE_TIMEOUT_S = 60.0
-
-
-def require(name: str, value: Any, expected: str, example: str) -> None:
-    """ValueError when a required Param is unset."""
-    if value is None:
-        raise ValueError(f"{name}=None is not valid: expected {expected}; pass e.g. {name}={example}")
 
 
 def check_losses(loss: Any, loss_weights: Optional[Sequence[float]], label_cols: Sequence[str]) -> Tuple[List[Callable[..., Any]], List[float]]:
@@ -102,42 +91,6 @@ def check_feature_count(model: torch.nn.Module, feature_cols: Sequence[str]) -> 
             f"feature_cols={list(feature_cols)} gives {count} input(s) but {type(model).__name__}.forward takes {takes}: "
             "each feature column is one argument of forward(); fix: assemble the columns into one vector "
             "column (pyspark.ml.feature.VectorAssembler) or list one column per forward() argument")
-
-
-def schema_row_sizes(schema: Any, cols: Sequence[str]) -> List[Optional[int]]:
-    """Values per row of each column where the schema tells: 1 for scalars, the ``ml_attr``
-    size for Vectors made by Spark ML feature transformers; None where only the data knows."""
-    from pyspark.ml.linalg import VectorUDT
-    from pyspark.sql import types as T
-
-    fields = {f.name: f for f in schema.fields}
-    sizes: List[Optional[int]] = []
-    for col in cols:
-        field = fields.get(col)
-        if field is None:
-            sizes.append(None)
-        elif isinstance(field.dataType, (T.NumericType, T.BooleanType)):
-            sizes.append(1)
-        elif isinstance(field.dataType, VectorUDT):
-            num = (field.metadata or {}).get("ml_attr", {}).get("num_attrs")
-            sizes.append(int(num) if isinstance(num, int) and num > 0 else None)
-        else:
-            sizes.append(None)
-    return sizes
-
-
-def feature_shapes(input_shapes: Optional[Sequence[Sequence[int]]], feature_cols: Sequence[str],
-                   sizes: Sequence[Optional[int]]) -> Optional[List[Tuple[int, ...]]]:
-    """Concrete per-row shapes of the features, or None while a size is still unknown."""
-    if input_shapes is not None and len(input_shapes) != len(feature_cols):
-        raise ValueError(f"input_shapes has {len(input_shapes)} shape(s) for {len(feature_cols)} feature column(s) "
-                         f"{list(feature_cols)}: expected one shape per feature column, e.g. input_shapes=[[1, 28, 28]]")
-    if any(size is None for size in sizes):
-        return None
-    if input_shapes is None:
-        return [(1,) if size == 1 else (int(size),) for size in sizes]  # type: ignore[arg-type]
-    return [resolve_shape(shape, int(size), col)  # type: ignore[arg-type]
-            for shape, size, col in zip(input_shapes, sizes, feature_cols)]
 
 
 _SHAPE_WORDS = ("shape", "size", "mat1 and mat2", "dimension", "expected input")
@@ -229,58 +182,7 @@ def dry_run_batch(model: torch.nn.Module, loss_fn: Any, batch: Mapping[str, Any]
                              f"'{broadcast[0].message}'; {fix}")
 
 
-_WORKER_MODULES = ("spark_hvd", "torch", "numpy", "pyarrow", "pandas", "cloudpickle")
-_PROBE = "import importlib.util as u, sys; sys.exit(0 if all(u.find_spec(m) for m in {!r}) else 1)"
-_probed: Dict[str, bool] = {}
-
-
-def _has_worker_modules(python: str) -> bool:
-    """Whether ``python`` finds every module the workers need (looked up, not imported: fast)."""
-    if os.path.abspath(python) == os.path.abspath(sys.executable):
-        return True
-    if python not in _probed:
-        try:
-            probe = subprocess.run([python, "-c", _PROBE.format(_WORKER_MODULES)], capture_output=True,
-                                   timeout=_PROBE_TIMEOUT_S)
-            _probed[python] = probe.returncode == 0
-        except (OSError, subprocess.TimeoutExpired):
-            _probed[python] = False
-    return _probed[python]
-
-
 def ensure_executor_python(session: Any, info: Any) -> None:
-    """Make Spark's Python workers run an interpreter with spark_hvd and torch, or say how.
-
-    On a local master the workers run on this machine: when the configured Python
-    (``PYSPARK_PYTHON``, else ``python3`` on PATH, which need not be this virtualenv's) lacks
-    spark_hvd, torch, numpy, pyarrow or pandas, a classic session switches to this process's own
-    interpreter, with a warning; a Spark Connect server was started with its Python already, so
-    there the answer is a ValueError naming PYSPARK_PYTHON. On a cluster the executors are checked
-    by the job itself, which fails with the same advice.
-    """
-    from spark_hvd.runtime import config
-    from spark_hvd.spark.runner import executor_python
-
-    if not info.local:
-        return
-    configured = executor_python(session, info)
-    resolved = shutil.which(configured, path=config.environ_snapshot().get("PATH")) or configured
-    if _has_worker_modules(resolved):
-        return
-    if info.connect:
-        raise ValueError(f"Spark runs its Python tasks with {resolved}, which lacks some of {', '.join(_WORKER_MODULES)}; "
-                         f"fix: set PYSPARK_PYTHON={sys.executable} before the Spark Connect server starts (or "
-                         "use spark_hvd.spark.local_session(connect=True), which does)")
-    log.warning("Spark's Python workers would run %s, which lacks some of %s; using this driver's interpreter %s "
-                "instead (set PYSPARK_PYTHON=%s before creating the SparkSession to choose it yourself)",
-                resolved, ", ".join(_WORKER_MODULES), sys.executable, sys.executable)
-    session.sparkContext.pythonExec = sys.executable
-
-
-def check_slots(session: Any, num_proc: int) -> Any:
-    """ValueError naming both numbers when the cluster cannot run ``num_proc`` barrier tasks at once;
-    returns the session's :class:`spark_hvd.spark.session.SessionInfo`."""
-    from spark_hvd.spark import runner
-
-    # The same check run() makes, done before the data is materialized rather than after.
-    return runner.wait_for_slots(session, num_proc)
+    """Make Spark's Python workers run an interpreter with spark_hvd and torch, or say how (see
+    :func:`spark_hvd.spark.checks.ensure_executor_python`)."""
+    _ensure_executor_python(session, info, ("torch",))

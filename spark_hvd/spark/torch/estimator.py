@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import atexit
 import copy
 import logging
-import shutil
-import tempfile
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -19,6 +15,8 @@ from pyspark.ml import Estimator
 from pyspark.ml.util import MLReadable, MLWritable
 
 from spark_hvd.spark.data import PreparedData, _inspect_column, plan_columns, prepare_data, sample_batch
+from spark_hvd.spark.fitting import local_default_store as _local_default_store
+from spark_hvd.spark.fitting import prepare_lock as _prepare_lock
 from spark_hvd.spark.mlflow_log import params_for_logging, start_logging
 from spark_hvd.spark.outputs import check_task, infer_task
 from spark_hvd.spark.params import EstimatorParams
@@ -40,22 +38,6 @@ log = logging.getLogger("spark_hvd.spark")
 
 _PROBE_ROWS = 64
 """Rows of real data the driver puts through forward and the loss before materializing."""
-
-_default_store: Optional[Store] = None
-_prepare_lock = threading.Lock()
-"""Serializes materialization: concurrent fits of one DataFrame (CrossValidator with parallelism
-> 1) would otherwise write the same cached dataset at once."""
-
-
-def _local_default_store() -> Store:
-    """A store in a temporary directory of this process, removed when it exits (local masters only)."""
-    global _default_store
-    if _default_store is None:
-        path = tempfile.mkdtemp(prefix="spark-hvd-store-")
-        atexit.register(shutil.rmtree, path, True)
-        _default_store = Store.create(path)
-    return _default_store
-
 
 @dataclass
 class _Checked:

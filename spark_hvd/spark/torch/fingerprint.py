@@ -9,19 +9,14 @@ changed.
 
 from __future__ import annotations
 
-import hashlib
-import json
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, Sequence
 
 import torch
 
+from spark_hvd.spark.fingerprint import changed_parts, data_digest
+from spark_hvd.spark.fingerprint import digest as _digest
+
 __all__ = ["run_fingerprint", "changed_parts"]
-
-_PARTS = ("model architecture", "optimizer", "loss", "data")
-
-
-def _digest(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
 
 def _describe(fn: Any) -> str:
@@ -36,22 +31,10 @@ def run_fingerprint(model: torch.nn.Module, optimizer: Any, losses: Sequence[Any
     """One short hash per part of the run (``optimizer`` is an ``OptimizerSpec``)."""
     tensors = [(name, list(t.shape), str(t.dtype)) for name, t in model.state_dict().items()]
     hyper = [sorted((k, repr(v)) for k, v in group.items()) for _, group in optimizer.groups]
-    fields = {f.name: f.dataType.simpleString() for f in df.schema.fields}
-    try:
-        semantic: Optional[int] = int(df.semanticHash())
-    except Exception:  # a plan Spark cannot hash still has its columns and types
-        semantic = None
     return {
         "model architecture": _digest([type(model).__qualname__, repr(model), tensors]),
         "optimizer": _digest([optimizer.cls.__qualname__, sorted((k, repr(v)) for k, v in optimizer.defaults.items()),
                               hyper]),
         "loss": _digest([_describe(fn) for fn in losses] + [list(loss_weights)]),
-        "data": _digest([[(c, fields.get(c)) for c in columns], repr(validation), semantic]),
+        "data": data_digest(df, columns, validation),
     }
-
-
-def changed_parts(recorded: Optional[Mapping[str, str]], current: Mapping[str, str]) -> List[str]:
-    """The parts whose hash differs; every part when nothing was recorded (an older checkpoint)."""
-    if not recorded:
-        return list(_PARTS)
-    return [part for part in _PARTS if recorded.get(part) != current.get(part)]

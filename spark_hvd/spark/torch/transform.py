@@ -1,242 +1,68 @@
-"""Batched inference over Arrow for TorchModel.transform.
+"""Batched inference over Arrow for TorchModel.transform: the torch :class:`~spark_hvd.spark.inference.Predictor`.
 
-The prediction runs in a scalar-iterator Arrow UDF (``arrow_udf``, Spark 4.1+; a pandas UDF on
-older Spark), Spark's Arrow-based batch interface for column functions: only the feature columns
-travel to Python as Arrow record batches; the other columns stay in the JVM and the predictions
-are appended to them. A ``mapInArrow`` pass would ship every column through Python and back,
-which with Spark ML Vector columns in the frame takes about three times as long. The serialized
-model travels in the UDF's closure (Spark broadcasts large closures itself, on classic and
-Connect sessions alike); each Python worker deserializes it once (and keeps it while the worker
-is reused), then predicts ``batch_size`` rows per forward pass.
+The UDF, its Arrow batches and the output columns are :mod:`spark_hvd.spark.inference`'s; this
+module deserializes the torch model onto the task's GPU (when Spark assigned one) or the CPU,
+and calls it on tensors built by the same rules as training (``batches.feature_tensors``).
 """
 
 from __future__ import annotations
 
-import sys
-from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Iterator, List, Sequence, Tuple
+from typing import Any, List
 
 import numpy as np
-import pandas as pd
-import pyarrow as pa
 
-from spark_hvd.spark.outputs import column_kinds, standard_columns
+from spark_hvd.spark import inference
+from spark_hvd.spark.inference import InferencePlan, feature_args, output_is_scalar
 
-__all__ = ["InferencePlan", "output_is_scalar", "prediction_udf", "feature_args"]
-
-_CACHE_SIZE = 2
-_models: "OrderedDict[Tuple[str, str], Any]" = OrderedDict()
-"""Deserialized models of this worker process, by (model key, device)."""
+__all__ = ["InferencePlan", "output_is_scalar", "prediction_udf", "feature_args", "TorchPredictor"]
 
 
-@dataclass(frozen=True)
-class InferencePlan:
-    """What the workers need besides the model; plain values, shipped in the UDF's closure."""
+class TorchPredictor:
+    """Loads a cloudpickled torch module and predicts with it in inference mode."""
 
-    key: str
-    """Identity of the serialized model, for the per-worker cache."""
-    feature_cols: Tuple[str, ...]
-    """Names of the feature columns, for error messages."""
-    input_shapes: Tuple[Tuple[int, ...], ...]
-    """Per-row shape of each input."""
-    output_cols: Tuple[str, ...]
-    scalar_outputs: Tuple[bool, ...]
-    """Per output: one value per row (a double column) or several (an array column)."""
-    batch_size: int
-    dtype: str
-    """torch dtype name of the model's parameters, e.g. 'float32'."""
-    sys_path: Tuple[str, ...]
-    """The driver's sys.path, so model classes imported there import here too."""
-    task: str = "none"
-    """The Spark ML columns to compute from the single output (see ``spark_hvd.spark.outputs``)."""
+    def device(self) -> str:
+        import torch
 
+        if not torch.cuda.is_available():
+            return "cpu"
+        try:
+            from pyspark import TaskContext
 
-def output_is_scalar(row_shape: Sequence[int]) -> bool:
-    """Whether an output with per-row shape ``row_shape`` becomes one double per row."""
-    return int(np.prod([int(d) for d in row_shape])) == 1
+            context = TaskContext.get()
+            gpus = context.resources().get("gpu") if context is not None else None
+        except Exception:  # no task context or no resource support: treat as no GPU assigned
+            gpus = None
+        if gpus is not None and gpus.addresses:
+            return f"cuda:{int(gpus.addresses[0])}"
+        return "cpu"
 
+    def load(self, payload: Any, device: str) -> Any:
+        import cloudpickle
 
-def _device() -> Any:
-    import torch
+        model = cloudpickle.loads(payload).to(device)
+        model.eval()
+        return model
 
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    try:
-        from pyspark import TaskContext
+    def predict(self, model: Any, device: str, plan: InferencePlan, columns: List[np.ndarray]) -> List[np.ndarray]:
+        import torch
 
-        context = TaskContext.get()
-        gpus = context.resources().get("gpu") if context is not None else None
-    except Exception:  # no task context or no resource support: treat as no GPU assigned
-        gpus = None
-    if gpus is not None and gpus.addresses:
-        return torch.device("cuda", int(gpus.addresses[0]))
-    return torch.device("cpu")
+        from spark_hvd.spark.torch.batches import feature_tensors, outputs_list
 
-
-def _load(plan: InferencePlan, payload: Any) -> Tuple[Any, Any]:
-    import cloudpickle
-
-    device = _device()
-    key = (plan.key, str(device))
-    if key in _models:
-        _models.move_to_end(key)
-        return _models[key], device
-    sys.path.extend(p for p in plan.sys_path if p not in sys.path)
-    model = cloudpickle.loads(payload).to(device)
-    model.eval()
-    _models[key] = model
-    while len(_models) > _CACHE_SIZE:
-        _models.popitem(last=False)
-    return model, device
-
-
-def _series_to_numpy(series: pd.Series, column: str) -> np.ndarray:
-    """A feature column's batch as an ndarray: (rows,) for scalars, (rows, n) for arrays."""
-    if series.isna().any():
-        raise ValueError(f"feature column {column!r} has null values: expected a value in every row; fix: fill "
-                         "them (DataFrame.fillna) or drop those rows before transform()")
-    values = series.to_numpy()
-    if values.dtype == object:  # array columns arrive as one ndarray per row
-        values = np.stack(values) if len(values) else np.zeros((0, 0))
-    return values
-
-
-def _predict(model: Any, device: Any, plan: InferencePlan, columns: List[np.ndarray]) -> List[np.ndarray]:
-    import torch
-
-    from spark_hvd.spark.torch.batches import feature_tensors, outputs_list
-
-    dtype = getattr(torch, plan.dtype)
-    rows = len(columns[0])
-    names = [str(i) for i in range(len(columns))]
-    outputs: List[List[np.ndarray]] = [[] for _ in plan.output_cols]
-    with torch.inference_mode():
-        for start in range(0, rows, plan.batch_size):
-            part = {n: c[start:start + plan.batch_size] for n, c in zip(names, columns)}
-            inputs = feature_tensors(part, names, plan.input_shapes, dtype, device)
-            result = outputs_list(model(*inputs), len(plan.output_cols))
-            for i, tensor in enumerate(result):
-                outputs[i].append(tensor.detach().to("cpu", torch.float64).numpy().reshape(tensor.shape[0], -1))
-    return [np.concatenate(parts) if parts else np.zeros((0, 1)) for parts in outputs]
-
-
-def _arrow_to_numpy(array: Any, column: str) -> np.ndarray:
-    from spark_hvd.spark.reader import _to_numpy
-
-    nulls = array.null_count + (array.flatten().null_count if pa.types.is_list(array.type) else 0)
-    if nulls:
-        raise ValueError(f"feature column {column!r} has null values: expected a value in every row; fix: fill "
-                         "them (DataFrame.fillna) or drop those rows before transform()")
-    return _to_numpy(array, None, column)
-
-
-def _arrow_output(values: np.ndarray, scalar: bool) -> Any:
-    if scalar:
-        return pa.array(values[:, 0])
-    rows, width = values.shape
-    offsets = pa.array(np.arange(0, (rows + 1) * width, width, dtype=np.int32))
-    return pa.ListArray.from_arrays(offsets, pa.array(values.reshape(-1)))
-
-
-def _task_fields(plan: InferencePlan, values: np.ndarray) -> List[Tuple[str, np.ndarray, bool]]:
-    """(field name, values, scalar) of each Spark ML column of the task, in ``column_kinds`` order."""
-    columns = standard_columns(plan.task, values)
-    return [(role, columns[role], kind == "double") for role, kind in column_kinds(plan.task)]
-
-
-def _predict_arrow(plan: InferencePlan, payload: Any, batches: Iterator[Any]) -> Iterator[Any]:
-    model, device = _load(plan, payload)
-    for batch in batches:
-        arrays = batch if isinstance(batch, tuple) else (batch,)
-        columns = [_arrow_to_numpy(a, c) for a, c in zip(arrays, plan.feature_cols)]
-        predicted = _predict(model, device, plan, columns)
-        if plan.task != "none":
-            fields = _task_fields(plan, predicted[0])
-            yield pa.StructArray.from_arrays([_arrow_output(v.reshape(len(v), -1), s) for _, v, s in fields],
-                                             names=[name for name, _, _ in fields])
-            continue
-        outputs = [_arrow_output(v, s) for v, s in zip(predicted, plan.scalar_outputs)]
-        if len(outputs) == 1:
-            yield outputs[0]
-        else:
-            yield pa.StructArray.from_arrays(outputs, names=[f"o{i}" for i in range(len(outputs))])
-
-
-def _series(values: np.ndarray, scalar: bool) -> pd.Series:
-    return pd.Series(values[:, 0]) if scalar else pd.Series(list(values))
-
-
-def _predict_pandas(plan: InferencePlan, payload: Any, batches: Iterator[Any]) -> Iterator[Any]:
-    model, device = _load(plan, payload)
-    for batch in batches:
-        series = batch if isinstance(batch, tuple) else (batch,)
-        columns = [_series_to_numpy(s, c) for s, c in zip(series, plan.feature_cols)]
-        predicted = _predict(model, device, plan, columns)
-        if plan.task != "none":
-            yield pd.DataFrame({name: _series(v.reshape(len(v), -1), s) for name, v, s in _task_fields(plan, predicted[0])})
-            continue
-        outputs = [_series(v, s) for v, s in zip(predicted, plan.scalar_outputs)]
-        if len(outputs) == 1:
-            yield outputs[0]
-        else:
-            yield pd.DataFrame({f"o{i}": out for i, out in enumerate(outputs)})
+        dtype = getattr(torch, plan.dtype)
+        rows = len(columns[0])
+        names = [str(i) for i in range(len(columns))]
+        outputs: List[List[np.ndarray]] = [[] for _ in plan.output_cols]
+        with torch.inference_mode():
+            for start in range(0, rows, plan.batch_size):
+                part = {n: c[start:start + plan.batch_size] for n, c in zip(names, columns)}
+                inputs = feature_tensors(part, names, plan.input_shapes, dtype, torch.device(device))
+                result = outputs_list(model(*inputs), len(plan.output_cols))
+                for i, tensor in enumerate(result):
+                    outputs[i].append(tensor.detach().to("cpu", torch.float64).numpy().reshape(tensor.shape[0], -1))
+        return [np.concatenate(parts) if parts else np.zeros((0, 1)) for parts in outputs]
 
 
 def prediction_udf(plan: InferencePlan, payload: Any) -> Any:
-    """The UDF predicting from the feature arguments: with a task, a struct with one field per
-    Spark ML column role; else a double or array<double> column for one output, a struct with
-    fields ``o0, o1, ...`` for several."""
-    from pyspark.sql.types import ArrayType, DataType, DoubleType, StructField, StructType
-
-    return_type: DataType
-    if plan.task != "none":
-        return_type = StructType([StructField(role, DoubleType() if kind == "double" else ArrayType(DoubleType()))
-                                  for role, kind in column_kinds(plan.task)])
-    else:
-        types: List[DataType] = [DoubleType() if s else ArrayType(DoubleType()) for s in plan.scalar_outputs]
-        return_type = types[0] if len(types) == 1 else StructType(
-            [StructField(f"o{i}", t) for i, t in enumerate(types)])
-    single = len(plan.feature_cols) == 1
-    # Spark picks the UDF kind from the type hints, so each arity gets its own exact signature.
-    try:
-        from pyspark.sql.functions import arrow_udf
-    except ImportError:  # Spark before 4.1: the same batches, converted to pandas on the way
-        from pyspark.sql.functions import pandas_udf
-
-        def pandas_one(batches: Iterator[pd.Series]) -> Iterator[pd.Series]:
-            return _predict_pandas(plan, payload, batches)
-
-        def pandas_many(batches: Iterator[Tuple[pd.Series, ...]]) -> Iterator[pd.Series]:
-            return _predict_pandas(plan, payload, batches)
-
-        return pandas_udf(pandas_one if single else pandas_many, return_type)  # type: ignore[call-overload]
-
-    def arrow_one(batches: Iterator[pa.Array]) -> Iterator[pa.Array]:
-        return _predict_arrow(plan, payload, batches)
-
-    def arrow_many(batches: Iterator[Tuple[pa.Array, ...]]) -> Iterator[pa.Array]:
-        return _predict_arrow(plan, payload, batches)
-
-    return arrow_udf(arrow_one if single else arrow_many, return_type)
-
-
-def feature_args(schema: Any, feature_cols: Sequence[str], dtype: str) -> List[Any]:
-    """The UDF's arguments: each feature column, Spark ML Vectors as arrays of ``dtype`` (a
-    Vector would reach Python as a struct to decode row by row)."""
-    from pyspark.ml.functions import vector_to_array
-    from pyspark.ml.linalg import VectorUDT
-    from pyspark.mllib.linalg import VectorUDT as OldVectorUDT
-    from pyspark.sql import functions as F
-
-    fields = {f.name: f.dataType for f in schema.fields}
-    args = []
-    for col in feature_cols:
-        column = F.col("`" + col.replace("`", "``") + "`")
-        if isinstance(fields[col], (VectorUDT, OldVectorUDT)):
-            # Spark's conversion fails the job with a JVM error on a null Vector; a null array
-            # reaches the UDF, which names the column instead.
-            converted = vector_to_array(column, dtype="float64" if dtype == "float64" else "float32")
-            column = F.when(column.isNull(), F.lit(None)).otherwise(converted)
-        args.append(column)
-    return args
+    """The UDF predicting with the serialized torch model ``payload`` (see
+    :func:`spark_hvd.spark.inference.prediction_udf`)."""
+    return inference.prediction_udf(plan, payload, TorchPredictor())

@@ -1,0 +1,180 @@
+"""What every fitted model (TorchModel, KerasModel) shares: output columns, their checks, the
+prediction UDF's columns, the training history, and persistence."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from pyspark.ml import Model
+from pyspark.ml.util import MLReadable, MLWritable
+
+from spark_hvd.spark import checks
+from spark_hvd.spark.outputs import column_kinds
+from spark_hvd.spark.params import ModelParams
+from spark_hvd.spark.persistence import ParamsReader, ParamsWriter
+
+__all__ = ["FittedModel"]
+
+_PACKED = "__spark_hvd_outputs"
+
+
+class FittedModel(Model, ModelParams, MLReadable, MLWritable):
+    """Base of the fitted models: a Spark ML Model whose ``transform`` runs a prediction UDF.
+
+    Subclasses implement ``_transform`` with :meth:`_check_columns`, :meth:`_input_shapes` and
+    :meth:`_add_predictions`.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fit_timings: Dict[str, float] = {}
+        """Seconds fit() spent per phase (validation, materialization, launch, training,
+        collection); empty for a model that was loaded or built by hand."""
+        self.mlflow_run_id: Optional[str] = None
+        """The MLflow run this model's fit was logged to, if it was."""
+
+    def getOutputCols(self) -> List[str]:
+        """Prediction column of each label: ``output_cols`` when set, else ``<label>__output``."""
+        cols = self.getOrDefault(self.output_cols)
+        if cols:
+            return list(cols)
+        return [f"{label}__output" for label in (self.getLabelCols() or [])]
+
+    # ---- checks ---------------------------------------------------------------------------
+    def _check_columns(self, df: Any) -> Tuple[List[str], List[str]]:
+        """(feature_cols, output_cols) after checking them against ``df``'s schema."""
+        from spark_hvd.spark.data import _inspect_column
+
+        feature_cols = self.getFeatureCols()
+        checks.require("feature_cols", feature_cols, "the model's input columns", "['features']")
+        output_cols = self.getOutputCols()
+        if not output_cols:
+            raise ValueError("output_cols and label_cols are both unset: expected the name of each prediction "
+                             "column; fix: setOutputCols(['prediction']) or set label_cols")
+        labels = self.getLabelCols()
+        if labels and len(output_cols) != len(labels):
+            raise ValueError(f"output_cols={output_cols} has {len(output_cols)} names for {len(labels)} label "
+                             f"column(s) {labels}: expected one output column per label column")
+        new_cols = self._task_columns() or output_cols
+        if len(set(new_cols)) != len(new_cols):
+            raise ValueError(f"prediction columns {new_cols} repeat a name: expected distinct names; fix: "
+                             "setPredictionCol / setProbabilityCol / setRawPredictionCol")
+        fields = {f.name: f.dataType for f in df.schema.fields}
+        for col in feature_cols:
+            if col not in fields:
+                raise ValueError(f"feature column {col!r} is not in the DataFrame; available columns: "
+                                 f"{', '.join(fields) or '(none)'}; fix: add it or set feature_cols")
+            _inspect_column(col, fields[col], "float32")  # raises for strings, structs, nested arrays
+        clash = [c for c in new_cols if c in fields]
+        if clash:
+            setter = "setPredictionCol(...) and the like" if self._task_columns() else "setOutputCols([...])"
+            raise ValueError(f"output column(s) {clash} already exist in the DataFrame: expected new names; fix: "
+                             f"{setter} with other names, or drop those columns first")
+        return list(feature_cols), output_cols
+
+    def _task_columns(self) -> List[str]:
+        """Names of the Spark ML columns transform() adds for the task, in the UDF's field order."""
+        names = {"prediction": self.getPredictionCol(), "probability": self.getProbabilityCol(),
+                 "raw_prediction": self.getRawPredictionCol()}
+        return [names[role] for role, _ in column_kinds(self.getTask())]
+
+    def _input_sizes(self, df: Any, feature_cols: List[str]) -> List[int]:
+        """Values per row of each feature column: from the schema, else from ``input_shapes``,
+        else from one row of data."""
+        shapes = self.getInputShapes()
+        sizes = checks.schema_row_sizes(df.schema, feature_cols)
+        if shapes is not None and len(shapes) == len(feature_cols) and all(-1 not in s for s in shapes):
+            sizes = [max(1, _size(s)) if z is None else z for s, z in zip(shapes, sizes)]
+        if any(z is None for z in sizes):
+            sizes = checks.sizes_from_data(df, feature_cols, sizes)
+        return [int(z) for z in sizes]  # type: ignore[arg-type]
+
+    def _input_shapes(self, df: Any, feature_cols: List[str]) -> List[Tuple[int, ...]]:
+        """Per-row shape of each feature: ``input_shapes`` resolved against the columns' sizes."""
+        resolved = checks.feature_shapes(self.getInputShapes(), feature_cols, self._input_sizes(df, feature_cols))
+        assert resolved is not None, "all sizes are known here"
+        return resolved
+
+    # ---- the UDF's columns ----------------------------------------------------------------
+    def _add_predictions(self, dataset: Any, predicted: Any, output_cols: List[str],
+                         scalar: Sequence[bool]) -> Any:
+        """``dataset`` with the columns of the prediction UDF's result ``predicted`` (see
+        :func:`spark_hvd.spark.inference.prediction_udf`): the task's Spark ML columns, or one raw
+        output column per label (dense Vectors where an output has several values per row)."""
+        from pyspark.ml.functions import array_to_vector
+        from pyspark.sql import functions as F
+
+        task = self.getTask()
+        if task != "none":
+            result = dataset.withColumn(_PACKED, predicted)
+            columns = []
+            for (role, kind), name in zip(column_kinds(task), self._task_columns()):
+                column = F.col(_PACKED)[role]
+                columns.append((array_to_vector(column) if kind == "vector" else column).alias(name))
+            return result.select(*[F.col(f"`{c}`") for c in dataset.columns], *columns)
+        if len(output_cols) == 1:
+            result = dataset.withColumn(output_cols[0], predicted)
+        else:
+            result = dataset.withColumn(_PACKED, predicted)
+            result = result.select(*[F.col(f"`{c}`") for c in dataset.columns],
+                                   *[F.col(_PACKED)[f"o{i}"].alias(c) for i, c in enumerate(output_cols)])
+        for col, is_scalar in zip(output_cols, scalar):
+            if not is_scalar:
+                result = result.withColumn(col, array_to_vector(F.col(f"`{col}`")))
+        return result
+
+    # ---- history ---------------------------------------------------------------------------
+    def history_frame(self) -> Any:
+        """The per-epoch history as a pandas DataFrame indexed by epoch (one column per metric)."""
+        import pandas as pd
+
+        frame = pd.DataFrame(list(self.getHistory() or []))
+        return frame.set_index("epoch") if "epoch" in frame.columns else frame
+
+    def plot_history(self, metrics: Optional[List[str]] = None, ax: Any = None) -> Any:
+        """Plot loss and metrics per epoch (training solid, validation dashed) with matplotlib;
+        returns the Axes. ``metrics`` picks the training metrics (default: all of them)."""
+        try:
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise ImportError("plot_history() needs matplotlib: pip install matplotlib") from None
+        frame = self.history_frame()
+        if frame.empty:
+            raise ValueError("the model has no history to plot: expected a model returned by fit(); "
+                             "history_frame() shows what there is")
+        names = metrics or [c for c in frame.columns if not c.startswith("val_") and c not in ("rows_per_s", "seconds")]
+        if ax is None:
+            _, ax = plt.subplots(figsize=(6, 3.5))
+        for name in names:
+            line, = ax.plot(frame.index, frame[name], marker="o", label=name)
+            if f"val_{name}" in frame.columns:
+                ax.plot(frame.index, frame[f"val_{name}"], marker="o", linestyle="--", color=line.get_color(),
+                        label=f"val_{name}")
+        ax.set_xlabel("epoch")
+        ax.set_title(f"run {self.getRunId()}" if self.getRunId() else "training history")
+        ax.legend()
+        return ax
+
+    # ---- persistence -----------------------------------------------------------------------
+    def write(self) -> ParamsWriter:
+        """A writer saving this model (``.save(path)``; ``.overwrite()`` to replace)."""
+        return ParamsWriter(self)
+
+    @classmethod
+    def read(cls) -> ParamsReader[Any]:
+        """A reader loading a saved model of this class (``<Class>.load(path)`` is the short form)."""
+        return ParamsReader(cls)
+
+    def copy(self, extra: Optional[Dict[Any, Any]] = None) -> Any:
+        """A copy sharing the framework's model object, with ``extra`` Params set."""
+        that = super().copy(extra)
+        that.fit_timings = dict(self.fit_timings)
+        that.mlflow_run_id = self.mlflow_run_id
+        return that
+
+
+def _size(shape: Any) -> int:
+    size = 1
+    for d in shape:
+        size *= int(d)
+    return size

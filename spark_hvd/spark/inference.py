@@ -1,0 +1,218 @@
+"""Batched inference over Arrow for the models' ``transform`` (TorchModel, KerasModel).
+
+The prediction runs in a scalar-iterator Arrow UDF (``arrow_udf``, Spark 4.1+; a pandas UDF on
+older Spark), Spark's Arrow-based batch interface for column functions: only the feature columns
+travel to Python as Arrow record batches; the other columns stay in the JVM and the predictions
+are appended to them. A ``mapInArrow`` pass would ship every column through Python and back,
+which with Spark ML Vector columns in the frame takes about three times as long. The serialized
+model travels in the UDF's closure (Spark broadcasts large closures itself, on classic and
+Connect sessions alike); each Python worker deserializes it once (and keeps it while the worker
+is reused), then predicts ``batch_size`` rows per forward pass. What is framework-specific
+(deserializing the model, choosing its device, calling it) is a :class:`Predictor`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Iterator, List, Protocol, Sequence, Tuple
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from spark_hvd.spark.outputs import column_kinds, standard_columns
+
+__all__ = ["InferencePlan", "Predictor", "output_is_scalar", "prediction_udf", "feature_args"]
+
+_CACHE_SIZE = 2
+_models: "OrderedDict[Tuple[str, str], Any]" = OrderedDict()
+"""Deserialized models of this worker process, by (model key, device)."""
+
+
+@dataclass(frozen=True)
+class InferencePlan:
+    """What the workers need besides the model; plain values, shipped in the UDF's closure."""
+
+    key: str
+    """Identity of the serialized model, for the per-worker cache."""
+    feature_cols: Tuple[str, ...]
+    """Names of the feature columns, for error messages."""
+    input_shapes: Tuple[Tuple[int, ...], ...]
+    """Per-row shape of each input."""
+    output_cols: Tuple[str, ...]
+    scalar_outputs: Tuple[bool, ...]
+    """Per output: one value per row (a double column) or several (an array column)."""
+    batch_size: int
+    dtype: str
+    """numpy name of the dtype the model takes, e.g. 'float32'."""
+    sys_path: Tuple[str, ...]
+    """The driver's sys.path, so model classes imported there import here too."""
+    task: str = "none"
+    """The Spark ML columns to compute from the single output (see ``spark_hvd.spark.outputs``)."""
+
+
+def output_is_scalar(row_shape: Sequence[int]) -> bool:
+    """Whether an output with per-row shape ``row_shape`` becomes one double per row."""
+    return int(np.prod([int(d) for d in row_shape])) == 1
+
+
+class Predictor(Protocol):
+    """The framework's part of inference; instances travel in the UDF's closure (pickled)."""
+
+    def device(self) -> str:
+        """Where this worker runs the model (e.g. 'cpu', 'cuda:0'); part of the cache key."""
+
+    def load(self, payload: Any, device: str) -> Any:
+        """The model deserialized from ``payload``, ready to predict on ``device``."""
+
+    def predict(self, model: Any, device: str, plan: "InferencePlan", columns: List[np.ndarray]) -> List[np.ndarray]:
+        """Each output for the rows of ``columns`` (one array per feature column), as float64
+        arrays of shape (rows, values per row), predicting ``plan.batch_size`` rows at a time."""
+
+
+def _load(plan: InferencePlan, payload: Any, predictor: Predictor) -> Tuple[Any, str]:
+    device = predictor.device()
+    key = (plan.key, device)
+    if key in _models:
+        _models.move_to_end(key)
+        return _models[key], device
+    sys.path.extend(p for p in plan.sys_path if p not in sys.path)
+    model = predictor.load(payload, device)
+    _models[key] = model
+    while len(_models) > _CACHE_SIZE:
+        _models.popitem(last=False)
+    return model, device
+
+
+def _series_to_numpy(series: pd.Series, column: str) -> np.ndarray:
+    """A feature column's batch as an ndarray: (rows,) for scalars, (rows, n) for arrays."""
+    if series.isna().any():
+        raise ValueError(f"feature column {column!r} has null values: expected a value in every row; fix: fill "
+                         "them (DataFrame.fillna) or drop those rows before transform()")
+    values = series.to_numpy()
+    if values.dtype == object:  # array columns arrive as one ndarray per row
+        values = np.stack(values) if len(values) else np.zeros((0, 0))
+    return values
+
+
+def _arrow_to_numpy(array: Any, column: str) -> np.ndarray:
+    from spark_hvd.spark.reader import _to_numpy
+
+    nulls = array.null_count + (array.flatten().null_count if pa.types.is_list(array.type) else 0)
+    if nulls:
+        raise ValueError(f"feature column {column!r} has null values: expected a value in every row; fix: fill "
+                         "them (DataFrame.fillna) or drop those rows before transform()")
+    return _to_numpy(array, None, column)
+
+
+def _arrow_output(values: np.ndarray, scalar: bool) -> Any:
+    if scalar:
+        return pa.array(values[:, 0])
+    rows, width = values.shape
+    offsets = pa.array(np.arange(0, (rows + 1) * width, width, dtype=np.int32))
+    return pa.ListArray.from_arrays(offsets, pa.array(values.reshape(-1)))
+
+
+def _task_fields(plan: InferencePlan, values: np.ndarray) -> List[Tuple[str, np.ndarray, bool]]:
+    """(field name, values, scalar) of each Spark ML column of the task, in ``column_kinds`` order."""
+    columns = standard_columns(plan.task, values)
+    return [(role, columns[role], kind == "double") for role, kind in column_kinds(plan.task)]
+
+
+def _predict_arrow(plan: InferencePlan, payload: Any, predictor: Predictor, batches: Iterator[Any]) -> Iterator[Any]:
+    model, device = _load(plan, payload, predictor)
+    for batch in batches:
+        arrays = batch if isinstance(batch, tuple) else (batch,)
+        columns = [_arrow_to_numpy(a, c) for a, c in zip(arrays, plan.feature_cols)]
+        predicted = predictor.predict(model, device, plan, columns)
+        if plan.task != "none":
+            fields = _task_fields(plan, predicted[0])
+            yield pa.StructArray.from_arrays([_arrow_output(v.reshape(len(v), -1), s) for _, v, s in fields],
+                                             names=[name for name, _, _ in fields])
+            continue
+        outputs = [_arrow_output(v, s) for v, s in zip(predicted, plan.scalar_outputs)]
+        if len(outputs) == 1:
+            yield outputs[0]
+        else:
+            yield pa.StructArray.from_arrays(outputs, names=[f"o{i}" for i in range(len(outputs))])
+
+
+def _series(values: np.ndarray, scalar: bool) -> pd.Series:
+    return pd.Series(values[:, 0]) if scalar else pd.Series(list(values))
+
+
+def _predict_pandas(plan: InferencePlan, payload: Any, predictor: Predictor, batches: Iterator[Any]) -> Iterator[Any]:
+    model, device = _load(plan, payload, predictor)
+    for batch in batches:
+        series = batch if isinstance(batch, tuple) else (batch,)
+        columns = [_series_to_numpy(s, c) for s, c in zip(series, plan.feature_cols)]
+        predicted = predictor.predict(model, device, plan, columns)
+        if plan.task != "none":
+            yield pd.DataFrame({name: _series(v.reshape(len(v), -1), s) for name, v, s in _task_fields(plan, predicted[0])})
+            continue
+        outputs = [_series(v, s) for v, s in zip(predicted, plan.scalar_outputs)]
+        if len(outputs) == 1:
+            yield outputs[0]
+        else:
+            yield pd.DataFrame({f"o{i}": out for i, out in enumerate(outputs)})
+
+
+def prediction_udf(plan: InferencePlan, payload: Any, predictor: Predictor) -> Any:
+    """The UDF predicting from the feature arguments: with a task, a struct with one field per
+    Spark ML column role; else a double or array<double> column for one output, a struct with
+    fields ``o0, o1, ...`` for several."""
+    from pyspark.sql.types import ArrayType, DataType, DoubleType, StructField, StructType
+
+    return_type: DataType
+    if plan.task != "none":
+        return_type = StructType([StructField(role, DoubleType() if kind == "double" else ArrayType(DoubleType()))
+                                  for role, kind in column_kinds(plan.task)])
+    else:
+        types: List[DataType] = [DoubleType() if s else ArrayType(DoubleType()) for s in plan.scalar_outputs]
+        return_type = types[0] if len(types) == 1 else StructType(
+            [StructField(f"o{i}", t) for i, t in enumerate(types)])
+    single = len(plan.feature_cols) == 1
+    # Spark picks the UDF kind from the type hints, so each arity gets its own exact signature.
+    try:
+        from pyspark.sql.functions import arrow_udf
+    except ImportError:  # Spark before 4.1: the same batches, converted to pandas on the way
+        from pyspark.sql.functions import pandas_udf
+
+        def pandas_one(batches: Iterator[pd.Series]) -> Iterator[pd.Series]:
+            return _predict_pandas(plan, payload, predictor, batches)
+
+        def pandas_many(batches: Iterator[Tuple[pd.Series, ...]]) -> Iterator[pd.Series]:
+            return _predict_pandas(plan, payload, predictor, batches)
+
+        return pandas_udf(pandas_one if single else pandas_many, return_type)  # type: ignore[call-overload]
+
+    def arrow_one(batches: Iterator[pa.Array]) -> Iterator[pa.Array]:
+        return _predict_arrow(plan, payload, predictor, batches)
+
+    def arrow_many(batches: Iterator[Tuple[pa.Array, ...]]) -> Iterator[pa.Array]:
+        return _predict_arrow(plan, payload, predictor, batches)
+
+    return arrow_udf(arrow_one if single else arrow_many, return_type)
+
+
+def feature_args(schema: Any, feature_cols: Sequence[str], dtype: str) -> List[Any]:
+    """The UDF's arguments: each feature column, Spark ML Vectors as arrays of ``dtype`` (a
+    Vector would reach Python as a struct to decode row by row)."""
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.mllib.linalg import VectorUDT as OldVectorUDT
+    from pyspark.sql import functions as F
+
+    fields = {f.name: f.dataType for f in schema.fields}
+    args = []
+    for col in feature_cols:
+        column = F.col("`" + col.replace("`", "``") + "`")
+        if isinstance(fields[col], (VectorUDT, OldVectorUDT)):
+            # Spark's conversion fails the job with a JVM error on a null Vector; a null array
+            # reaches the UDF, which names the column instead.
+            converted = vector_to_array(column, dtype="float64" if dtype == "float64" else "float32")
+            column = F.when(column.isNull(), F.lit(None)).otherwise(converted)
+        args.append(column)
+    return args

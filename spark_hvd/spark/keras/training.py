@@ -1,0 +1,266 @@
+"""The training KerasEstimator runs on every rank: read the shard, ``model.fit``, checkpoint.
+
+:func:`train_on_rank` is the function ``run()`` calls on each barrier task, in a process started
+with :data:`~spark_hvd.spark.keras.environment.RANK_ENVIRONMENT` (the TensorFlow backend).
+Each rank loads the model from ``.keras`` bytes, compiles it with the optimizer wrapped in
+``spark_hvd.keras.DistributedOptimizer`` (learning rate times ``num_proc`` with ``scale_lr``),
+and runs one ``model.fit`` over all remaining epochs, fed from its reader: every rank runs the
+same number of steps per epoch, so the gradient allreduces always match. The callbacks are
+``BroadcastGlobalVariablesCallback(0)`` (rank 0's weights and optimizer state everywhere),
+``MetricAverageCallback`` (epoch logs averaged over the ranks), the recorder that keeps the
+history, reports progress and makes rank 0 write a checkpoint each epoch, then the user's.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import keras
+import numpy as np
+
+from spark_hvd.spark.keras import checks
+from spark_hvd.spark.keras.checkpoint import checkpoint_bytes, load_model_bytes
+from spark_hvd.spark.progress import ProgressReporter
+
+__all__ = ["KerasTrainingSpec", "train_on_rank", "scaled_optimizer"]
+
+
+@dataclass
+class KerasTrainingSpec:
+    """Everything one fit's ranks need; built by the estimator on the driver."""
+
+    model: bytes
+    """The model as ``.keras`` bytes, holding any resumed weights."""
+    optimizer: Dict[str, Any]
+    """The optimizer, serialized (``keras.optimizers.serialize``): each rank builds its own."""
+    losses: List[Any]
+    loss_weights: Optional[List[float]]
+    metrics: List[Any]
+    custom_objects: Optional[Dict[str, Any]]
+    feature_cols: List[str]
+    label_cols: List[str]
+    sample_weight_col: Optional[str]
+    feature_shapes: List[Tuple[int, ...]]
+    """Per-row shape of each feature as the model takes it."""
+    output_shapes: List[Tuple[int, ...]]
+    """Per-row shape of each model output (labels of as many values are reshaped to it)."""
+    column_shapes: Dict[str, Tuple[int, ...]]
+    """Per-row shape of every column as stored (for the reader)."""
+    dtype: str
+    train_url: str
+    val_url: Optional[str]
+    storage_options: Dict[str, Any]
+    reader: str
+    batch_size: int
+    val_batch_size: int
+    epochs: int
+    start_epoch: int
+    train_steps: int
+    val_steps: int
+    shuffle: bool
+    shuffle_buffer_rows: int
+    seed: int
+    keras_seed: Optional[int]
+    store: Any
+    checkpoint_path: str
+    history: List[Dict[str, Any]] = field(default_factory=list)
+    optimizer_variables: Optional[List[np.ndarray]] = None
+    """The resumed optimizer's variables, in order, or None for a new run."""
+    backward_passes_per_step: int = 1
+    compression: Any = None
+    scale_lr: bool = True
+    use_gpu: bool = True
+    transformation_fn: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None
+    callbacks: List[Any] = field(default_factory=list)
+    progress: bool = True
+    """Whether rank 0 reports steps while an epoch runs (epochs are always reported)."""
+    progress_interval_s: float = 0.25
+    fingerprint: Dict[str, str] = field(default_factory=dict)
+
+
+def scaled_optimizer(config: Dict[str, Any], factor: float, custom_objects: Optional[Dict[str, Any]] = None) -> Any:
+    """The optimizer of ``config`` with its learning rate times ``factor``; a learning-rate
+    schedule is kept as it is (scale it in the schedule itself)."""
+    config = copy.deepcopy(config)
+    inner = config.get("config", {})
+    if factor != 1.0 and isinstance(inner.get("learning_rate"), (int, float)):
+        inner["learning_rate"] = float(inner["learning_rate"]) * factor
+    return keras.optimizers.deserialize(config, custom_objects=custom_objects)
+
+
+def _is_learning_rate(variable: Any) -> bool:
+    return str(getattr(variable, "path", getattr(variable, "name", ""))).endswith("learning_rate")
+
+
+class _Trainer:
+    """The fit of one rank; a class only so the pieces of state stay together."""
+
+    def __init__(self, spec: KerasTrainingSpec, hvd: Any) -> None:
+        import tensorflow as tf
+
+        self.spec = spec
+        self.hvd = hvd
+        self.rank, self.size = hvd.rank(), hvd.size()
+        # Ranks sharing a host share its cores: oversubscribed threads slow every rank down.
+        threads = max(1, (os.cpu_count() or 1) // max(1, hvd.local_size()))
+        try:
+            tf.config.threading.set_intra_op_parallelism_threads(threads)
+            tf.config.threading.set_inter_op_parallelism_threads(threads)
+        except RuntimeError:  # TensorFlow already started: it keeps its pools
+            pass
+        if not spec.use_gpu:
+            tf.config.set_visible_devices([], "GPU")
+        if spec.keras_seed is not None:
+            keras.utils.set_random_seed(spec.keras_seed)
+        self.model = load_model_bytes(spec.model, spec.custom_objects)
+        self.lr_scale = float(self.size) if spec.scale_lr else 1.0
+        self.base_lr = spec.optimizer.get("config", {}).get("learning_rate")
+        optimizer = scaled_optimizer(spec.optimizer, self.lr_scale, spec.custom_objects)
+        kwargs: Dict[str, Any] = {"backward_passes_per_step": spec.backward_passes_per_step}
+        if spec.compression is not None:
+            kwargs["compression"] = spec.compression
+        self.optimizer = hvd.DistributedOptimizer(optimizer, **kwargs)
+        self.model.compile(optimizer=self.optimizer, loss=spec.losses if len(spec.losses) > 1 else spec.losses[0],
+                           loss_weights=spec.loss_weights, metrics=spec.metrics or None, jit_compile=False)
+        if spec.optimizer_variables is not None:
+            self._restore_optimizer(spec.optimizer_variables)
+        self.reporter = ProgressReporter(self.rank == 0, spec.progress, spec.progress_interval_s)
+        self.history: List[Dict[str, Any]] = list(spec.history)
+
+    def _restore_optimizer(self, values: List[np.ndarray]) -> None:
+        self.optimizer.build(self.model.trainable_variables)
+        variables = list(self.optimizer.variables)
+        if len(variables) != len(values) or any(tuple(v.shape) != tuple(np.shape(x)) for v, x in zip(variables, values)):
+            raise ValueError(f"the checkpoint holds {len(values)} optimizer variables that do not fit this optimizer's "
+                             f"{len(variables)}: expected the optimizer the run was started with")
+        for variable, value in zip(variables, values):
+            if not _is_learning_rate(variable):  # this run's (scaled) rate, not the stored one
+                variable.assign(value)
+
+    # -- data ------------------------------------------------------------------------------------
+    def _reader(self, url: str, batch_size: int, steps: int, shuffle: bool) -> Any:
+        from spark_hvd.spark.reader import make_reader
+
+        spec = self.spec
+        return make_reader(spec.reader, url, rank=self.rank, size=self.size, batch_size=batch_size,
+                           feature_cols=spec.feature_cols, label_cols=spec.label_cols,
+                           sample_weight_col=spec.sample_weight_col, shuffle=shuffle, seed=spec.seed,
+                           shuffle_buffer_rows=spec.shuffle_buffer_rows, steps_per_epoch=steps,
+                           shapes=spec.column_shapes, storage_options=spec.storage_options)
+
+    def _keras_batch(self, batch: Dict[str, Any]) -> Tuple[Any, ...]:
+        spec = self.spec
+        if spec.transformation_fn is not None:
+            batch = spec.transformation_fn(batch)
+        inputs = [np.asarray(batch[c]).reshape((len(batch[c]),) + tuple(s)).astype(spec.dtype, copy=False)
+                  for c, s in zip(spec.feature_cols, spec.feature_shapes)]
+        labels = checks.label_arrays(batch, spec.label_cols, spec.output_shapes, spec.dtype)
+        x = inputs[0] if len(inputs) == 1 else tuple(inputs)
+        y = labels[0] if len(labels) == 1 else tuple(labels)
+        if spec.sample_weight_col is None:
+            return x, y
+        return x, y, np.asarray(batch[spec.sample_weight_col]).reshape(-1).astype(spec.dtype, copy=False)
+
+    def _batches(self, reader: Any) -> Iterator[Tuple[Any, ...]]:
+        # One stream over every remaining epoch: Keras takes steps_per_epoch batches per epoch.
+        for epoch in range(self.spec.start_epoch, self.spec.epochs):
+            for batch in reader.iter_epoch(epoch):
+                yield self._keras_batch(batch)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def checkpoint(self, completed: int) -> None:
+        """Rank 0: the model, its optimizer's variables and the run's state to the store."""
+        scaled = self.lr_scale != 1.0 and isinstance(self.base_lr, (int, float))
+        if scaled:
+            # The store keeps the learning rate as the user gave it; a resume scales it again.
+            self.optimizer.learning_rate = float(self.base_lr)
+        try:
+            data = checkpoint_bytes(self.model, completed, self.history, self.spec.fingerprint,
+                                    [keras.ops.convert_to_numpy(v) for v in self.optimizer.variables])
+        finally:
+            if scaled:
+                self.optimizer.learning_rate = float(self.base_lr) * self.lr_scale
+        self.spec.store.write(self.spec.checkpoint_path, data)
+
+    # -- fit -------------------------------------------------------------------------------------
+    def run(self) -> Optional[Dict[str, Any]]:
+        spec = self.spec
+        train_reader = self._reader(spec.train_url, spec.batch_size, spec.train_steps, spec.shuffle)
+        val_reader = (self._reader(spec.val_url, spec.val_batch_size, spec.val_steps, False)
+                      if spec.val_url else None)
+        self.reporter.start(epochs=spec.epochs, start_epoch=spec.start_epoch, steps=spec.train_steps,
+                            val_steps=spec.val_steps if val_reader else 0, size=self.size,
+                            batch_size=spec.batch_size)
+        callbacks = [self.hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                     self.hvd.callbacks.MetricAverageCallback(), _recorder(self), *spec.callbacks]
+        try:
+            self.model.fit(self._batches(train_reader), epochs=spec.epochs, initial_epoch=spec.start_epoch,
+                           steps_per_epoch=spec.train_steps,
+                           validation_data=self._batches(val_reader) if val_reader is not None else None,
+                           validation_steps=spec.val_steps if val_reader is not None else None,
+                           callbacks=callbacks, shuffle=False, verbose=0)  # the reader shuffles
+        finally:
+            train_reader.close()
+            if val_reader is not None:
+                val_reader.close()
+        if self.rank != 0:
+            return None
+        return {"weights": self.model.get_weights(), "history": self.history}
+
+
+def _recorder(trainer: _Trainer) -> Any:
+    """The callback that keeps the history, reports progress and checkpoints (after the logs
+    were averaged over the ranks)."""
+
+    class Recorder(keras.callbacks.Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.started = 0.0
+            self.trained = 0.0
+            self.epoch = 0
+
+        def on_epoch_begin(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+            self.epoch = epoch
+            self.started = time.monotonic()
+            self.trained = 0.0
+
+        def on_train_batch_end(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+            loss = float(np.asarray((logs or {}).get("loss", float("nan"))))
+            spec = trainer.spec
+            trainer.reporter.step(self.epoch, batch + 1, loss, force=batch + 1 == spec.train_steps)
+
+        def on_test_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
+            if not self.trained:
+                self.trained = time.monotonic() - self.started
+
+        def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+            spec = trainer.spec
+            seconds = time.monotonic() - self.started
+            trained = self.trained or seconds
+            values = {k: float(np.asarray(v)) for k, v in (logs or {}).items()
+                      if np.ndim(v) == 0 and k != "learning_rate"}
+            rows = spec.train_steps * spec.batch_size * trainer.size
+            values["rows_per_s"] = rows / trained if trained > 0 else math.inf
+            values["seconds"] = seconds
+            trainer.history.append({"epoch": epoch + 1, **values})
+            if trainer.rank == 0:
+                trainer.checkpoint(epoch + 1)
+            trainer.reporter.epoch(epoch, values)
+
+    return Recorder()
+
+
+def train_on_rank(spec: KerasTrainingSpec) -> Optional[Dict[str, Any]]:
+    """Train on this rank; rank 0 returns ``{"weights": [...], "history": [...]}``, others None."""
+    import spark_hvd.keras as hvd
+
+    hvd.init()
+    try:
+        return _Trainer(spec, hvd).run()
+    finally:
+        hvd.shutdown()

@@ -1,0 +1,231 @@
+"""KerasEstimator.fit and KerasModel.transform end to end on a local[2] session: checks before any
+job, training on two ranks with progress and checkpoints, resume by run_id, Spark ML prediction
+columns and evaluators, save/load of the estimator, the model and a PipelineModel, and a
+CrossValidator."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import keras
+import numpy as np
+import pandas as pd
+import pytest
+from pyspark.ml import Pipeline, PipelineModel
+from pyspark.ml.evaluation import BinaryClassificationEvaluator, MulticlassClassificationEvaluator
+from pyspark.ml.feature import VectorAssembler
+from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
+from pyspark.sql import functions as F
+
+from spark_hvd.spark import Store
+from spark_hvd.spark.keras import KerasEstimator, KerasModel
+from spark_hvd.spark.keras.checkpoint import read_checkpoint
+
+ROWS = 96
+# Every rank process and Python worker imports TensorFlow first: on a busy 2-core machine a
+# test here can take longer than the suite's default 300 s without anything being stuck.
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def frame(spark):
+    """x1..x3, a 0/1 label y, the assembled Vector 'features' and a 3-value array y3."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ROWS, 3))
+    pdf = pd.DataFrame(x, columns=["x1", "x2", "x3"])
+    pdf["y"] = (x @ np.array([1.5, -2.0, 0.5]) > 0).astype(np.float64)
+    df = spark.createDataFrame(pdf).withColumn("y3", F.array("x1", "x2", "x3"))
+    return VectorAssembler(inputCols=["x1", "x2", "x3"], outputCol="features").transform(df).cache()
+
+
+def small_model(inputs=3, units=1):
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((inputs,)), keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.Dense(units)])
+
+
+def make_estimator(tmp_path, **overrides):
+    params = dict(num_proc=2, model=small_model(), optimizer=keras.optimizers.Adam(0.05),
+                  loss=keras.losses.BinaryCrossentropy(from_logits=True), feature_cols=["features"],
+                  label_cols=["y"], batch_size=8, epochs=1, store=Store.create(str(tmp_path / "store")),
+                  random_seed=3, verbose=0)
+    params.update(overrides)
+    return KerasEstimator(**params)
+
+
+def spark_jobs(spark, call):
+    """Run ``call()``; the ids of the Spark jobs it started."""
+    sc = spark.sparkContext
+    group = f"probe-{uuid.uuid4().hex[:8]}"
+    sc.setJobGroup(group, "fit checks")
+    try:
+        call()
+    finally:
+        sc.setLocalProperty("spark.jobGroup.id", None)
+    return list(sc.statusTracker().getJobIdsForGroup(group))
+
+
+def nothing_materialized(est):
+    store = est.getStore()
+    try:
+        return not any(n.startswith("intermediate_") for n in store.listdir(store.prefix))
+    except OSError:
+        return True
+
+
+# -- checks before any Spark job ---------------------------------------------------------------
+
+BAD_FITS = [
+    ({"feature_cols": ["nope"]}, r"column 'nope' is not in the DataFrame; available columns: x1, x2"),
+    ({"model": small_model(inputs=5)}, r"feature column 'features' has 3 values per row but model input 0 has shape "
+                                       r"\(None, 5\).*set input_shapes"),
+    ({"feature_cols": ["features", "x1"]}, r"gives 2 input\(s\) but the model has 1 input\(s\).*VectorAssembler"),
+    ({"label_cols": ["y", "x1"]}, r"returned 1 output\(s\) for 2 label column"),
+    ({"optimizer": None}, r"optimizer=None is not valid.*keras.optimizers.Adam"),
+    ({"model": "model.keras"}, r"model='model.keras' is not valid: expected a Keras 3 model"),
+    ({"num_proc": 3}, r"num_proc=3 but the cluster has 2 task slots"),
+    ({"model": small_model(units=2), "task": "binary"}, r"task='binary' needs one output value per row, but the "
+                                                        r"model returns 2"),
+    ({"train_minibatch_fn": lambda *a: None}, r"train_minibatch_fn is not supported by KerasEstimator"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_FITS)
+def test_fit_refuses_bad_input_before_any_spark_job(spark, frame, tmp_path, overrides, message):
+    """Each mistake raises a ValueError naming the value and the fix; no Spark job ran, nothing was written."""
+    est = make_estimator(tmp_path, **overrides)
+
+    def call():
+        with pytest.raises(ValueError, match=message):
+            est.fit(frame)
+
+    assert spark_jobs(spark, call) == []
+    assert nothing_materialized(est)
+
+
+def test_a_label_the_loss_would_broadcast_fails_after_one_probe_batch_before_materialization(spark, frame, tmp_path):
+    """A label of 3 values per row against one output with MSE (which Keras broadcasts silently)
+    fails with both shapes named, before any data is written."""
+    est = make_estimator(tmp_path, label_cols=["y3"], loss="mse")
+    with pytest.raises(ValueError, match=r"loss would compare tensors of different shapes: mean_squared_error got the "
+                                         r"model's output of shape \(8, 1\) and label 'y3' of shape \(8, 3\)"):
+        est.fit(frame)
+    assert nothing_materialized(est)
+
+
+# -- fit, transform, save, load, resume --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def digits(spark, tmp_path_factory):
+    """The bundled digits (1,797 real 8x8 images) as a 64-value Vector, split 80/20, and a
+    compiled softmax model over an (8, 8) input."""
+    from spark_hvd.datasets import load_digits
+
+    images, labels = load_digits()
+    pixels = [f"p{i}" for i in range(images.shape[1])]
+    pdf = pd.DataFrame(images.astype(np.float64) / 16.0, columns=pixels)
+    pdf["label"] = labels
+    assembled = VectorAssembler(inputCols=pixels, outputCol="features").transform(spark.createDataFrame(pdf))
+    train, test = assembled.select("features", "label").randomSplit([0.8, 0.2], seed=5)
+    keras.utils.set_random_seed(0)
+    net = keras.Sequential([keras.Input((8, 8)), keras.layers.Flatten(), keras.layers.Dense(32, activation="relu"),
+                            keras.layers.Dense(10, activation="softmax")])
+    net.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    store = Store.create(str(tmp_path_factory.mktemp("digits") / "store"))
+    return {"train": train.cache(), "test": test.withColumn("row_id", F.monotonically_increasing_id()).cache(),
+            "net": net, "store": store}
+
+
+@pytest.fixture(scope="module")
+def digits_fit(digits):
+    """Pipeline([KerasEstimator]) fitted on two ranks for 2 epochs under run_id 'digits'; the
+    printed output and the model's weights before the fit."""
+    import contextlib
+    import io
+
+    net = digits["net"]
+    initial = [w.copy() for w in net.get_weights()]
+    est = KerasEstimator(num_proc=2, model=net, feature_cols=["features"], label_cols=["label"], batch_size=32,
+                         epochs=2, validation=0.2, store=digits["store"], run_id="digits", random_seed=0, verbose=1)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        fitted = Pipeline(stages=[est]).fit(digits["train"])
+    return {"est": est, "fitted": fitted, "printed": printed.getvalue(), "initial": initial}
+
+
+def test_pipeline_on_digits_fits_evaluates_saves_and_loads(digits, digits_fit, tmp_path):
+    """The loss makes a multiclass_probability model; each 64-value row is reshaped to the model's
+    (8, 8) input; two ranks train with epoch lines; rank 0's checkpoint is a .keras file Keras
+    loads; the Spark ML columns match a local predict and MulticlassClassificationEvaluator scores
+    them; PipelineModel and KerasEstimator save and load."""
+    fitted, est, store = digits_fit["fitted"], digits_fit["est"], digits["store"]
+    printed = digits_fit["printed"]
+    assert "epoch 1/2: accuracy " in printed and "val_accuracy" in printed and "spark-hvd-progress" not in printed
+    model = fitted.stages[-1]
+    assert isinstance(model, KerasModel) and model.getTask() == "multiclass_probability"
+    assert model.getInputShapes() == [[8, 8]]
+    history = model.getHistory()
+    assert [h["epoch"] for h in history] == [1, 2]
+    assert {"loss", "accuracy", "val_loss", "val_accuracy", "rows_per_s"} <= set(history[0])
+    assert history[1]["loss"] < history[0]["loss"]
+    assert set(model.fit_timings) == {"validation", "materialization", "launch", "training", "collection"}
+    # The driver's model is untouched.
+    assert all(np.array_equal(a, b) for a, b in zip(digits["net"].get_weights(), digits_fit["initial"]))
+
+    checkpoint = store.read(os.path.join(store.get_run_path("digits"), "checkpoint.keras"))
+    assert read_checkpoint(checkpoint).epoch == 2
+    path = tmp_path / "checkpoint.keras"
+    path.write_bytes(checkpoint)
+    from_checkpoint = keras.saving.load_model(str(path), compile=False)
+    for a, b in zip(from_checkpoint.get_weights(), model.getModel().get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+    test = digits["test"]
+    scored = fitted.transform(test)
+    assert scored.columns == test.columns + ["rawPrediction", "probability", "prediction"]
+    rows = scored.orderBy("row_id").collect()
+    local = model.getModel().predict(np.stack([r["features"].toArray() for r in rows]).reshape(-1, 8, 8), verbose=0)
+    np.testing.assert_allclose(np.stack([r["probability"].toArray() for r in rows]), local, rtol=1e-4, atol=1e-5)
+    assert [r["prediction"] for r in rows] == [float(i) for i in local.argmax(axis=1)]
+    accuracy = MulticlassClassificationEvaluator(labelCol="label", metricName="accuracy").evaluate(scored)
+    assert accuracy > 0.8, accuracy
+
+    fitted.write().overwrite().save(str(tmp_path / "pipeline"))
+    loaded = PipelineModel.load(str(tmp_path / "pipeline"))
+    assert isinstance(loaded.stages[-1], KerasModel) and loaded.stages[-1].getHistory() == history
+    again = loaded.transform(test).orderBy("row_id").collect()
+    assert [r["probability"] for r in again] == [r["probability"] for r in rows]
+    est.write().overwrite().save(str(tmp_path / "estimator"))
+    reloaded = KerasEstimator.load(str(tmp_path / "estimator"))
+    assert reloaded.getEpochs() == 2 and reloaded.getRunId() == "digits"
+    assert isinstance(reloaded.getModel(), keras.Model)
+
+
+def test_the_same_run_id_resumes_after_the_last_completed_epoch(digits, digits_fit):
+    """A fit with the run_id and epochs=3 trains one more epoch and numbers it 3, its history
+    starting with the first fit's; once complete, a fit returns the run's model without training."""
+    est, store = digits_fit["est"], digits["store"]
+    history = digits_fit["fitted"].stages[-1].getHistory()
+    resumed = est.copy({est.epochs: 3}).setVerbose(0).fit(digits["train"])
+    assert [h["epoch"] for h in resumed.getHistory()] == [1, 2, 3] and resumed.getHistory()[:2] == history
+    assert read_checkpoint(store.read(os.path.join(store.get_run_path("digits"), "checkpoint.keras"))).epoch == 3
+    complete = est.copy({est.epochs: 3}).setVerbose(0).fit(digits["train"])
+    assert complete.getHistory() == resumed.getHistory() and "launch" not in complete.fit_timings
+    for a, b in zip(complete.getModel().get_weights(), resumed.getModel().get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_cross_validator_fits_per_fold_and_picks_the_best(frame, tmp_path):
+    """CrossValidator fits a model per fold (two at a time, one rank each) and the best model scores."""
+    est = make_estimator(tmp_path, num_proc=1)
+    grid = ParamGridBuilder().addGrid(est.getParam("batch_size"), [16]).build()
+    cv = CrossValidator(estimator=est, estimatorParamMaps=grid, evaluator=BinaryClassificationEvaluator(labelCol="y"),
+                        numFolds=2, parallelism=2, seed=1)
+    cv_model = cv.fit(frame)
+    assert len(cv_model.avgMetrics) == 1 and 0.0 <= cv_model.avgMetrics[0] <= 1.0
+    best = cv_model.bestModel
+    assert isinstance(best, KerasModel) and best.getTask() == "binary"
+    out = best.transform(frame)
+    assert out.count() == ROWS and 0.5 < BinaryClassificationEvaluator(labelCol="y").evaluate(out) <= 1.0
