@@ -8,6 +8,7 @@ these are the ones a LightningModule adds.
 from __future__ import annotations
 
 import copy
+import inspect
 import traceback
 import warnings
 from typing import Any, Dict, List, Optional
@@ -60,12 +61,7 @@ def check_trainer_args(trainer_args: Optional[Dict[str, Any]]) -> Dict[str, Any]
         if name in args:
             raise ValueError(f"trainer_args sets {name}={args[name]!r}, which the estimator sets itself: {reason}; "
                              f"fix: remove {name!r} from trainer_args")
-    try:
-        import inspect
-
-        accepted = inspect.signature(pl.Trainer.__init__).parameters
-    except (TypeError, ValueError):  # pragma: no cover - Trainer always has a signature
-        return args
+    accepted = inspect.signature(pl.Trainer.__init__).parameters
     unknown = [name for name in args if name not in accepted]
     if unknown:
         raise ValueError(f"trainer_args has {unknown}, which pytorch_lightning.Trainer {pl.__version__} does not "

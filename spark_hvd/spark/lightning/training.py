@@ -201,6 +201,7 @@ class _EpochEnd(Checkpoint):
         if "loss" not in logs and self._steps:
             logs = {"loss": self._loss_sum / self._steps, **logs}  # what training_step returned, when not logged
         logs = self._average(logs)
+        logs = {k: logs[k] for k in sorted(logs, key=lambda k: k.startswith("val_"))}  # training values first
         seconds = time.monotonic() - self._started
         rows = self.spec.train_steps * self.spec.batch_size * self.size
         logs["rows_per_s"] = rows / seconds if seconds > 0 else math.inf
