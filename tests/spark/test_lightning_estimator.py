@@ -17,7 +17,8 @@ from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
 from pyspark.sql import functions as F_sql
 
 from spark_hvd.spark import Store
-from spark_hvd.spark.lightning import LightningEstimator, LightningModel
+from spark_hvd.spark.lightning import LightningEstimator, LightningModel, checks
+from spark_hvd.spark.lightning.training import history_entry
 from test_estimator_fit import nothing_materialized, spark_jobs
 
 ROWS = 96
@@ -100,6 +101,46 @@ class Digits(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=0.005)
+
+
+class UsesTrainer(Binary):
+    """Hooks that read self.trainer, which only the ranks' modules have."""
+
+    def training_step(self, batch, batch_idx):
+        return self._loss(batch) * (1 + self.trainer.current_epoch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1 / self.trainer.max_epochs)
+
+
+class FloatLoss(Binary):
+    def training_step(self, batch, batch_idx):
+        return float(self._loss(batch))
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.parameters(), lr=0.1)], []
+
+
+def test_driver_dry_runs_leave_trainer_hooks_to_the_ranks_and_refuse_a_loss_without_gradient():
+    """configure_optimizers and training_step that read self.trainer are not run on the driver (no
+    false refusal); Lightning's list forms yield their optimizer; a training_step returning a
+    Python float is refused naming the type and the batch."""
+    batch = {"features": torch.zeros(4, 3), "y": torch.ones(4, dtype=torch.float64)}
+    assert checks.configured_optimizer(UsesTrainer()) is None
+    checks.dry_run_training_step(UsesTrainer(), batch)
+    assert isinstance(checks.configured_optimizer(FloatLoss()), torch.optim.SGD)
+    with pytest.raises(ValueError, match=r"FloatLoss.training_step returned float .* on a batch of \{'features': "
+                                         r"\(4, 3\) float32, 'y': \(4,\) float64\} \(one tensor per column, "
+                                         r"rows first\): expected the loss"):
+        checks.dry_run_training_step(FloatLoss(), batch)
+
+
+def test_history_entry_keeps_epoch_values_of_what_was_logged():
+    """'_step' values are dropped, 'name_epoch' becomes 'name', tensors and numbers become floats,
+    and anything else is left out."""
+    logged = {"loss_step": torch.tensor(9.0), "loss_epoch": torch.tensor(0.5), "loss": torch.tensor(9.0),
+              "acc": torch.tensor([0.25, 0.75]), "lr": 1e-3, "name": "text"}
+    assert history_entry(logged) == {"loss": 0.5, "acc": 0.5, "lr": 1e-3}
 
 
 @pytest.fixture(scope="module")

@@ -100,7 +100,7 @@ def configured_optimizer(model: pl.LightningModule) -> Optional[torch.optim.Opti
     try:
         configured = model.configure_optimizers()
     except Exception as exc:
-        if "Trainer" in str(exc) or "trainer" in str(exc):
+        if _needs_trainer(exc):
             return None
         raise _user_code_error(model, "configure_optimizers", exc, "") from None
     optimizer = first_optimizer(configured)
@@ -109,6 +109,11 @@ def configured_optimizer(model: pl.LightningModule) -> Optional[torch.optim.Opti
                          "optimizer over the module's parameters (or Lightning's list/dict forms holding one); "
                          "fix: return e.g. torch.optim.Adam(self.parameters(), lr=1e-3)")
     return optimizer
+
+
+def _needs_trainer(exc: BaseException) -> bool:
+    """Whether the hook failed only for want of a Trainer (``self.trainer``), which the ranks have."""
+    return isinstance(exc, RuntimeError) and "not attached to a `Trainer`" in str(exc)
 
 
 def _user_code_error(model: Any, hook: str, exc: BaseException, context: str) -> ValueError:
@@ -120,7 +125,8 @@ def _user_code_error(model: Any, hook: str, exc: BaseException, context: str) ->
 
 def dry_run_training_step(model: pl.LightningModule, batch: Dict[str, torch.Tensor]) -> None:
     """Call training_step on a copy of the module with one real batch, as a rank will, so a wrong
-    column name or shape fails on the driver; the driver's module is not changed."""
+    column name or shape fails on the driver; the driver's module is not changed. A training_step
+    that reads ``self.trainer`` is left to the ranks."""
     probe = copy.deepcopy(model)
     probe.train()
     described = ", ".join(f"{k!r}: {tuple(v.shape)} {str(v.dtype).replace('torch.', '')}" for k, v in batch.items())
@@ -130,6 +136,8 @@ def dry_run_training_step(model: pl.LightningModule, batch: Dict[str, torch.Tens
         try:
             result = probe.training_step(batch, 0)
         except Exception as exc:
+            if _needs_trainer(exc):
+                return  # it reads self.trainer: only the ranks can run it
             raise _user_code_error(model, "training_step", exc, context) from None
     loss = result.get("loss") if isinstance(result, dict) else result
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
