@@ -5,10 +5,15 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "fraud_detection_lightning.py")
 
 
+# A whole program: a Spark Connect server, a materialization and two ranks that import Lightning;
+# on a busy two-core machine that can pass the suite's 300 s default.
+@pytest.mark.timeout(600)
 def test_the_lightning_fraud_example_trains_scores_and_reloads_on_spark_connect(tmp_path):
     """On a small set (4,000 transactions, 5% fraud) over Spark Connect: two epochs on two ranks,
     a held-out AUC-ROC above 0.9, and a reloaded pipeline with the same predictions."""
