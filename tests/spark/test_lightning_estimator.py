@@ -213,6 +213,9 @@ def test_a_training_step_that_reads_a_missing_column_fails_on_the_driver(frame, 
 # -- fit, resume, transform, save, load --------------------------------------------------------
 
 
+# Each fit starts rank processes that import torch and Lightning (about 10 s on an idle machine,
+# several times that on a busy one); these tests make one and three rounds of fits.
+@pytest.mark.timeout(600)
 def test_pipeline_on_real_data_averages_logged_metrics_transforms_saves_and_loads(spark, tmp_path):
     """Pipeline([VectorAssembler, LightningEstimator]) on the bundled digits (real 8x8 images), two
     ranks: the history holds each epoch's logged values averaged over the ranks (the rank-local
@@ -281,6 +284,7 @@ def test_same_run_id_resumes_with_its_optimizer_state_and_a_saved_estimator_retu
     assert torch.equal(again.getModel().net[0].weight, second.getModel().net[0].weight)
 
 
+@pytest.mark.timeout(600)
 def test_cross_validator_fits_folds_and_picks_a_model(frame, tmp_path):
     """CrossValidator over two batch sizes (two one-rank fits at a time) gives a metric per
     grid point and a LightningModel that transforms."""
