@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from pyspark.ml import Pipeline, PipelineModel
 from pyspark.ml.evaluation import BinaryClassificationEvaluator, MulticlassClassificationEvaluator
 from pyspark.ml.feature import VectorAssembler
+from pyspark.ml.linalg import VectorUDT
 from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
 from pyspark.sql import functions as F_sql
 
@@ -257,7 +258,8 @@ def test_pipeline_on_real_data_averages_logged_metrics_transforms_saves_and_load
     after = [(r["prediction"], r["probability"]) for r in loaded.transform(test).orderBy("row_id").collect()]
     assert before == after
     raw = loaded.stages[-1].copy().setTask("none").transform(loaded.stages[0].transform(test))
-    assert raw.schema["label__output"].dataType.typeName() == "vector"
+    assert isinstance(raw.schema["label__output"].dataType, VectorUDT)
+    assert len(raw.orderBy("row_id").first()["label__output"]) == 10  # one logit per class
 
 
 def test_same_run_id_resumes_with_its_optimizer_state_and_a_saved_estimator_returns_the_finished_run(
