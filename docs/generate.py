@@ -21,6 +21,7 @@ API_OBJECTS = [
                          "FsspecStore", "prepare_data", "make_reader", "RankFailedError"]),
     ("spark_hvd.spark.torch", ["TorchEstimator", "TorchModel", "Callback", "TrainingState"]),
     ("spark_hvd.spark.keras", ["KerasEstimator", "KerasModel"]),
+    ("spark_hvd.spark.lightning", ["LightningEstimator", "LightningModel"]),
 ]
 """Public objects documented in api.md, by module."""
 
@@ -37,6 +38,7 @@ def _default(value: Any) -> str:
 
 def params_markdown() -> str:
     """The Param tables of the estimator and the model."""
+    from spark_hvd.spark.lightning.params import LIGHTNING_ESTIMATOR_PARAMS
     from spark_hvd.spark.params import ESTIMATOR_PARAMS, KERAS_ESTIMATOR_PARAMS, KERAS_PARAMS, MODEL_PARAMS
 
     lines = ["# Params", "",
@@ -46,7 +48,9 @@ def params_markdown() -> str:
     tables = (("TorchEstimator", ESTIMATOR_PARAMS, ""), ("TorchModel", MODEL_PARAMS, ""),
               ("KerasEstimator", KERAS_ESTIMATOR_PARAMS, "Every TorchEstimator Param (except `train_minibatch_fn`, "
                "which Keras's own `train_step` replaces), and:"),
-              ("KerasModel", KERAS_PARAMS, "Every TorchModel Param, and:"))
+              ("KerasModel", KERAS_PARAMS, "Every TorchModel Param, and:"),
+              ("LightningEstimator", LIGHTNING_ESTIMATOR_PARAMS, ""))
+    # LightningModel is a TorchModel: the TorchModel table is its table too.
     for title, specs, intro in tables:
         lines += [f"## {title}", ""] + ([intro, ""] if intro else [])
         lines += ["| Param | accessors | type | default | meaning |", "|---|---|---|---|---|"]

@@ -26,6 +26,7 @@ import spark_hvd.torch as hvd
 from spark_hvd.lightning.environment import SparkHvdEnvironment
 from spark_hvd.lightning.gradients import GradientAverager
 from spark_hvd.lightning.layer_sync import SparkHvdSyncBatchNorm
+from spark_hvd.lightning.metrics import MetricSync
 from spark_hvd.torch.compression import Compressor
 
 __all__ = ["SparkHvdStrategy"]
@@ -118,9 +119,11 @@ class SparkHvdStrategy(ParallelStrategy):
     starts as soon as backward has produced it and is complete before ``on_after_backward``,
     gradient clipping and the optimizer step; every dataloader gets a ``DistributedSampler`` for
     this rank; ``self.log(..., sync_dist=True)``, ``barrier``, ``broadcast``, ``all_gather`` and
-    ``reduce`` run through spark-hvd; checkpoints are written by rank 0 alone. On GPUs each process
-    takes its local rank's GPU (or the only one it sees). ``Trainer(sync_batchnorm=True)`` uses
-    :class:`spark_hvd.torch.SyncBatchNorm`. Building the Trainer joins the job (``hvd.init()``).
+    ``reduce`` run through spark-hvd, and so do the states of the module's torchmetrics ``Metric``
+    objects (unless given a ``dist_sync_fn`` of their own); checkpoints are written by rank 0 alone.
+    On GPUs each process takes its local rank's GPU (or the only one it sees).
+    ``Trainer(sync_batchnorm=True)`` uses :class:`spark_hvd.torch.SyncBatchNorm`. Building the
+    Trainer joins the job (``hvd.init()``).
 
     Arguments:
         accelerator: Lightning accelerator; normally chosen by ``Trainer(accelerator=...)``.
@@ -145,6 +148,7 @@ class SparkHvdStrategy(ParallelStrategy):
         self._averager: Optional[GradientAverager] = None
         self._applied_layer_sync: Optional[Any] = None
         self._sampler_seed: Optional[int] = None
+        self._metric_sync: Optional[MetricSync] = None
 
     # -- the world and the device -------------------------------------------------------------------
     @property
@@ -215,6 +219,9 @@ class SparkHvdStrategy(ParallelStrategy):
         hvd.broadcast_parameters(self.model.state_dict(), root_rank=0, prefix="lightning.setup.")
         # Ranks seeded differently (seed_everything(seed + rank)) would shuffle into overlapping shares.
         self._sampler_seed = hvd.broadcast_object(_lightning_seed(), root_rank=0, name="lightning.setup.sampler_seed")
+        # torchmetrics Metrics gather through torch.distributed by default, which this job has not.
+        self._remove_metric_sync()
+        self._metric_sync = MetricSync(self.model)
         if fitting:
             self.setup_optimizers(trainer)
             self._remove_averager()
@@ -250,14 +257,21 @@ class SparkHvdStrategy(ParallelStrategy):
         with self._averager.paused():
             yield
 
+    def _remove_metric_sync(self) -> None:
+        if self._metric_sync is not None:
+            self._metric_sync.remove()
+            self._metric_sync = None
+
     def _remove_averager(self) -> None:
         if self._averager is not None:
             self._averager.remove()
             self._averager = None
 
     def teardown(self) -> None:
-        """Stop averaging gradients, give batch-norm layers their classes back, and release the device."""
+        """Stop averaging gradients, give batch-norm layers their classes back and torchmetrics Metrics
+        their sync functions, and release the device."""
         self._remove_averager()
+        self._remove_metric_sync()
         if self._applied_layer_sync is not None and self.model is not None:
             self.model = self._applied_layer_sync.revert(self.model)
             self._applied_layer_sync = None

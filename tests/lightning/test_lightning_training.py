@@ -307,6 +307,47 @@ def check_logged_metrics(hvd, rank, size):
         assert abs(metrics[name] - value) < 1e-6, (name, metrics[name], value)
 
 
+class MetricObjects(pl.LightningModule):
+    """Logs torchmetrics Metric objects fed rank-dependent values: a sum and a concatenation."""
+
+    def __init__(self):
+        super().__init__()
+        import torchmetrics
+
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.total = torchmetrics.SumMetric()
+        self.values = torchmetrics.CatMetric()
+
+    def validation_step(self, batch, batch_idx):
+        self.total.update(torch.tensor(float(self.global_rank + 1)))
+        self.values.update(torch.full((self.global_rank + 1,), float(self.global_rank)))
+        self.log("val_total", self.total)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def check_torchmetrics_sync(hvd, rank, size):
+    """A torchmetrics Metric logged with self.log is computed over every rank's updates (the sum of
+    rank + 1 over the ranks), CatMetric gathers states of different lengths in rank order, and the
+    Metrics get their own sync functions back when the Trainer is done."""
+    module = MetricObjects()
+    loader = _loader(torch.arange(BATCH))  # one batch per rank
+    t = trainer()
+    (metrics,) = t.validate(module, loader, verbose=False)
+    assert abs(metrics["val_total"] - size * (size + 1) / 2) < 1e-6, (metrics, size)
+    assert module.total.dist_sync_fn is None, "the Metric kept the strategy's sync function after the Trainer"
+    assert module.values.dist_sync_fn is None
+    from spark_hvd.lightning.metrics import MetricSync
+
+    sync = MetricSync(module)
+    assert sync.count == 2
+    want = torch.cat([torch.full((r + 1,), float(r)) for r in range(size)])
+    # compute() squeezes a one-element result to a scalar, as at size 1.
+    close(module.values.compute().reshape(-1), want, 0.0, "CatMetric over the ranks")
+    sync.remove()
+
+
 class CountingIO(TorchCheckpointIO):
     """Records every checkpoint this process writes."""
 
@@ -405,7 +446,7 @@ def check_argument_errors(hvd, rank, size):
 
 ALL = [check_matches_single_process_training, check_gradient_accumulation, check_manual_optimization,
        check_fp16_compression, check_allreduce_overlaps_backward, check_distributed_sampler, check_logged_metrics,
-       check_checkpoints_written_by_rank_zero, check_sync_batchnorm, check_argument_errors]
+       check_torchmetrics_sync, check_checkpoints_written_by_rank_zero, check_sync_batchnorm, check_argument_errors]
 
 
 @pytest.mark.parametrize("check", ALL, ids=lambda c: c.__name__[len("check_"):])

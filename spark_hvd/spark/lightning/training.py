@@ -1,0 +1,306 @@
+"""What LightningEstimator runs on every rank: a ``pytorch_lightning.Trainer`` on SparkHvdStrategy.
+
+:func:`fit_on_rank` is the function ``run()`` calls on each barrier task. The rank reads its
+shard of the prepared Parquet with the same readers as the torch estimator and hands the
+LightningModule one dict per batch, keyed by column name (Horovod's convention). Every rank runs
+the same number of steps per epoch, so the strategy's gradient averages always match. At the end
+of each epoch :class:`_EpochEnd` averages what the module logged over the ranks into the history,
+reports progress, and has rank 0 write a Lightning checkpoint (with the history and the run's
+fingerprint) to the store; a resumed fit starts Lightning from that checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+from pytorch_lightning.callbacks import Checkpoint
+
+from spark_hvd.spark.torch.batches import feature_tensors, model_dtype, weight_tensor
+from spark_hvd.spark.torch.progress import ProgressReporter
+
+__all__ = ["LightningSpec", "fit_on_rank", "CHECKPOINT_KEY", "history_entry"]
+
+CHECKPOINT_KEY = "spark_hvd"
+"""Key of the estimator's own record (format, completed epochs, history, fingerprint) in a Lightning checkpoint."""
+
+CHECKPOINT_FORMAT = 1
+"""Version of that record; a checkpoint of another version is not resumed."""
+
+_QUIET_WARNINGS = (
+    r".*does not have many workers.*",  # the reader prefetches on its own thread
+    r".*IterableDataset.*__len__.*",  # our datasets know their exact length
+    r".*`self.log\(.*sync_dist=True.*",  # metrics are averaged over the ranks at epoch end
+    r".*LeafSpec.*is deprecated.*",  # Lightning's own use of torch's pytree, not the user's
+)
+
+
+@dataclass
+class LightningSpec:
+    """Everything one fit's ranks need; built by the estimator on the driver."""
+
+    model: torch.nn.Module
+    feature_cols: List[str]
+    label_cols: List[str]
+    sample_weight_col: Optional[str]
+    feature_shapes: List[Tuple[int, ...]]
+    """Per-row shape of each feature column as the module receives it."""
+    column_shapes: Dict[str, Tuple[int, ...]]
+    """Per-row shape of every column as stored (for the reader)."""
+    train_url: str
+    val_url: Optional[str]
+    storage_options: Dict[str, Any]
+    reader: str
+    batch_size: int
+    val_batch_size: int
+    epochs: int
+    start_epoch: int
+    train_steps: int
+    val_steps: int
+    shuffle: bool
+    seed: int
+    torch_seed: Optional[int]
+    store: Any
+    checkpoint_path: str
+    resume: bool = False
+    """Whether ``checkpoint_path`` holds the checkpoint to continue from."""
+    trainer_args: Dict[str, Any] = field(default_factory=dict)
+    callbacks: List[Any] = field(default_factory=list)
+    compression: Any = None
+    use_gpu: bool = True
+    transformation_fn: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None
+    progress: bool = True
+    """Whether rank 0 reports steps while an epoch runs (epochs are always reported)."""
+    progress_interval_s: float = 0.25
+    fingerprint: Dict[str, str] = field(default_factory=dict)
+    history: List[Dict[str, Any]] = field(default_factory=list)
+
+
+def module_batch(batch: Dict[str, np.ndarray], feature_cols: List[str], label_cols: List[str],
+                 sample_weight_col: Optional[str], shapes: List[Tuple[int, ...]], dtype: torch.dtype,
+                 transformation_fn: Optional[Callable[..., Any]] = None) -> Dict[str, torch.Tensor]:
+    """A reader batch as the LightningModule receives it: ``{column: tensor}`` with the features
+    shaped ``(rows, *shape)`` in the module's dtype, the labels in their stored dtype and the
+    sample weights (if any) in the module's dtype. The driver's dry run uses it too."""
+    if transformation_fn is not None:
+        batch = transformation_fn(batch)
+    cpu = torch.device("cpu")
+    out: Dict[str, torch.Tensor] = dict(zip(feature_cols, feature_tensors(batch, feature_cols, shapes, dtype, cpu)))
+    for col in label_cols:
+        if col not in out:
+            values = np.asarray(batch[col])
+            out[col] = torch.from_numpy(np.array(values, order="C") if not values.flags.writeable else values)
+    if sample_weight_col is not None:
+        weights = weight_tensor(batch, sample_weight_col, dtype, cpu)
+        assert weights is not None, "a weight column gives weights"
+        out[sample_weight_col] = weights
+    return out
+
+
+class _ShardBatches(torch.utils.data.IterableDataset):
+    """One epoch of this rank's batches per iteration, exactly ``steps_per_epoch`` of them."""
+
+    def __init__(self, reader: Any, convert: Callable[[Dict[str, np.ndarray]], Dict[str, torch.Tensor]],
+                 first_epoch: int) -> None:
+        self.reader = reader
+        self.convert = convert
+        self.epoch = first_epoch
+
+    def __len__(self) -> int:
+        return int(self.reader.steps_per_epoch)
+
+    def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
+        # One pass per epoch: the epoch number seeds the shuffle, the same on every rank.
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        for batch in self.reader.iter_epoch(epoch):
+            yield self.convert(batch)
+
+
+def _number(value: Any) -> Optional[float]:
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().float().mean().cpu()) if value.numel() else None
+    if isinstance(value, (int, float, np.number)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def history_entry(logged: Dict[str, Any]) -> Dict[str, float]:
+    """The epoch's values from what the module logged (Lightning's ``callback_metrics``):
+    ``name_step`` values are left out, and ``name_epoch`` becomes ``name``."""
+    entry: Dict[str, float] = {}
+    for key, value in logged.items():
+        if key.endswith("_step"):
+            continue
+        number = _number(value)
+        if number is None:
+            continue
+        name = key[:-len("_epoch")] if key.endswith("_epoch") else key
+        if key.endswith("_epoch") or name not in entry:
+            entry[name] = number
+    return entry
+
+
+class _EpochEnd(Checkpoint):
+    """Per epoch: rank-averaged history entry, progress events, and rank 0's checkpoint in the store.
+
+    A :class:`Checkpoint` so that Lightning calls it after the module's own ``on_train_epoch_end``
+    (with every epoch-level metric, validation ones included) and accepts it as the run's
+    checkpointing.
+    """
+
+    def __init__(self, spec: LightningSpec, hvd: Any, workdir: str) -> None:
+        self.spec = spec
+        self.hvd = hvd
+        self.workdir = workdir
+        self.rank, self.size = 0, 1
+        self.history: List[Dict[str, Any]] = list(spec.history)
+        self.reporter = ProgressReporter(False)
+        self._started = 0.0
+        self._loss_sum = 0.0
+        self._steps = 0
+
+    @property
+    def state_key(self) -> str:
+        return "spark_hvd_epoch_end"
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        # The Trainer joined the job when it was built, after this callback was.
+        self.rank, self.size = self.hvd.rank(), self.hvd.size()
+        self.reporter = ProgressReporter(self.rank == 0, self.spec.progress, self.spec.progress_interval_s)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        spec = self.spec
+        self.reporter.start(epochs=spec.epochs, start_epoch=trainer.current_epoch, steps=spec.train_steps,
+                            val_steps=spec.val_steps if spec.val_url else 0, size=self.size,
+                            batch_size=spec.batch_size)
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self._started = time.monotonic()
+        self._loss_sum, self._steps = 0.0, 0
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        value = _number(loss)
+        if value is not None:
+            self._loss_sum += value
+            self._steps += 1
+        running = self._loss_sum / self._steps if self._steps else math.nan
+        self.reporter.step(trainer.current_epoch, batch_idx + 1, running, force=batch_idx + 1 == self.spec.train_steps)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        epoch = trainer.current_epoch
+        logs = history_entry(dict(trainer.callback_metrics))
+        if "loss" not in logs and self._steps:
+            logs = {"loss": self._loss_sum / self._steps, **logs}  # what training_step returned, when not logged
+        logs = self._average(logs)
+        logs = {k: logs[k] for k in sorted(logs, key=lambda k: k.startswith("val_"))}  # training values first
+        seconds = time.monotonic() - self._started
+        rows = self.spec.train_steps * self.spec.batch_size * self.size
+        logs["rows_per_s"] = rows / seconds if seconds > 0 else math.inf
+        logs["seconds"] = seconds
+        self.history.append({"epoch": epoch + 1, **logs})
+        self._checkpoint(trainer)
+        self.reporter.epoch(epoch, logs)
+
+    def _average(self, logs: Dict[str, float]) -> Dict[str, float]:
+        """Each value's mean over the ranks that logged it (ranks may log different names)."""
+        if self.size == 1:
+            return logs
+        gathered = self.hvd.allgather_object(logs, name=f"spark_hvd.lightning.logs.{len(self.history)}")
+        names: List[str] = []
+        for part in gathered:
+            names.extend(k for k in part if k not in names)
+        return {k: float(np.mean([part[k] for part in gathered if k in part])) for k in names}
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Dict[str, Any]) -> None:
+        checkpoint[CHECKPOINT_KEY] = {"format": CHECKPOINT_FORMAT, "epochs_done": len(self.history),
+                                      "history": list(self.history), "fingerprint": dict(self.spec.fingerprint)}
+
+    def _checkpoint(self, trainer: Any) -> None:
+        # Every rank calls save_checkpoint (it ends in a barrier); the strategy writes on rank 0 only.
+        local = os.path.join(self.workdir, "epoch.ckpt")
+        trainer.save_checkpoint(local, weights_only=False)
+        if self.rank == 0:
+            with open(local, "rb") as f:
+                self.spec.store.write(self.spec.checkpoint_path, f.read())  # atomic: old or new, never partial
+
+
+def _reader(spec: LightningSpec, url: str, batch_size: int, steps: int, shuffle: bool, rank: int, size: int) -> Any:
+    from spark_hvd.spark.reader import make_reader
+
+    return make_reader(spec.reader, url, rank=rank, size=size, batch_size=batch_size,
+                       feature_cols=spec.feature_cols, label_cols=spec.label_cols,
+                       sample_weight_col=spec.sample_weight_col, shuffle=shuffle, seed=spec.seed,
+                       steps_per_epoch=steps, shapes=spec.column_shapes, storage_options=spec.storage_options)
+
+
+def _loader(dataset: _ShardBatches) -> torch.utils.data.DataLoader:
+    # Batches come whole from the reader: no sampler or collation, and so no DistributedSampler either.
+    return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=0)
+
+
+def fit_on_rank(spec: LightningSpec) -> Optional[Dict[str, Any]]:
+    """Fit on this rank; rank 0 returns ``{"model": state_dict, "history": [...]}``, others None."""
+    import pytorch_lightning as pl
+
+    import spark_hvd.torch as hvd
+    from spark_hvd.lightning import SparkHvdStrategy
+
+    for pattern in _QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    for name in ("pytorch_lightning", "lightning_fabric", "lightning.pytorch"):
+        logging.getLogger(name).setLevel(logging.WARNING)  # no GPU/TPU banners from every rank
+    if spec.torch_seed is not None:
+        torch.manual_seed(spec.torch_seed)
+    module = spec.model
+    dtype = model_dtype(module)
+    strategy = SparkHvdStrategy(compression=spec.compression) if spec.compression is not None else SparkHvdStrategy()
+    use_gpu = spec.use_gpu and torch.cuda.is_available()
+    with tempfile.TemporaryDirectory(prefix="spark-hvd-lightning-") as workdir:
+        kwargs: Dict[str, Any] = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False,
+                                  "num_sanity_val_steps": 0, "default_root_dir": workdir}
+        kwargs.update(spec.trainer_args)
+        # Given at construction, the epoch-end checkpoint keeps Lightning from adding its own ModelCheckpoint.
+        epoch_end = _EpochEnd(spec, hvd, workdir)
+        trainer = pl.Trainer(strategy=strategy, accelerator="gpu" if use_gpu else "cpu", devices=1, num_nodes=1,
+                             max_epochs=spec.epochs, enable_checkpointing=True,
+                             callbacks=list(spec.callbacks) + [epoch_end], **kwargs)
+        try:
+            rank, size = hvd.rank(), hvd.size()
+            # Ranks sharing a host share its cores: oversubscribed threads slow every rank down.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, hvd.local_size())))
+
+            def convert(batch: Dict[str, np.ndarray]) -> Dict[str, torch.Tensor]:
+                return module_batch(batch, spec.feature_cols, spec.label_cols, spec.sample_weight_col,
+                                    spec.feature_shapes, dtype, spec.transformation_fn)
+
+            train_reader = _reader(spec, spec.train_url, spec.batch_size, spec.train_steps, spec.shuffle, rank, size)
+            val_reader = (_reader(spec, spec.val_url, spec.val_batch_size, spec.val_steps, False, rank, size)
+                          if spec.val_url else None)
+            try:
+                ckpt_path = None
+                if spec.resume:
+                    ckpt_path = os.path.join(workdir, "resume.ckpt")
+                    with open(ckpt_path, "wb") as f:
+                        f.write(spec.store.read(spec.checkpoint_path))
+                val_loader = _loader(_ShardBatches(val_reader, convert, spec.start_epoch)) if val_reader else None
+                trainer.fit(module, train_dataloaders=_loader(_ShardBatches(train_reader, convert, spec.start_epoch)),
+                            val_dataloaders=val_loader, ckpt_path=ckpt_path, weights_only=False if ckpt_path else None)
+            finally:
+                train_reader.close()
+                if val_reader is not None:
+                    val_reader.close()
+            if rank != 0:
+                return None
+            state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+            return {"model": state, "history": epoch_end.history}
+        finally:
+            hvd.shutdown()

@@ -1,0 +1,301 @@
+"""LightningEstimator and LightningModel end to end on a local[2] session: checks before any job,
+a Pipeline on real data with rank-averaged logged metrics, resume by run_id, transform, save/load,
+and CrossValidator. Each fit starts real rank processes, so the frames and epochs are tiny."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from pyspark.ml import Pipeline, PipelineModel
+from pyspark.ml.evaluation import BinaryClassificationEvaluator, MulticlassClassificationEvaluator
+from pyspark.ml.feature import VectorAssembler
+from pyspark.ml.linalg import VectorUDT
+from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
+from pyspark.sql import functions as F_sql
+
+from spark_hvd.spark import Store
+from spark_hvd.spark.lightning import LightningEstimator, LightningModel, checks
+from spark_hvd.spark.lightning.training import history_entry
+from test_estimator_fit import nothing_materialized, spark_jobs
+
+ROWS = 96
+
+
+class Binary(pl.LightningModule):
+    """One logit per row from the 3-value 'features' column; label 'y'."""
+
+    def __init__(self, inputs: int = 3, lr: float = 0.05) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(inputs, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        self.lr = lr
+
+    def forward(self, features):
+        return self.net(features)
+
+    def _loss(self, batch):
+        return F.binary_cross_entropy_with_logits(self(batch["features"]).squeeze(1), batch["y"].float())
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("train_loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+class NoTrainingStep(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(3, 1)
+
+    def forward(self, features):
+        return self.net(features)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class NoValidationStep(Binary):
+    validation_step = pl.LightningModule.validation_step
+
+
+class NoOptimizer(Binary):
+    def configure_optimizers(self):
+        return None
+
+
+class WrongColumn(Binary):
+    def training_step(self, batch, batch_idx):
+        return F.mse_loss(self(batch["features"]).squeeze(1), batch["label"])
+
+
+class Digits(pl.LightningModule):
+    """An MLP over the 64 pixels (0 to 16, scaled inside); logs its loss and accuracy, and its rank twice: once
+    rank-local and once with sync_dist, so the history shows how both are averaged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+    def forward(self, pixels):
+        return self.net(pixels / 16.0)
+
+    def training_step(self, batch, batch_idx):
+        logits = self(batch["pixels"])
+        loss = F.cross_entropy(logits, batch["label"].long())
+        self.log("train_loss", loss, on_step=False, on_epoch=True)
+        self.log("rank", float(self.global_rank), on_step=False, on_epoch=True)
+        self.log("rank_synced", float(self.global_rank), on_step=False, on_epoch=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        logits = self(batch["pixels"])
+        self.log("val_acc", (logits.argmax(1) == batch["label"].long()).float().mean(), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.005)
+
+
+class UsesTrainer(Binary):
+    """Hooks that read self.trainer, which only the ranks' modules have."""
+
+    def training_step(self, batch, batch_idx):
+        return self._loss(batch) * (1 + self.trainer.current_epoch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1 / self.trainer.max_epochs)
+
+
+class FloatLoss(Binary):
+    def training_step(self, batch, batch_idx):
+        return float(self._loss(batch))
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.parameters(), lr=0.1)], []
+
+
+def test_driver_dry_runs_leave_trainer_hooks_to_the_ranks_and_refuse_a_loss_without_gradient():
+    """configure_optimizers and training_step that read self.trainer are not run on the driver (no
+    false refusal); Lightning's list forms yield their optimizer; a training_step returning a
+    Python float is refused naming the type and the batch."""
+    batch = {"features": torch.zeros(4, 3), "y": torch.ones(4, dtype=torch.float64)}
+    assert checks.configured_optimizer(UsesTrainer()) is None
+    checks.dry_run_training_step(UsesTrainer(), batch)
+    assert isinstance(checks.configured_optimizer(FloatLoss()), torch.optim.SGD)
+    with pytest.raises(ValueError, match=r"FloatLoss.training_step returned float .* on a batch of \{'features': "
+                                         r"\(4, 3\) float32, 'y': \(4,\) float64\} \(one tensor per column, "
+                                         r"rows first\): expected the loss"):
+        checks.dry_run_training_step(FloatLoss(), batch)
+
+
+def test_history_entry_keeps_epoch_values_of_what_was_logged():
+    """'_step' values are dropped, 'name_epoch' becomes 'name', tensors and numbers become floats,
+    and anything else is left out."""
+    logged = {"loss_step": torch.tensor(9.0), "loss_epoch": torch.tensor(0.5), "loss": torch.tensor(9.0),
+              "acc": torch.tensor([0.25, 0.75]), "lr": 1e-3, "name": "text"}
+    assert history_entry(logged) == {"loss": 0.5, "acc": 0.5, "lr": 1e-3}
+
+
+@pytest.fixture(scope="module")
+def frame(spark):
+    """x1..x3, a 0/1 label y, and the assembled Vector 'features'."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ROWS, 3))
+    pdf = pd.DataFrame(x, columns=["x1", "x2", "x3"])
+    pdf["y"] = (x @ np.array([1.5, -2.0, 0.5]) > 0).astype(np.float64)
+    return VectorAssembler(inputCols=["x1", "x2", "x3"], outputCol="features").transform(
+        spark.createDataFrame(pdf)).cache()
+
+
+def make_estimator(tmp_path, **overrides):
+    torch.manual_seed(0)
+    params = dict(num_proc=2, model=Binary(), feature_cols=["features"], label_cols=["y"], batch_size=8, epochs=1,
+                  store=Store.create(str(tmp_path / "store")), random_seed=3, verbose=0, task="binary")
+    params.update(overrides)
+    return LightningEstimator(**params)
+
+
+# -- checks before any Spark job ---------------------------------------------------------------
+
+BAD_FITS = [
+    ({"model": torch.nn.Linear(3, 1)}, r"model=Linear\(.*\) is not valid: expected a pytorch_lightning.LightningModule"
+                                       r".*TorchEstimator"),
+    ({"model": NoTrainingStep()}, r"NoTrainingStep does not define training_step.*fix: implement "
+                                  r"NoTrainingStep.training_step"),
+    ({"model": NoValidationStep(), "validation": 0.25}, r"validation=0.25 holds rows out for validation, but "
+                                                        r"NoValidationStep does not define validation_step"),
+    ({"model": NoOptimizer()}, r"NoOptimizer.configure_optimizers returned None: expected an optimizer"),
+    ({"trainer_args": {"strategy": "ddp"}}, r"trainer_args sets strategy='ddp', which the estimator sets itself.*"
+                                            r"remove 'strategy'"),
+    ({"trainer_args": {"devices": 2}}, r"trainer_args sets devices=2.*set num_proc"),
+    ({"trainer_args": {"num_nodes": 2}}, r"trainer_args sets num_nodes=2"),
+    ({"trainer_args": {"max_epochs": 9}}, r"max_epochs=9.*set epochs instead"),
+    ({"trainer_args": {"gradient_clip": 1.0}}, r"trainer_args has \['gradient_clip'\], which pytorch_lightning.Trainer"),
+    ({"trainer_args": ["x"]}, r"trainer_args=\['x'\] is not valid: expected a dict"),
+    ({"callbacks": [object()]}, r"callbacks\[0\]=<object.*expected pytorch_lightning.Callback"),
+    ({"feature_cols": ["nope"]}, r"column 'nope' is not in the DataFrame; available columns: x1, x2"),
+    ({"model": Binary(inputs=5)}, r"cannot take the features: Binary\(\(2, 3\)\)"),
+    ({"task": "multiclass"}, r"task='multiclass' needs one output value per class"),
+    ({"num_proc": 3}, r"num_proc=3 but the cluster has 2 task slots"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_FITS)
+def test_fit_refuses_bad_input_before_any_spark_job(spark, frame, tmp_path, overrides, message):
+    """Each mistake raises a ValueError naming the value and the fix; no Spark job ran and nothing
+    was written to the store."""
+    def call():
+        with pytest.raises(ValueError, match=message):
+            make_estimator(tmp_path, **overrides).fit(frame)
+
+    assert spark_jobs(spark, call) in ([], None)
+    assert nothing_materialized(make_estimator(tmp_path))
+
+
+def test_a_training_step_that_reads_a_missing_column_fails_on_the_driver(frame, tmp_path):
+    """training_step runs once on the driver with a real batch; its KeyError is named with the
+    batch's columns, shapes and dtypes, before any data is materialized."""
+    est = make_estimator(tmp_path, model=WrongColumn())
+    with pytest.raises(ValueError, match=r"WrongColumn.training_step raised KeyError: 'label' \(at .*"
+                                         r"test_lightning_estimator.py.*on a batch of \{'features': \(8, 3\) "
+                                         r"float32, 'y': \(8,\) float64\}"):
+        est.fit(frame)
+    assert nothing_materialized(est)
+
+
+# -- fit, resume, transform, save, load --------------------------------------------------------
+
+
+# Each fit starts rank processes that import torch and Lightning (about 10 s on an idle machine,
+# several times that on a busy one); these tests make one and three rounds of fits.
+@pytest.mark.timeout(600)
+def test_pipeline_on_real_data_averages_logged_metrics_transforms_saves_and_loads(spark, tmp_path):
+    """Pipeline([VectorAssembler, LightningEstimator]) on the bundled digits (real 8x8 images), two
+    ranks: the history holds each epoch's logged values averaged over the ranks (the rank-local
+    'rank' and the sync_dist 'rank_synced' are both 0.5) and the validation accuracy; the model's
+    multiclass columns score held-out rows; the fitted pipeline saves and loads with identical
+    predictions, and the raw output column is available with task 'none'."""
+    from spark_hvd.datasets import load_digits
+
+    images, labels = load_digits()
+    columns = [f"p{i}" for i in range(images.shape[1])]
+    pdf = pd.DataFrame(images.astype(np.float64), columns=columns)
+    pdf["label"] = labels
+    train, test = spark.createDataFrame(pdf).randomSplit([0.8, 0.2], seed=5)
+    test = test.withColumn("row_id", F_sql.monotonically_increasing_id())
+    torch.manual_seed(0)
+    module = Digits()
+    initial = [p.detach().clone() for p in module.parameters()]
+    est = LightningEstimator(num_proc=2, model=module, feature_cols=["pixels"], label_cols=["label"],
+                             batch_size=32, epochs=3, validation=0.2, task="multiclass",
+                             store=Store.create(str(tmp_path / "store")), random_seed=0, verbose=0)
+    fitted = Pipeline(stages=[VectorAssembler(inputCols=columns, outputCol="pixels"), est]).fit(train)
+    model = fitted.stages[-1]
+    assert isinstance(model, LightningModel) and model.getRunId().startswith("lightning-")
+    history = model.getHistory()
+    assert [h["epoch"] for h in history] == [1, 2, 3]
+    assert all(h["rank"] == 0.5 and h["rank_synced"] == 0.5 for h in history), history
+    assert set(history[0]) >= {"train_loss", "val_acc", "rows_per_s", "seconds"}
+    assert history[2]["train_loss"] < history[0]["train_loss"] and history[2]["val_acc"] > 0.85, history
+    assert all(torch.equal(a, b) for a, b in zip(initial, module.parameters()))  # the driver's module is untouched
+    scored = fitted.transform(test)
+    accuracy = MulticlassClassificationEvaluator(labelCol="label", metricName="accuracy").evaluate(scored)
+    assert accuracy > 0.85, accuracy
+
+    path = str(tmp_path / "pipeline")
+    fitted.write().overwrite().save(path)
+    loaded = PipelineModel.load(path)
+    assert isinstance(loaded.stages[-1], LightningModel) and loaded.stages[-1].getHistory() == history
+    before = [(r["prediction"], r["probability"]) for r in scored.orderBy("row_id").collect()]
+    after = [(r["prediction"], r["probability"]) for r in loaded.transform(test).orderBy("row_id").collect()]
+    assert before == after
+    raw = loaded.stages[-1].copy().setTask("none").transform(loaded.stages[0].transform(test))
+    assert isinstance(raw.schema["label__output"].dataType, VectorUDT)
+    assert len(raw.orderBy("row_id").first()["label__output"]) == 10  # one logit per class
+
+
+def test_same_run_id_resumes_with_its_optimizer_state_and_a_saved_estimator_returns_the_finished_run(
+        frame, tmp_path):
+    """A second fit with the run_id and more epochs continues the epoch count from the checkpoint
+    (the first epoch's entry kept, the weights trained further); the estimator, saved and loaded,
+    returns the complete run from its checkpoint without launching training."""
+    est = make_estimator(tmp_path, run_id="resumable", num_proc=1, epochs=1, validation=0.25)
+    first = est.fit(frame)
+    second = est.setEpochs(2).fit(frame)
+    history = second.getHistory()
+    assert [h["epoch"] for h in history] == [1, 2] and history[0] == first.getHistory()[0]
+    assert "val_loss" in history[1] and "train_loss" in history[1]
+    assert not torch.equal(first.getModel().net[0].weight, second.getModel().net[0].weight)
+    checkpoint = torch.load(est.getStore().get_checkpoint_path("resumable"), weights_only=False)
+    assert checkpoint["epoch"] == 1 and checkpoint["optimizer_states"][0]["state"]  # Adam's moments were kept
+
+    path = str(tmp_path / "estimator")
+    est.write().overwrite().save(path)
+    reloaded = LightningEstimator.load(path)
+    assert reloaded.getEpochs() == 2 and reloaded.getRunId() == "resumable" and isinstance(reloaded.getModel(), Binary)
+    again = reloaded.fit(frame)
+    assert again.getHistory() == history and "launch" not in again.fit_timings
+    assert torch.equal(again.getModel().net[0].weight, second.getModel().net[0].weight)
+
+
+@pytest.mark.timeout(600)
+def test_cross_validator_fits_folds_and_picks_a_model(frame, tmp_path):
+    """CrossValidator over two batch sizes (two one-rank fits at a time) gives a metric per
+    grid point and a LightningModel that transforms."""
+    est = make_estimator(tmp_path, num_proc=1)
+    grid = ParamGridBuilder().addGrid(est.getParam("batch_size"), [8, 48]).build()
+    cv = CrossValidator(estimator=est, estimatorParamMaps=grid, evaluator=BinaryClassificationEvaluator(labelCol="y"),
+                        numFolds=2, parallelism=2, seed=1)
+    cv_model = cv.fit(frame)
+    assert len(cv_model.avgMetrics) == 2 and all(0.0 <= m <= 1.0 for m in cv_model.avgMetrics)
+    best = cv_model.bestModel
+    assert isinstance(best, LightningModel) and best.getTask() == "binary"
+    assert best.transform(frame).select("prediction").distinct().count() >= 1
