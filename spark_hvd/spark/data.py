@@ -221,14 +221,14 @@ def dataset_key(df: Any, settings: Dict[str, Any], columns: Optional[Sequence[st
     in any session or process (a fit re-run after a crash finds what the first one wrote), and
     different for other data or settings.
 
-    The key hashes the schema and the analyzed plan with Spark's session-specific expression ids
-    renumbered. A plan over data held in memory (``createDataFrame`` from local rows or pandas, an
+    The key hashes the schema, the analyzed plan with Spark's session-specific expression ids
+    renumbered, and the files the plan reads (its text does not name them). A plan over data held in memory (``createDataFrame`` from local rows or pandas, an
     RDD) does not show that data, so for such plans the key also hashes the content of ``columns``
     (default every column), counted and hashed row by row in one Spark job.
     """
     plan = _plan_text(df)
     parts: Dict[str, Any] = {"settings": settings, "format": FORMAT_VERSION, "schema": df.schema.json(),
-                             "plan": plan}
+                             "plan": plan, "files": _input_files(df)}
     if _IN_MEMORY_SOURCE.search(plan):
         parts["content"] = _content_digest(df, list(columns) if columns else list(df.columns))
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
@@ -266,6 +266,13 @@ def _plan_text(df: Any) -> str:
     text = str(explain(extended=True))
     analyzed = text.split("== Analyzed Logical Plan ==", 1)[-1].split("== Optimized Logical Plan ==", 1)[0]
     return _normalize_ids(analyzed.strip())
+
+
+def _input_files(df: Any) -> List[str]:
+    try:
+        return sorted(str(f) for f in df.inputFiles())
+    except Exception:  # sources without files (JDBC, in-memory) have none to list
+        return []
 
 
 def _content_digest(df: Any, columns: Sequence[str]) -> List[Any]:

@@ -37,13 +37,23 @@ from ._task import FAILURE_MARKER, RESULT_SCHEMA, TaskSpec, result_name, run_tas
 from .session import SessionInfo, active_session, session_info
 from .store import Store
 
-__all__ = ["run", "RankFailedError", "check_slots", "wait_for_slots", "executor_python", "check_executor_python"]
+__all__ = ["run", "RankFailedError", "SlotsUnavailableError", "StageLostError", "check_slots", "wait_for_slots",
+           "executor_python", "check_executor_python"]
 
 _SLOT_WAIT_S = 10.0
 """How long a cluster (not local) master may take to register enough executors for the job."""
 _FAILURE_REPORT_WAIT_S = 5.0
 _DRAIN_WAIT_S = 10.0
 _PYTHON_PROBE_TIMEOUT_S = 60.0
+
+
+class SlotsUnavailableError(ValueError):
+    """The cluster has fewer task slots than the barrier stage has tasks."""
+
+
+class StageLostError(RuntimeError):
+    """Spark failed the barrier stage without any rank reporting an error: an executor or a
+    task was lost (killed, out of memory, its host gone). Running the stage again may succeed."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -58,7 +68,7 @@ def check_slots(num_proc: int, slots: int, master: str) -> None:
         fix = f"lower num_proc or use a master with more threads, e.g. local[{num_proc}]"
     else:
         fix = "lower num_proc or add executors / raise spark.executor.cores (or lower spark.task.cpus)"
-    raise ValueError(
+    raise SlotsUnavailableError(
         f"num_proc={num_proc} but the cluster has {slots} task slots; a barrier stage needs all of its "
         f"tasks running at once: {fix}"
     )
@@ -131,6 +141,10 @@ def _python_advice(what: str) -> str:
 # ----------------------------------------------------------------------------------------------
 # Turning a failed stage into the error of the rank that caused it.
 
+# What Spark says when a task's process or its executor went away rather than the code failing.
+_LOST_RE = re.compile(r"ExecutorLostFailure|executor \S+ (?:exited|lost)|Executor (?:heartbeat timed out|lost)|"
+                      r"Python worker exited unexpectedly|TaskKilled|killed|Worker lost|Container (?:killed|exited)|"
+                      r"RPC client disassociated", re.IGNORECASE)
 _MARKER_RE = re.compile(re.escape(FAILURE_MARKER) + r" (\d+) failed: ([^:\n]+): ([^\n]*)")
 
 
@@ -159,7 +173,7 @@ def _rank_error(failure: Optional[Mapping[str, Any]], spark_error: BaseException
         )
     text = str(spark_error)
     if "BarrierJobSlotsNumberCheckFailed" in text or "SPARK-24819" in text:
-        return ValueError("Spark refused the barrier stage: the cluster has fewer task slots than num_proc; a "
+        return SlotsUnavailableError("Spark refused the barrier stage: the cluster has fewer task slots than num_proc; a "
                           "barrier stage needs all of its tasks running at once: lower num_proc or add executors "
                           "(or raise spark.executor.cores, or lower spark.task.cpus)")
     if "No module named 'spark_hvd'" in text:
@@ -169,6 +183,8 @@ def _rank_error(failure: Optional[Mapping[str, Any]], spark_error: BaseException
         rank = int(found.group(1))
         return RankFailedError(rank, f"rank {rank} raised {found.group(2)}: {found.group(3)}",
                                exc_type=found.group(2))
+    if _LOST_RE.search(text):
+        return StageLostError(f"the barrier stage of spark_hvd.spark.run() lost a task or an executor: {text}")
     return RuntimeError(f"the barrier stage of spark_hvd.spark.run() failed: {text}")
 
 
