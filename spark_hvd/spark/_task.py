@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
+from spark_hvd.runner.errors import RankFailedError
 from spark_hvd.runner.payload import FUNCTION_FILE, read_sealed, result_file, write_sealed
 from spark_hvd.runner.processes import RankExit, RankProcesses, print_prefixed, rank_environment
 
@@ -44,6 +45,9 @@ WORKDIR_PREFIX = "spark-hvd-rank"
 _OUTPUT_TAIL_LINES = 100
 _SENDER_CONNECT_TIMEOUT_S = 10.0
 _EXIT_GRACE_S = 30.0
+_PEER_LOSS_GRACE_S = 5.0
+"""How long a task whose rank only lost a peer waits before failing the stage, so that the report of
+the rank that caused it (raised, or died) reaches the driver before Spark kills that rank's task."""
 
 
 @dataclass(frozen=True)
@@ -318,6 +322,8 @@ def run_task(spec: TaskSpec, batches: Iterable[Any]) -> Iterator[Any]:
         ok, outcome, details = _run_rank(spec, placement, env, sender)
         if not ok:
             sender.failure(details)
+            if RankFailedError(rank, "", exc_type=details.get("type")).lost_a_peer():
+                time.sleep(_PEER_LOSS_GRACE_S)
             raise RuntimeError(failure_summary(rank, details))
         sender.finished()
         streamed = sender.connected

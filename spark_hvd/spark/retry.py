@@ -74,7 +74,8 @@ def run_with_retries(launch: Callable[[int], T], *, session: Any, num_proc: int,
     """``launch(attempt)`` (attempt 1, 2, ...) until it returns, retrying recoverable failures.
 
     After a failure that :func:`is_recoverable` accepts, and while fewer than ``max_retries``
-    retries were made, it waits for ``num_proc`` free slots (``slot_timeout_s``), calls
+    retries were made, it waits for ``num_proc`` free slots of ``session`` (``slot_timeout_s``;
+    not at all with ``session=None``), calls
     ``report`` with one line (the attempt, the cause and ``resume_point()``, where the next
     attempt starts), and launches again. Any other failure, or one past ``max_retries``, is
     raised as it is (the last with a note of the attempts made). A stage Spark refuses for want
@@ -93,7 +94,7 @@ def run_with_retries(launch: Callable[[int], T], *, session: Any, num_proc: int,
             # A lost executor can still count among the slots for a moment after it is gone.
             if refused_until is None:
                 refused_until = time.monotonic() + slot_timeout_s
-            if time.monotonic() >= refused_until:
+            if time.monotonic() >= refused_until or session is None:
                 raise
             wait_for_free_slots(session, num_proc, max(1.0, refused_until - time.monotonic()))
             time.sleep(_POLL_S)
@@ -106,7 +107,8 @@ def run_with_retries(launch: Callable[[int], T], *, session: Any, num_proc: int,
                                "max_retries to retry more often")
                 raise
             cause = describe_failure(error)
-        wait_for_free_slots(session, num_proc, slot_timeout_s)
+        if session is not None:
+            wait_for_free_slots(session, num_proc, slot_timeout_s)
         attempt += 1
         where = resume_point() if resume_point is not None else "the start"
         report(f"spark-hvd: retry {attempt - 1}/{max_retries} (attempt {attempt}) after the barrier stage failed: "

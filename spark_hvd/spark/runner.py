@@ -43,6 +43,7 @@ __all__ = ["run", "RankFailedError", "SlotsUnavailableError", "StageLostError", 
 _SLOT_WAIT_S = 10.0
 """How long a cluster (not local) master may take to register enough executors for the job."""
 _FAILURE_REPORT_WAIT_S = 5.0
+_CAUSE_REPORT_WAIT_S = 5.0
 _DRAIN_WAIT_S = 10.0
 _PYTHON_PROBE_TIMEOUT_S = 60.0
 
@@ -200,6 +201,29 @@ def _root_cause(error: BaseException, failure: Optional[Mapping[str, Any]],
     _, rank = min(early)
     return RankFailedError(rank, f"rank {rank} returned while the other ranks were still running; then "
                                  f"{error.summary}", reaction=error)
+
+
+def _first_cause(collector: Any, spark_error: BaseException, num_proc: int) -> Optional[Dict[str, Any]]:
+    """The failure report that names the cause: the first to arrive, unless it is a rank that lost
+    its peers, whose report can beat the cause's (a rank that raised, or whose process died) to the
+    driver; that one is waited for a moment and preferred."""
+    failure = collector.wait_failure(_FAILURE_REPORT_WAIT_S)
+    if failure is None or not _lost_a_peer(failure, spark_error):
+        return failure
+    deadline = time.monotonic() + _CAUSE_REPORT_WAIT_S
+    while True:
+        causes = [f for f in list(collector.failures) if not _lost_a_peer(f, spark_error)]
+        if causes:
+            return min(causes, key=lambda f: f["received"])
+        if len(collector.failures) >= num_proc or time.monotonic() >= deadline:
+            return failure
+        time.sleep(0.1)
+        collector.wait_failure(0.0)  # lets a store-based collector read new reports
+
+
+def _lost_a_peer(failure: Mapping[str, Any], spark_error: BaseException) -> bool:
+    error = _rank_error(failure, spark_error)
+    return isinstance(error, RankFailedError) and error.lost_a_peer()
 
 
 class _JobTag:
@@ -408,7 +432,7 @@ def run(
                 cancel_scope.cancel()
                 raise
             except Exception as exc:
-                failure = collector.wait_failure(_FAILURE_REPORT_WAIT_S)
+                failure = _first_cause(collector, exc, num_proc)
                 raise _root_cause(_rank_error(failure, exc), failure, dict(collector.finished)) from None
         collector.wait_closed(sum(1 for row in rows if row["streamed"]), _DRAIN_WAIT_S)
     finally:

@@ -22,9 +22,13 @@ import pandas as pd
 import pytest
 import torch
 
+from spark_hvd.runner.errors import RankFailedError
+from spark_hvd.runtime.errors import CollectiveError
 from spark_hvd.spark import Store, prepare_data, run_elastic
 from spark_hvd.spark._task import WORKDIR_PREFIX, remove_stale_workdirs
 from spark_hvd.spark.data import dataset_key
+from spark_hvd.spark.retry import is_recoverable, run_with_retries
+from spark_hvd.spark.runner import StageLostError
 from spark_hvd.spark.torch import TorchEstimator
 
 pytestmark = pytest.mark.timeout(900)  # a cluster of three JVMs starts slowly on a busy two-core machine
@@ -309,3 +313,53 @@ def test_stale_rank_workdirs_are_removed(tmp_path):
         (path / "call").write_bytes(b"x")
     assert remove_stale_workdirs(str(tmp_path)) == [str(stale)]
     assert live.exists() and foreign.exists() and not stale.exists()
+
+
+RECOVERABLE = [
+    (RankFailedError(1, "rank 1 was killed by signal SIGKILL"), True),
+    (RankFailedError(1, "rank 1 failed", exc_type="Died"), True),
+    (RankFailedError(0, "lost", original=CollectiveError("rank 1 was lost")), True),
+    (StageLostError("ExecutorLostFailure (executor 1 exited)"), True),
+    (RankFailedError(0, "rank 0 raised ValueError: bad", exc_type="ValueError"), False),
+    (RankFailedError(1, "returned early", reaction=RankFailedError(0, "lost", exc_type="x.CollectiveError")), False),
+    (RuntimeError("the barrier stage failed: something else"), False),
+    (ValueError("num_proc=3 but the cluster has 2 task slots"), False),
+]
+
+
+@pytest.mark.parametrize("error, expected", RECOVERABLE)
+def test_recoverable_failures_are_lost_processes_not_code_errors(error, expected):
+    """A dead process, a lost peer or a lost executor is worth a retry; an exception of the code is not."""
+    assert is_recoverable(error) is expected
+
+
+def test_retry_loop_reports_each_retry_and_stops_at_max_retries():
+    """Recoverable failures are retried with one line each, up to max_retries; then the last is
+    raised with a note; a code error is raised at once."""
+    calls, lines = [], []
+
+    def flaky(attempt):
+        calls.append(attempt)
+        if attempt < 3:
+            raise StageLostError(f"executor lost in attempt {attempt}")
+        return "trained"
+
+    assert run_with_retries(flaky, session=None, num_proc=2, max_retries=3, report=lines.append,
+                            resume_point=lambda: "epoch 2, step 4 of 8") == "trained"
+    assert calls == [1, 2, 3] and len(lines) == 2
+    assert lines[0].startswith("spark-hvd: retry 1/3 (attempt 2) after the barrier stage failed: executor lost in "
+                               "attempt 1; resuming from epoch 2, step 4 of 8")
+    with pytest.raises(StageLostError) as raised:
+        run_with_retries(lambda attempt: flaky(1), session=None, num_proc=2, max_retries=1, report=lines.append)
+    assert "gave up after 2 attempts (max_retries=1)" in "".join(raised.value.__notes__)
+    code_calls = []
+
+    def buggy(attempt):
+        code_calls.append(attempt)
+        raise RankFailedError(0, "rank 0 raised KeyError: 'x'", exc_type="KeyError")
+
+    with pytest.raises(RankFailedError, match="KeyError"):
+        run_with_retries(buggy, session=None, num_proc=2, max_retries=3, report=lines.append)
+    assert code_calls == [1]
+    with pytest.raises(ValueError, match=r"max_retries=-1 is not valid: expected an integer >= 0"):
+        run_with_retries(buggy, session=None, num_proc=2, max_retries=-1, report=lines.append)
