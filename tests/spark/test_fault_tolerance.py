@@ -26,7 +26,7 @@ from spark_hvd.runner.errors import RankFailedError
 from spark_hvd.runtime.errors import CollectiveError
 from spark_hvd.spark import Store, prepare_data, run_elastic
 from spark_hvd.spark._task import WORKDIR_PREFIX, remove_stale_workdirs
-from spark_hvd.spark.data import dataset_key
+from spark_hvd.spark.data import _normalize_ids, dataset_key
 from spark_hvd.spark.retry import is_recoverable, run_with_retries
 from spark_hvd.spark.runner import StageLostError
 from spark_hvd.spark.torch import TorchEstimator
@@ -42,7 +42,7 @@ STEPS = ROWS // (2 * BATCH)  # per epoch, on each of the 2 ranks
 _KEY_SCRIPT = """
 import json, sys
 from spark_hvd.spark.session import local_session
-from spark_hvd.spark.data import dataset_key
+from spark_hvd.spark.data import _normalize_ids, dataset_key
 spark = local_session("key-check", num_cores=1)
 df = spark.read.parquet(sys.argv[1])
 memory = spark.createDataFrame([(1.0, 2.0), (3.0, 4.0)], ["p", "q"])
@@ -81,6 +81,9 @@ def cluster(fresh_keys):
             "spark.executorEnv.PYSPARK_PYTHON": sys.executable,
             "spark.executorEnv.SPARK_LOCAL_IP": "127.0.0.1",
             "spark.executor.memory": "512m",
+            # Short-lived JVMs on a busy machine: the C1 compiler alone starts them sooner.
+            "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
+            "spark.executor.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
         })
         try:
             from spark_hvd.spark.retry import wait_for_free_slots
@@ -282,6 +285,12 @@ def test_dataset_key_is_the_same_in_a_fresh_process(cluster, fresh_keys, tmp_pat
     out, err = process.communicate(timeout=300)
     assert process.returncode == 0, err[-2000:]
     assert json.loads(out.strip().splitlines()[-1]) == [dataset_key(df, {"s": 1}), dataset_key(memory, {"s": 1})]
+
+
+def test_plan_ids_are_renumbered_by_first_appearance():
+    """Session-specific expression ids become 0, 1, ... in order; distinct ids stay distinct."""
+    assert _normalize_ids("Join (x#812L = x#815L)\n:- Project [x#812L, y#813]") == \
+        "Join (x#0L = x#1L)\n:- Project [x#0L, y#2]"
 
 
 def test_store_lists_and_removes_intermediate_data(frame, tmp_path):
