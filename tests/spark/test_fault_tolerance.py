@@ -26,7 +26,7 @@ from spark_hvd.runner.errors import RankFailedError
 from spark_hvd.runtime.errors import CollectiveError
 from spark_hvd.spark import Store, prepare_data, run_elastic
 from spark_hvd.spark._task import WORKDIR_PREFIX, remove_stale_workdirs
-from spark_hvd.spark.data import _normalize_ids, dataset_key
+from spark_hvd.spark.data import _normalize_ids, data_identity, dataset_key
 from spark_hvd.spark.retry import is_recoverable, run_with_retries
 from spark_hvd.spark.runner import StageLostError
 from spark_hvd.spark.torch import TorchEstimator
@@ -42,7 +42,7 @@ STEPS = ROWS // (2 * BATCH)  # per epoch, on each of the 2 ranks
 _KEY_SCRIPT = """
 import json, sys
 from spark_hvd.spark.session import local_session
-from spark_hvd.spark.data import _normalize_ids, dataset_key
+from spark_hvd.spark.data import _normalize_ids, data_identity, dataset_key
 spark = local_session("key-check", num_cores=1)
 df = spark.read.parquet(sys.argv[1])
 memory = spark.createDataFrame([(1.0, 2.0), (3.0, 4.0)], ["p", "q"])
@@ -271,8 +271,8 @@ def test_run_elastic_grows_into_free_slots_and_survives_a_killed_rank(cluster, s
 
 
 def test_dataset_key_is_the_same_in_a_fresh_process(cluster, fresh_keys, tmp_path):
-    """The cache key of a Parquet-read frame and of an in-memory frame is the same in another
-    process's session; other files or other rows get another key."""
+    """The cache key of a Parquet-read frame and of an in-memory frame, and the data part of a run's
+    fingerprint, are the same in another process's session; other files or other rows get another key."""
     path, process = fresh_keys
     df = cluster.read.parquet(path)
     memory = cluster.createDataFrame([(1.0, 2.0), (3.0, 4.0)], ["p", "q"])
@@ -284,7 +284,8 @@ def test_dataset_key_is_the_same_in_a_fresh_process(cluster, fresh_keys, tmp_pat
     assert dataset_key(df, {"s": 1}) != dataset_key(cluster.read.parquet(copy), {"s": 1})
     out, err = process.communicate(timeout=300)
     assert process.returncode == 0, err[-2000:]
-    assert json.loads(out.strip().splitlines()[-1]) == [dataset_key(df, {"s": 1}), dataset_key(memory, {"s": 1})]
+    assert json.loads(out.strip().splitlines()[-1]) == [dataset_key(df, {"s": 1}), dataset_key(memory, {"s": 1}),
+                                                        data_identity(memory, ["p", "q"])]
 
 
 def test_plan_ids_are_renumbered_by_first_appearance():

@@ -3,7 +3,8 @@
 A checkpoint records a hash of each part: the model's architecture (its printed structure and
 the names, shapes and dtypes of its tensors, not their values), the optimizer (class and
 hyperparameters), the loss (each loss and its weight) and the data (columns, their types, and
-Spark's semantic hash of the DataFrame's plan). Resuming compares part by part and names what
+the DataFrame's plan, files and in-memory rows as ``data.data_identity`` hashes them, the same in
+a new process, so a fit re-run after a crash resumes). Resuming compares part by part and names what
 changed.
 """
 
@@ -14,6 +15,8 @@ import json
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
+
+from spark_hvd.spark.data import data_identity
 
 __all__ = ["run_fingerprint", "changed_parts"]
 
@@ -37,10 +40,12 @@ def run_fingerprint(model: torch.nn.Module, optimizer: Any, losses: Sequence[Any
     tensors = [(name, list(t.shape), str(t.dtype)) for name, t in model.state_dict().items()]
     hyper = [sorted((k, repr(v)) for k, v in group.items()) for _, group in optimizer.groups]
     fields = {f.name: f.dataType.simpleString() for f in df.schema.fields}
-    try:
-        semantic: Optional[int] = int(df.semanticHash())
-    except Exception:  # a plan Spark cannot hash still has its columns and types
-        semantic = None
+    semantic: Any = data_identity(df, columns)
+    if semantic is None:
+        try:
+            semantic = int(df.semanticHash())
+        except Exception:  # a plan Spark cannot hash still has its columns and types
+            semantic = None
     return {
         "model architecture": _digest([type(model).__qualname__, repr(model), tensors]),
         "optimizer": _digest([optimizer.cls.__qualname__, sorted((k, repr(v)) for k, v in optimizer.defaults.items()),
