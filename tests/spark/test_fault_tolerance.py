@@ -42,11 +42,11 @@ STEPS = ROWS // (2 * BATCH)  # per epoch, on each of the 2 ranks
 _KEY_SCRIPT = """
 import json, sys
 from spark_hvd.spark.session import local_session
-from spark_hvd.spark.data import _normalize_ids, data_identity, dataset_key
+from spark_hvd.spark.data import data_identity, dataset_key
 spark = local_session("key-check", num_cores=1)
 df = spark.read.parquet(sys.argv[1])
 memory = spark.createDataFrame([(1.0, 2.0), (3.0, 4.0)], ["p", "q"])
-print(json.dumps([dataset_key(df, {"s": 1}), dataset_key(memory, {"s": 1})]))
+print(json.dumps([dataset_key(df, {"s": 1}), dataset_key(memory, {"s": 1}), data_identity(memory, ["p", "q"])]))
 spark.stop()
 """
 
