@@ -373,3 +373,31 @@ def test_retry_loop_reports_each_retry_and_stops_at_max_retries():
     assert code_calls == [1]
     with pytest.raises(ValueError, match=r"max_retries=-1 is not valid: expected an integer >= 0"):
         run_with_retries(buggy, session=None, num_proc=2, max_retries=-1, report=lines.append)
+
+
+def test_torch_state_snapshot_carries_the_last_commit():
+    """A TorchState's snapshot (what run_elastic persists) restores model, optimizer and values of
+    the last commit into a fresh state, not what changed after it."""
+    import pickle
+
+    import spark_hvd.torch as hvd
+
+    torch.manual_seed(1)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.ones(2, 3)).sum().backward()
+    optimizer.step()
+    state = hvd.elastic.TorchState(model, optimizer, step=7)
+    state.save()
+    committed = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    state.step = 8
+    snapshot = pickle.loads(pickle.dumps(state.snapshot()))
+
+    fresh_model = torch.nn.Linear(3, 1)
+    fresh = hvd.elastic.TorchState(fresh_model, torch.optim.Adam(fresh_model.parameters(), lr=0.1), step=0)
+    fresh.load_snapshot(snapshot)
+    assert fresh.step == 7
+    assert all(torch.equal(fresh_model.state_dict()[k], v) for k, v in committed.items())
+    assert fresh.optimizer.state_dict()["state"][0]["step"] == 1
