@@ -17,7 +17,7 @@ from typing import Any, Dict, List
 HERE = Path(__file__).resolve().parent
 
 API_OBJECTS = [
-    ("spark_hvd.spark", ["run", "local_session", "Store", "LocalStore", "VolumeStore", "DBFSLocalStore",
+    ("spark_hvd.spark", ["run", "run_elastic", "local_session", "Store", "LocalStore", "VolumeStore", "DBFSLocalStore",
                          "FsspecStore", "prepare_data", "make_reader", "RankFailedError"]),
     ("spark_hvd.spark.torch", ["TorchEstimator", "TorchModel", "Callback", "TrainingState"]),
     ("spark_hvd.spark.keras", ["KerasEstimator", "KerasModel"]),
@@ -28,7 +28,8 @@ API_OBJECTS = [
 _METHODS = {
     "TorchModel": ["history_frame", "plot_history", "getOutputCols"],
     "KerasModel": ["history_frame", "plot_history", "getOutputCols"],
-    "Store": ["create", "check_writable", "get_checkpoint_path", "get_run_path", "spark_url"],
+    "Store": ["create", "check_writable", "get_checkpoint_path", "get_run_path", "spark_url", "list_intermediate",
+              "remove_intermediate"],
 }
 
 

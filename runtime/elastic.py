@@ -6,6 +6,11 @@ commit) or the launcher has slots for more workers (``HostsUpdatedInterrupt``). 
 every rank takes rank 0's state. The framework bindings build their state classes on these:
 PyTorch's handlers for modules and optimizers, TensorFlow's and Keras's on :class:`VariableState`
 (anything with ``numpy()`` and ``assign()``).
+
+A launcher that runs every world as a job of fixed size (Spark's ``run_elastic``: one barrier
+stage per world) installs :class:`StageHooks` in each worker instead of re-forming worlds in
+place: commits are also persisted where the next job finds them, a lost peer ends the job (the
+launcher starts the next one), and a resize ends it with :class:`WorldResizeRequested`.
 """
 
 from __future__ import annotations
@@ -19,9 +24,42 @@ import numpy as np
 
 from .errors import CollectiveError, HostsUpdatedInterrupt, RankMismatchError
 
-__all__ = ["State", "ObjectState", "VariableState", "run_fn"]
+__all__ = ["State", "ObjectState", "VariableState", "run_fn", "StageHooks", "WorldResizeRequested",
+           "use_stage_hooks"]
 
 log = logging.getLogger("spark_hvd.elastic")
+
+
+class WorldResizeRequested(Exception):
+    """Raised out of an elastic function, on every rank at once, when the launcher running fixed
+    worlds (see :class:`StageHooks`) wants the world ended so it can start one of another size."""
+
+
+class StageHooks:
+    """A launcher's part in elastic training when each world is a separate job of fixed size.
+
+    The base class persists nothing and never asks for a resize.
+    """
+
+    def load(self, state: "State") -> None:
+        """Before the first sync of the job: load the last persisted commit (rank 0 only needs to;
+        the sync then hands it to every rank)."""
+
+    def committed(self, state: "State") -> None:
+        """After every ``state.commit()``, on every rank: persist what the next job resumes from."""
+
+    def resize_requested(self) -> bool:
+        """Whether the launcher wants this world ended for a resize; the same answer on every rank."""
+        return False
+
+
+_stage_hooks: Optional[StageHooks] = None
+
+
+def use_stage_hooks(hooks: Optional[StageHooks]) -> None:
+    """Install ``hooks`` for elastic functions run in this process from now on (None removes them)."""
+    global _stage_hooks
+    _stage_hooks = hooks
 
 
 class State:
@@ -43,12 +81,18 @@ class State:
         """Save the state (it is what a lost peer rolls back to), then react to new workers:
         raises :class:`HostsUpdatedInterrupt` on every rank at once when the launcher has some."""
         self.save()
+        if _stage_hooks is not None:
+            _stage_hooks.committed(self)
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
         """Raise :class:`HostsUpdatedInterrupt` on every rank when workers are waiting to join."""
         from . import api
 
+        if _stage_hooks is not None:
+            if _stage_hooks.resize_requested():
+                raise HostsUpdatedInterrupt(skip_sync=False)
+            return
         updated, added = api.host_updates()
         if updated:
             raise HostsUpdatedInterrupt(skip_sync=not added)
@@ -61,6 +105,16 @@ class State:
 
     def sync(self) -> None:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def snapshot(self) -> Dict[str, Any]:
+        """The last commit as plain picklable values (what :class:`StageHooks` persist)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be persisted: implement snapshot() and "
+                                  "load_snapshot() to run it under a launcher of fixed worlds")
+
+    def load_snapshot(self, snapshot: Dict[str, Any]) -> None:
+        """Make ``snapshot`` (from :meth:`snapshot`) the last commit and restore it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be persisted: implement snapshot() and "
+                                  "load_snapshot()")
 
     def reset(self) -> None:
         """Hook of subclasses called by the retry loop after a new world was formed."""
@@ -92,6 +146,13 @@ class ObjectState(State):
 
     def restore(self) -> None:
         self._set_attrs()
+
+    def snapshot(self) -> Dict[str, Any]:
+        return {"objects": copy.deepcopy(self._saved)}
+
+    def load_snapshot(self, snapshot: Dict[str, Any]) -> None:
+        self._saved = dict(snapshot["objects"])
+        self.restore()
 
     def sync(self) -> None:
         """Every rank takes rank 0's values (live ones: what rank 0 has now), then commits them."""
@@ -139,6 +200,13 @@ class VariableState(ObjectState):
             var.assign(value)
         super().restore()
 
+    def snapshot(self) -> Dict[str, Any]:
+        return {**super().snapshot(), "variables": [np.array(v) for v in self._values]}
+
+    def load_snapshot(self, snapshot: Dict[str, Any]) -> None:
+        self._values = list(snapshot["variables"])
+        super().load_snapshot(snapshot)
+
     def sync(self) -> None:
         """Every rank takes rank 0's variable values and attributes, and commits them."""
         for var in self.variables_to_keep():
@@ -151,6 +219,16 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        hooks = _stage_hooks
+        if hooks is not None:
+            # A world of fixed size: a lost peer fails it (CollectiveError propagates), and the
+            # launcher starts the next one, whose first sync hands out the persisted commit.
+            hooks.load(state)
+            state.sync()
+            try:
+                return func(state, *args, **kwargs)
+            except HostsUpdatedInterrupt:
+                raise WorldResizeRequested("the launcher ends this world to start one of another size") from None
         reset_required = False
         skip_sync = False
         while True:

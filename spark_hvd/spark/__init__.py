@@ -1,5 +1,6 @@
-"""Spark integration: run() on barrier tasks, sessions, stores, data preparation, readers and estimator Params."""
+"""Spark integration: run() and run_elastic() on barrier tasks, sessions, stores, data preparation, readers and estimator Params."""
 from .runner import RankFailedError, run
+from .elastic import run_elastic
 from .data import ColumnInfo, PreparedData, prepare_data
 from .params import EstimatorParams, ModelParams, ParamSpec, params_mixin
 from .reader import BatchReader, make_reader
@@ -8,6 +9,7 @@ from .store import DBFSLocalStore, FsspecStore, LocalStore, Store, VolumeStore
 
 __all__ = [
     "run",
+    "run_elastic",
     "RankFailedError",
     "local_session",
     "Store",

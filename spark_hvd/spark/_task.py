@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
+from spark_hvd.runner.errors import RankFailedError
 from spark_hvd.runner.payload import FUNCTION_FILE, read_sealed, result_file, write_sealed
 from spark_hvd.runner.processes import RankExit, RankProcesses, print_prefixed, rank_environment
 
@@ -30,7 +31,7 @@ from ._log_stream import LogSender
 from ._store_log import StoreLogSender, seal
 
 __all__ = ["TaskSpec", "Placement", "assign_ranks", "failure_summary", "run_task", "RESULT_SCHEMA",
-           "result_name"]
+           "result_name", "remove_stale_workdirs", "WORKDIR_PREFIX"]
 
 RESULT_SCHEMA = "rank long, result binary, streamed boolean"
 """The rows a barrier task returns: its rank, its sealed outcome, whether its output was streamed."""
@@ -38,9 +39,15 @@ RESULT_SCHEMA = "rank long, result binary, streamed boolean"
 FAILURE_MARKER = "spark-hvd rank"
 """Start of the message of the exception a failed task raises; the driver looks for it."""
 
+WORKDIR_PREFIX = "spark-hvd-rank"
+"""Start of the name of a rank's working directory: ``spark-hvd-rank<rank>-<owner pid>-<random>``."""
+
 _OUTPUT_TAIL_LINES = 100
 _SENDER_CONNECT_TIMEOUT_S = 10.0
 _EXIT_GRACE_S = 30.0
+_PEER_LOSS_GRACE_S = 5.0
+"""How long a task whose rank only lost a peer waits before failing the stage, so that the report of
+the rank that caused it (raised, or died) reaches the driver before Spark kills that rank's task."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +135,40 @@ def failure_summary(rank: int, details: Mapping[str, Any]) -> str:
     return text
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    return True
+
+
+def remove_stale_workdirs(parent: Optional[str] = None) -> List[str]:
+    """Remove rank working directories in ``parent`` (default the temp directory) whose owning
+    task process is dead: an executor killed mid-task never ran its ``finally``. Returns the
+    paths removed. Directories of live tasks, and names not of this form, are left alone."""
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(WORKDIR_PREFIX):
+            continue
+        fields = name[len(WORKDIR_PREFIX):].split("-")
+        if len(fields) < 3 or not fields[0].isdigit() or not fields[1].isdigit():
+            continue
+        path = os.path.join(parent, name)
+        if _pid_alive(int(fields[1])) or not os.path.isdir(path) or os.stat(path).st_uid != os.getuid():
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 def _write_call(workdir: str, spec: TaskSpec) -> None:
     """Leave the pickled call where ``spark_hvd.runner.worker`` reads it, sealed with the secret."""
     # The task's sys.path holds what Spark shipped here (--py-files, ...); the driver's adds the
@@ -186,7 +227,10 @@ def _run_rank(spec: TaskSpec, placement: Placement, env: Dict[str, str],
             # Undeliverable to the driver: keep it in this executor's log instead.
             print_prefixed(rank, stream, line)
 
-    workdir = tempfile.mkdtemp(prefix=f"spark-hvd-rank{rank}-")  # mode 0700: private to us
+    remove_stale_workdirs()
+    # mode 0700: private to us; the pid in the name lets a later task on this host find it
+    # stale if this process is killed before its finally runs.
+    workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{rank}-{os.getpid()}-")
     processes = RankProcesses(sink=sink, tail_lines=_OUTPUT_TAIL_LINES)
     try:
         _write_call(workdir, spec)
@@ -278,6 +322,8 @@ def run_task(spec: TaskSpec, batches: Iterable[Any]) -> Iterator[Any]:
         ok, outcome, details = _run_rank(spec, placement, env, sender)
         if not ok:
             sender.failure(details)
+            if RankFailedError(rank, "", exc_type=details.get("type")).lost_a_peer():
+                time.sleep(_PEER_LOSS_GRACE_S)
             raise RuntimeError(failure_summary(rank, details))
         sender.finished()
         streamed = sender.connected

@@ -24,13 +24,18 @@ def digest(value: Any) -> str:
 
 
 def data_digest(df: Any, columns: Sequence[str], validation: Any) -> str:
-    """The data part: the columns and their types, the validation setting, and Spark's semantic
-    hash of the DataFrame's plan."""
+    """The data part: the columns and their types, the validation setting, and the DataFrame's
+    plan, files and in-memory rows as ``data.data_identity`` hashes them: the same in a new
+    process (Spark's semantic hash is not), so a fit re-run after a crash resumes."""
+    from spark_hvd.spark.data import data_identity
+
     fields = {f.name: f.dataType.simpleString() for f in df.schema.fields}
-    try:
-        semantic: Optional[int] = int(df.semanticHash())
-    except Exception:  # a plan Spark cannot hash still has its columns and types
-        semantic = None
+    semantic: Any = data_identity(df, columns)
+    if semantic is None:
+        try:
+            semantic = int(df.semanticHash())
+        except Exception:  # a plan Spark cannot hash still has its columns and types
+            semantic = None
     return digest([[(c, fields.get(c)) for c in columns], repr(validation), semantic])
 
 

@@ -414,6 +414,15 @@ ESTIMATOR_PARAMS: Tuple[ParamSpec, ...] = (
     ParamSpec("raw_prediction_col", "Column of the Vector of raw class scores.", "rawPrediction", ToString()),
     ParamSpec("log_to_mlflow", "Log Params, per-epoch metrics, timings and the model to MLflow: None when "
                                "a run is active, True always (starting a run), False never.", None, ToBool()),
+    ParamSpec("max_retries", "Times fit() runs the training stage again, from the last checkpoint, after it "
+                             "lost a task, a rank process or an executor (errors of the code are raised at once); "
+                             "0 disables retries.", 3, ToInt(0)),
+    ParamSpec("checkpoint_every_steps", "Also checkpoint every this many optimizer steps within an epoch, so "
+                                        "a retry or resumed run continues mid-epoch (default: per epoch only).",
+              None, ToInt(1)),
+    ParamSpec("cleanup_intermediate", "Remove the fit's materialized data from the store after a successful "
+                                      "fit (otherwise it is kept for the next fit of the same DataFrame).",
+              False, ToBool()),
 )
 """Params of the estimators (TorchEstimator, KerasEstimator)."""
 

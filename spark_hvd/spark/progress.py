@@ -176,6 +176,12 @@ class ProgressPrinter:
         with self._lock:
             self._print(line, err=True)
 
+    def note(self, line: str) -> None:
+        """Print one line of the driver's own (a retry report), closing any open bar first."""
+        with self._lock:
+            self._close_bar()
+            self._print(line)
+
     # -- events --------------------------------------------------------------------------------
     def handle(self, event: Mapping[str, Any]) -> None:
         """Act on one progress event (as emitted by :class:`ProgressReporter`)."""

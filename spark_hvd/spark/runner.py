@@ -37,13 +37,24 @@ from ._task import FAILURE_MARKER, RESULT_SCHEMA, TaskSpec, result_name, run_tas
 from .session import SessionInfo, active_session, session_info
 from .store import Store
 
-__all__ = ["run", "RankFailedError", "check_slots", "wait_for_slots", "executor_python", "check_executor_python"]
+__all__ = ["run", "RankFailedError", "SlotsUnavailableError", "StageLostError", "check_slots", "wait_for_slots",
+           "executor_python", "check_executor_python"]
 
 _SLOT_WAIT_S = 10.0
 """How long a cluster (not local) master may take to register enough executors for the job."""
 _FAILURE_REPORT_WAIT_S = 5.0
+_CAUSE_REPORT_WAIT_S = 5.0
 _DRAIN_WAIT_S = 10.0
 _PYTHON_PROBE_TIMEOUT_S = 60.0
+
+
+class SlotsUnavailableError(ValueError):
+    """The cluster has fewer task slots than the barrier stage has tasks."""
+
+
+class StageLostError(RuntimeError):
+    """Spark failed the barrier stage without any rank reporting an error: an executor or a
+    task was lost (killed, out of memory, its host gone). Running the stage again may succeed."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -58,7 +69,7 @@ def check_slots(num_proc: int, slots: int, master: str) -> None:
         fix = f"lower num_proc or use a master with more threads, e.g. local[{num_proc}]"
     else:
         fix = "lower num_proc or add executors / raise spark.executor.cores (or lower spark.task.cpus)"
-    raise ValueError(
+    raise SlotsUnavailableError(
         f"num_proc={num_proc} but the cluster has {slots} task slots; a barrier stage needs all of its "
         f"tasks running at once: {fix}"
     )
@@ -131,6 +142,10 @@ def _python_advice(what: str) -> str:
 # ----------------------------------------------------------------------------------------------
 # Turning a failed stage into the error of the rank that caused it.
 
+# What Spark says when a task's process or its executor went away rather than the code failing.
+_LOST_RE = re.compile(r"ExecutorLostFailure|executor \S+ (?:exited|lost)|Executor (?:heartbeat timed out|lost)|"
+                      r"Python worker exited unexpectedly|TaskKilled|killed|Worker lost|Container (?:killed|exited)|"
+                      r"RPC client disassociated", re.IGNORECASE)
 _MARKER_RE = re.compile(re.escape(FAILURE_MARKER) + r" (\d+) failed: ([^:\n]+): ([^\n]*)")
 
 
@@ -159,7 +174,7 @@ def _rank_error(failure: Optional[Mapping[str, Any]], spark_error: BaseException
         )
     text = str(spark_error)
     if "BarrierJobSlotsNumberCheckFailed" in text or "SPARK-24819" in text:
-        return ValueError("Spark refused the barrier stage: the cluster has fewer task slots than num_proc; a "
+        return SlotsUnavailableError("Spark refused the barrier stage: the cluster has fewer task slots than num_proc; a "
                           "barrier stage needs all of its tasks running at once: lower num_proc or add executors "
                           "(or raise spark.executor.cores, or lower spark.task.cpus)")
     if "No module named 'spark_hvd'" in text:
@@ -169,6 +184,8 @@ def _rank_error(failure: Optional[Mapping[str, Any]], spark_error: BaseException
         rank = int(found.group(1))
         return RankFailedError(rank, f"rank {rank} raised {found.group(2)}: {found.group(3)}",
                                exc_type=found.group(2))
+    if _LOST_RE.search(text):
+        return StageLostError(f"the barrier stage of spark_hvd.spark.run() lost a task or an executor: {text}")
     return RuntimeError(f"the barrier stage of spark_hvd.spark.run() failed: {text}")
 
 
@@ -184,6 +201,29 @@ def _root_cause(error: BaseException, failure: Optional[Mapping[str, Any]],
     _, rank = min(early)
     return RankFailedError(rank, f"rank {rank} returned while the other ranks were still running; then "
                                  f"{error.summary}", reaction=error)
+
+
+def _first_cause(collector: Any, spark_error: BaseException, num_proc: int) -> Optional[Dict[str, Any]]:
+    """The failure report that names the cause: the first to arrive, unless it is a rank that lost
+    its peers, whose report can beat the cause's (a rank that raised, or whose process died) to the
+    driver; that one is waited for a moment and preferred."""
+    failure = collector.wait_failure(_FAILURE_REPORT_WAIT_S)
+    if failure is None or not _lost_a_peer(failure, spark_error):
+        return failure
+    deadline = time.monotonic() + _CAUSE_REPORT_WAIT_S
+    while True:
+        causes = [f for f in list(collector.failures) if not _lost_a_peer(f, spark_error)]
+        if causes:
+            return min(causes, key=lambda f: f["received"])
+        if len(collector.failures) >= num_proc or time.monotonic() >= deadline:
+            return failure
+        time.sleep(0.1)
+        collector.wait_failure(0.0)  # lets a store-based collector read new reports
+
+
+def _lost_a_peer(failure: Mapping[str, Any], spark_error: BaseException) -> bool:
+    error = _rank_error(failure, spark_error)
+    return isinstance(error, RankFailedError) and error.lost_a_peer()
 
 
 class _JobTag:
@@ -392,7 +432,7 @@ def run(
                 cancel_scope.cancel()
                 raise
             except Exception as exc:
-                failure = collector.wait_failure(_FAILURE_REPORT_WAIT_S)
+                failure = _first_cause(collector, exc, num_proc)
                 raise _root_cause(_rank_error(failure, exc), failure, dict(collector.finished)) from None
         collector.wait_closed(sum(1 for row in rows if row["streamed"]), _DRAIN_WAIT_S)
     finally:

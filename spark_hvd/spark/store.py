@@ -6,11 +6,13 @@ import os
 import posixpath
 import shutil
 import tempfile
+import time
 import uuid
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Union
 
-__all__ = ["Store", "LocalStore", "DBFSLocalStore", "VolumeStore", "FsspecStore", "Data"]
+__all__ = ["Store", "LocalStore", "DBFSLocalStore", "VolumeStore", "FsspecStore", "Data", "IntermediateData"]
 
 Data = Union[bytes, bytearray, memoryview, Iterable[bytes]]
 """What :meth:`Store.write` accepts: a bytes-like object, or an iterable of byte chunks."""
@@ -41,6 +43,23 @@ _SPARK_SCHEMES = {
     "oss": "oss",
     "dbfs": "dbfs",
 }
+
+
+_INTERMEDIATE_PREFIXES = ("intermediate_train_data.", "intermediate_val_data.", "intermediate_data_metadata.")
+
+
+@dataclass(frozen=True)
+class IntermediateData:
+    """One materialized dataset in a store, as :meth:`Store.list_intermediate` reports it."""
+
+    key: str
+    """The dataset's cache key (see ``spark_hvd.spark.data.dataset_key``)."""
+    paths: List[str]
+    """Its training and validation directories and metadata file that exist."""
+    modified: Optional[float]
+    """When it was last written (seconds since the epoch), None when the filesystem does not say."""
+    complete: bool
+    """Whether its metadata file exists, i.e. it was written to the end and fits reuse it."""
 
 
 def _chunks(data: Data) -> Iterable[bytes]:
@@ -126,7 +145,56 @@ class Store(ABC):
         """Directory for the logs of run ``run_id``."""
         return posixpath.join(self.get_run_path(run_id), "logs")
 
+    # ---- materialized data ----------------------------------------------------------------
+    def list_intermediate(self) -> List[IntermediateData]:
+        """Every materialized dataset in this store, oldest first (by last write)."""
+        if not self.exists(self.prefix):
+            return []
+        found: Dict[str, List[str]] = {}
+        for name in self.listdir(self.prefix):
+            for head in _INTERMEDIATE_PREFIXES:
+                if name.startswith(head):
+                    key = name[len(head):]
+                    key = key[:-len(".json")] if key.endswith(".json") else key
+                    if key:
+                        found.setdefault(key, []).append(self.join(name))
+        items = []
+        for key, paths in found.items():
+            times = [t for t in (self.modified_time(p) for p in paths) if t is not None]
+            items.append(IntermediateData(key=key, paths=sorted(paths), modified=max(times) if times else None,
+                                          complete=self.exists(self.get_data_metadata_path(key))))
+        return sorted(items, key=lambda item: (item.modified if item.modified is not None else 0.0, item.key))
+
+    def remove_intermediate(self, keys: Optional[Iterable[str]] = None, *, older_than: Optional[float] = None,
+                            keep: int = 0) -> List[str]:
+        """Remove materialized datasets; returns the keys removed.
+
+        ``keys``: only these datasets (default all). ``older_than``: only those last written more
+        than this many seconds ago. ``keep``: spare the ``keep`` most recently written of those
+        selected. A fit running on a removed dataset fails, so call this between fits.
+        """
+        if older_than is not None and not older_than >= 0:
+            raise ValueError(f"older_than={older_than!r} is not valid: expected seconds >= 0, or None for any age")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+            raise ValueError(f"keep={keep!r} is not valid: expected an integer >= 0 (how many recent datasets to spare)")
+        wanted = None if keys is None else set([keys] if isinstance(keys, str) else keys)
+        items = [item for item in self.list_intermediate() if wanted is None or item.key in wanted]
+        if older_than is not None:
+            limit = time.time() - older_than
+            items = [item for item in items if item.modified is not None and item.modified < limit]
+        doomed = items[:len(items) - keep] if keep else items
+        for item in doomed:
+            # The metadata goes first: without it no fit takes the dataset for complete.
+            for path in sorted(item.paths, key=lambda p: not p.endswith(".json")):
+                self.delete(path)
+        return [item.key for item in doomed]
+
     # ---- I/O ----------------------------------------------------------------------------
+    def modified_time(self, path: str) -> Optional[float]:
+        """When the file or directory at ``path`` was last modified (seconds since the epoch), or
+        None when the filesystem does not tell."""
+        return None
+
     @property
     def storage_options(self) -> Dict[str, Any]:
         """Options for fsspec (credentials, endpoints) needed to open this store's URLs."""
@@ -220,6 +288,12 @@ class LocalStore(Store):
 
     def listdir(self, path: str) -> List[str]:
         return sorted(n for n in os.listdir(path) if _TEMP_MARKER not in n)
+
+    def modified_time(self, path: str) -> Optional[float]:
+        try:
+            return os.path.getmtime(path)
+        except OSError:
+            return None
 
     def delete(self, path: str) -> None:
         if os.path.isdir(path) and not os.path.islink(path):
@@ -364,6 +438,13 @@ class FsspecStore(Store):
         entries = self.fs.ls(self._fs_path(path), detail=False)
         names = (posixpath.basename(e.rstrip("/")) for e in entries)
         return sorted(n for n in names if _TEMP_MARKER not in n)
+
+    def modified_time(self, path: str) -> Optional[float]:
+        try:
+            modified = self.fs.modified(self._fs_path(path))
+        except Exception:  # directories and some filesystems have no modification time
+            return None
+        return float(modified.timestamp()) if hasattr(modified, "timestamp") else None
 
     def delete(self, path: str) -> None:
         target = self._fs_path(path)

@@ -42,7 +42,7 @@ ISSUE_PARAMS = [
     "train_minibatch_fn", "use_gpu", "verbose", "reader", "scale_lr",
 ]
 OUR_PARAMS = ["invalid_rows", "overwrite_run", "task", "prediction_col", "probability_col", "raw_prediction_col",
-              "log_to_mlflow"]
+              "log_to_mlflow", "max_retries", "checkpoint_every_steps", "cleanup_intermediate"]
 
 
 def test_estimator_table_declares_the_issue_params():
@@ -81,6 +81,7 @@ def test_accessor_names_are_camel_case(name, camel):
     ("getBatchSize", 32), ("getEpochs", 1), ("getShuffle", True), ("getScaleLr", True),
     ("getReader", "builtin"), ("getUseGpu", True), ("getVerbose", 1), ("getBackwardPassesPerStep", 1),
     ("getModel", None), ("getNumProc", None), ("getValidation", None), ("getStore", None),
+    ("getMaxRetries", 3), ("getCheckpointEverySteps", None), ("getCleanupIntermediate", False),
 ])
 def test_defaults(getter, expected):
     """Unset Params answer their table default, None included."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 import uuid
@@ -21,6 +22,7 @@ from spark_hvd.spark.mlflow_log import params_for_logging, start_logging
 from spark_hvd.spark.outputs import check_task, infer_task
 from spark_hvd.spark.params import EstimatorParams
 from spark_hvd.spark.reader import steps_for
+from spark_hvd.spark.retry import run_with_retries
 from spark_hvd.spark.runner import run
 from spark_hvd.spark.session import session_info
 from spark_hvd.spark.store import Store
@@ -74,9 +76,12 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
        Horovod recommends for a global batch ``num_proc`` times larger; pass ``scale_lr=False``
        to keep it as given;
     4. after each epoch, validates (``validation``), averages loss and metrics over the ranks,
-       and rank 0 checkpoints model, optimizer and epoch to ``store`` under ``run_id``. A fit
-       with the ``run_id`` of an interrupted one resumes after its last completed epoch:
-       ``epochs`` is the run's total, so a completed run is not trained again;
+       and rank 0 checkpoints model, optimizer and epoch to ``store`` under ``run_id`` (also
+       every ``checkpoint_every_steps`` optimizer steps, when set). A fit with the ``run_id`` of
+       an interrupted one resumes from its last checkpoint: ``epochs`` is the run's total, so a
+       completed run is not trained again. When the stage loses a task, a rank process or an
+       executor, fit waits for the slots and runs it again from the last checkpoint, up to
+       ``max_retries`` times, printing a line per retry; an error of the code fails at once;
     5. prints a line per epoch (loss, metrics, rows per second) and a progress bar, per
        ``verbose``, and returns a :class:`TorchModel` with the trained model and ``history``.
 
@@ -233,6 +238,8 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         epochs = self.getEpochs()
         start_epoch = int(resume["epoch"]) if resume else 0
         history: List[Dict[str, Any]] = list(resume["history"]) if resume else []
+        if resume and int(resume.get("batch") or 0) > 0 and resume.get("seed") is not None:
+            seed = int(resume["seed"])  # the rest of a resumed epoch keeps its shuffle order
         verbose = self.getVerbose()
         if start_epoch >= epochs:
             log.warning("run_id=%r has already trained %d of epochs=%d with this model, optimizer, loss and data; "
@@ -246,12 +253,25 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
 
         spec = self._spec(c, trained, prepared, shapes, start_epoch, history, resume, seed)
         spec.fingerprint = fingerprint
+        if resume:
+            spec = _resumed(spec, resume)
         printer = ProgressPrinter(verbose)
         mark_wall = time.time()
+        session = dataset.sparkSession
+        current = [spec]
+
+        def launch(attempt: int) -> List[Any]:
+            return run(train_on_rank, args=(current[0],), num_proc=c.num_proc,  # type: ignore[arg-type]
+                       stdout=printer.stdout, stderr=printer.stderr, verbose=1, use_gpu=self.getUseGpu(),
+                       store=c.store, spark=session)
+
+        def resume_point() -> str:
+            current[0] = self._latest(c, spec)
+            return _describe_resume(current[0])
+
         try:
-            results = run(train_on_rank, args=(spec,), num_proc=c.num_proc, stdout=printer.stdout,  # type: ignore[arg-type]
-                          stderr=printer.stderr, verbose=1, use_gpu=self.getUseGpu(), store=c.store,
-                          spark=dataset.sparkSession)
+            results = run_with_retries(launch, session=session, num_proc=c.num_proc, max_retries=self.getMaxRetries(),
+                                       report=printer.note if verbose else log.warning, resume_point=resume_point)
         finally:
             printer.close()
         # Phases by the ranks' own clock where they are the ranks' (training on a remote
@@ -266,7 +286,19 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         model = self._model(trained, c, shapes, list(result["history"]), timings)
         timings["collection"] = max(0.0, time.time() - last_epoch)
         model.fit_timings = timings
+        if self.getCleanupIntermediate():
+            c.store.remove_intermediate([prepared.key])
         return self._finish(model, c)
+
+    def _latest(self, c: _Checked, spec: TrainingSpec) -> TrainingSpec:
+        """``spec`` advanced to the run's last checkpoint, for the next attempt of the stage."""
+        path = c.store.get_checkpoint_path(c.run_id)
+        if not c.store.exists(path):
+            return spec
+        state = load_checkpoint(c.store.read(path))
+        if changed_parts(state.get("fingerprint"), spec.fingerprint):
+            return spec  # not ours (a concurrent fit of the same run_id): start where this fit did
+        return _resumed(spec, state)
 
     def _finish(self, model: TorchModel, c: _Checked) -> TorchModel:
         """Log the fit to MLflow when asked or when a run is active (see ``log_to_mlflow``)."""
@@ -325,7 +357,8 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
             backward_passes_per_step=passes, compression=self.getGradientCompression(),
             scale_lr=self.getScaleLr(), use_gpu=self.getUseGpu(),
             transformation_fn=self.getTransformationFn(), train_minibatch_fn=self.getTrainMinibatchFn(),
-            callbacks=list(self.getCallbacks() or []), progress=self.getVerbose() > 0)
+            callbacks=list(self.getCallbacks() or []), progress=self.getVerbose() > 0,
+            checkpoint_every_steps=self.getCheckpointEverySteps())
 
     def _model(self, trained: torch.nn.Module, c: _Checked, shapes: List[Tuple[int, ...]],
                history: List[Dict[str, Any]], timings: Dict[str, float]) -> TorchModel:
@@ -345,6 +378,22 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
     def read(cls) -> ParamsReader["TorchEstimator"]:
         """A reader loading a saved TorchEstimator (``TorchEstimator.load(path)``)."""
         return ParamsReader(cls)
+
+
+def _resumed(spec: TrainingSpec, state: Dict[str, Any]) -> TrainingSpec:
+    """``spec`` set to continue from checkpoint ``state`` (epoch, batch within it, weights, sums)."""
+    batch = int(state.get("batch") or 0)
+    return dataclasses.replace(
+        spec, start_epoch=int(state["epoch"]), start_batch=batch, partial=dict(state.get("partial") or {}) or None,
+        history=list(state["history"]), resume_model=state["model"], resume_optimizer=state["optimizer"])
+
+
+def _describe_resume(spec: TrainingSpec) -> str:
+    if spec.start_batch:
+        return f"epoch {spec.start_epoch + 1}, step {spec.start_batch} of {spec.train_steps}"
+    if spec.start_epoch:
+        return f"the end of epoch {spec.start_epoch}"
+    return "the start"
 
 
 def _log_torch_model(mlflow: Any, model: torch.nn.Module, shapes: List[Tuple[int, ...]]) -> None:

@@ -3,8 +3,8 @@
 A checkpoint records a hash of each part: the model's architecture (its printed structure and
 the names, shapes and dtypes of its tensors, not their values), the optimizer (class and
 hyperparameters), the loss (each loss and its weight) and the data (columns, their types, and
-Spark's semantic hash of the DataFrame's plan). Resuming compares part by part and names what
-changed.
+the DataFrame's plan, files and in-memory rows, hashed the same in a new process). Resuming
+compares part by part and names what changed.
 """
 
 from __future__ import annotations

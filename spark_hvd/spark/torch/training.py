@@ -5,7 +5,10 @@ arrives in one :class:`TrainingSpec` of plain values and torch objects. Each ran
 optimizer over its own copy of the model, wraps it in ``spark_hvd.torch.DistributedOptimizer``,
 and runs the same number of steps per epoch as every other rank (the readers guarantee it),
 so gradient allreduces always match. After each epoch the metrics are averaged over the ranks
-and rank 0 writes a checkpoint (model, optimizer, completed epochs, history) to the store.
+and rank 0 writes a checkpoint (model, optimizer, completed epochs, history) to the store; with
+``checkpoint_every_steps`` also every that many optimizer steps within an epoch, with the batches
+done so far and the epoch's running sums, so a resumed run goes on at the next batch of the
+same (seeded) order and the epoch's metrics count every batch once.
 """
 
 from __future__ import annotations
@@ -136,16 +139,27 @@ class TrainingSpec:
     progress_interval_s: float = 0.25
     fingerprint: Dict[str, str] = field(default_factory=dict)
     """What the run trains (see ``fingerprint.run_fingerprint``), recorded in every checkpoint."""
+    start_batch: int = 0
+    """Batches of epoch ``start_epoch`` already trained (a mid-epoch checkpoint): skipped."""
+    partial: Optional[Dict[str, float]] = None
+    """The running sums of epoch ``start_epoch`` at ``start_batch``, averaged over the ranks."""
+    checkpoint_every_steps: Optional[int] = None
+    """Rank 0 also checkpoints every this many optimizer steps within an epoch; None: per epoch only."""
 
 
 def checkpoint_bytes(epoch: int, model: torch.nn.Module, optimizer_state: Dict[str, Any],
-                     history: List[Dict[str, Any]], fingerprint: Optional[Dict[str, str]] = None) -> bytes:
+                     history: List[Dict[str, Any]], fingerprint: Optional[Dict[str, str]] = None, *,
+                     batch: int = 0, partial: Optional[Dict[str, float]] = None,
+                     seed: Optional[int] = None) -> bytes:
     """A checkpoint as stored: ``torch.save`` of a dict of plain values and tensors; ``fingerprint``
-    identifies the model architecture, optimizer, loss and data the run trains."""
+    identifies the model architecture, optimizer, loss and data the run trains. ``epoch`` counts
+    completed epochs; a mid-epoch checkpoint also has ``batch`` (batches of the next epoch done),
+    ``partial`` (that epoch's running sums) and ``seed`` (of the shuffle order)."""
     buf = io.BytesIO()
     torch.save({"format": CHECKPOINT_FORMAT, "epoch": epoch, "model": _to_cpu(model.state_dict()),
                 "optimizer": _to_cpu(optimizer_state), "history": history,
-                "fingerprint": dict(fingerprint or {})}, buf)
+                "fingerprint": dict(fingerprint or {}), "batch": batch, "partial": dict(partial or {}),
+                "seed": seed}, buf)
     return buf.getvalue()
 
 
@@ -243,13 +257,17 @@ class _Trainer:
         return outs, labs, loss
 
     # -- epochs ----------------------------------------------------------------------------------
-    def _run_epoch(self, epoch: int, reader: Any) -> Dict[str, float]:
+    def _run_epoch(self, epoch: int, reader: Any, start_batch: int = 0,
+                   partial: Optional[Dict[str, float]] = None) -> Dict[str, float]:
         spec = self.spec
         self.model.train()
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        metric_sums: Dict[str, float] = {name: 0.0 for name in spec.metric_names}
-        steps = 0
+        partial = partial or {}
+        loss_sum = torch.tensor(float(partial.get("loss", 0.0)), dtype=torch.float64)
+        metric_sums: Dict[str, float] = {name: float(partial.get(name, 0.0)) for name in spec.metric_names}
+        steps = int(partial.get("steps", 0))
         for step, batch in enumerate(reader.iter_epoch(epoch)):
+            if step < start_batch:
+                continue  # trained before the checkpoint this run resumed from; the order is seeded
             inputs, labels, weights = self._tensors(batch)
             outs, labs, loss = self._train_step(step, inputs, labels, weights)
             batch_loss = loss.detach().double().cpu()
@@ -262,6 +280,9 @@ class _Trainer:
             if spec.callbacks:
                 call_hook(spec.callbacks, "on_batch_end", step, {"loss": float(batch_loss)}, self.state)
             self.reporter.step(epoch, step + 1, float(loss_sum) / steps, force=step + 1 == reader.steps_per_epoch)
+            if self._mid_epoch_checkpoint_due(step, reader.steps_per_epoch):
+                sums = {"loss": float(loss_sum), **metric_sums, "steps": float(steps)}
+                self._checkpoint(epoch, batch=step + 1, partial=self._average(sums, f"{epoch}.{step}"))
         steps = max(steps, 1)
         logs = {"loss": float(loss_sum) / steps}
         logs.update({name: total / steps for name, total in metric_sums.items()})
@@ -286,7 +307,14 @@ class _Trainer:
         logs.update({f"val_{name}": total / steps for name, total in metric_sums.items()})
         return logs
 
-    def _average(self, logs: Dict[str, float], epoch: int) -> Dict[str, float]:
+    def _mid_epoch_checkpoint_due(self, step: int, steps_per_epoch: int) -> bool:
+        every = self.spec.checkpoint_every_steps
+        passes = self.spec.backward_passes_per_step
+        if not every or (step + 1) % passes != 0 or step + 1 >= steps_per_epoch:
+            return False  # the end of the epoch has its own checkpoint
+        return ((step + 1) // passes) % every == 0
+
+    def _average(self, logs: Dict[str, float], epoch: Any) -> Dict[str, float]:
         """The logs averaged over all ranks (every rank has the same keys in the same order)."""
         if self.size == 1:
             return logs
@@ -294,15 +322,19 @@ class _Trainer:
         averaged = self.hvd.allreduce(values, name=f"spark_hvd.fit.metrics.{epoch}", op=self.hvd.Average)
         return {k: float(v) for k, v in zip(logs, averaged.tolist())}
 
-    def _checkpoint(self, completed: int) -> None:
+    def _checkpoint(self, completed: int, batch: int = 0, partial: Optional[Dict[str, float]] = None) -> None:
+        """Rank 0 writes the checkpoint (atomically: a resume sees the old one or this one)."""
+        if self.rank != 0:
+            return
         state = self.optimizer.state_dict()
         if self.lr_scale != 1.0:
             # The store keeps the learning rate as the user gave it; a resume scales it again.
-            for group in state["param_groups"]:
-                group["lr"] = group["lr"] / self.lr_scale
+            state = {**state, "param_groups": [{**group, "lr": group["lr"] / self.lr_scale}
+                                               for group in state["param_groups"]]}
         self.spec.store.write(self.spec.checkpoint_path,
                               checkpoint_bytes(completed, self.model, state, self.state.history,
-                                               self.spec.fingerprint))
+                                               self.spec.fingerprint, batch=batch, partial=partial,
+                                               seed=self.spec.seed))
 
     def run(self) -> Optional[Dict[str, Any]]:
         spec = self.spec
@@ -318,18 +350,20 @@ class _Trainer:
                 self.state.epoch = epoch
                 call_hook(spec.callbacks, "on_epoch_begin", epoch, self.state)
                 started = time.monotonic()
-                logs = self._run_epoch(epoch, train_reader)
+                resumed = epoch == spec.start_epoch and spec.start_batch > 0
+                logs = self._run_epoch(epoch, train_reader, spec.start_batch if resumed else 0,
+                                       spec.partial if resumed else None)
                 train_seconds = time.monotonic() - started
                 if val_reader is not None:
                     logs.update(self._validate(epoch, val_reader))
                 logs = self._average(logs, epoch)
-                rows = spec.train_steps * spec.batch_size * self.size
+                done = spec.train_steps - (spec.start_batch if resumed else 0)
+                rows = done * spec.batch_size * self.size
                 logs["rows_per_s"] = rows / train_seconds if train_seconds > 0 else math.inf
                 logs["seconds"] = time.monotonic() - started
                 entry = {"epoch": epoch + 1, **logs}
                 self.state.history.append(entry)
-                if self.rank == 0:
-                    self._checkpoint(epoch + 1)
+                self._checkpoint(epoch + 1)
                 self.reporter.epoch(epoch, logs)
                 call_hook(spec.callbacks, "on_epoch_end", epoch, dict(logs), self.state)
                 if self._stop_requested(epoch):

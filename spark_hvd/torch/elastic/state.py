@@ -125,6 +125,15 @@ class TorchState(ObjectState):
             handler.restore()
         super().restore()
 
+    def snapshot(self) -> Dict[str, Any]:
+        return {**super().snapshot(), "handlers": {name: handler._saved for name, handler in self._handlers.items()}}
+
+    def load_snapshot(self, snapshot: Dict[str, Any]) -> None:
+        for name, saved in snapshot["handlers"].items():
+            self._handlers[name]._saved = saved
+            self._handlers[name].restore()
+        super().load_snapshot(snapshot)
+
     def sync(self) -> None:
         """Every rank takes rank 0's models, optimizers, samplers and values, and commits them."""
         for handler in self._handlers.values():
