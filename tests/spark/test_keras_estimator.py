@@ -6,6 +6,7 @@ CrossValidator."""
 from __future__ import annotations
 
 import os
+import signal
 import uuid
 
 import keras
@@ -88,6 +89,7 @@ BAD_FITS = [
     ({"model": small_model(units=2), "task": "binary"}, r"task='binary' needs one output value per row, but the "
                                                         r"model returns 2"),
     ({"train_minibatch_fn": lambda *a: None}, r"train_minibatch_fn is not supported by KerasEstimator"),
+    ({"checkpoint_every_steps": 2}, r"checkpoint_every_steps=2 is not supported by KerasEstimator"),
 ]
 
 
@@ -229,3 +231,34 @@ def test_cross_validator_fits_per_fold_and_picks_the_best(frame, tmp_path):
     assert isinstance(best, KerasModel) and best.getTask() == "binary"
     out = best.transform(frame)
     assert out.count() == ROWS and 0.5 < BinaryClassificationEvaluator(labelCol="y").evaluate(out) <= 1.0
+
+
+class KillRankOnce(keras.callbacks.Callback):
+    """Rank 1 kills its own process (SIGKILL) when epoch ``epoch`` (from 0) begins, once: a marker
+    file keeps the retried stage from doing it again."""
+
+    def __init__(self, marker, epoch):
+        super().__init__()
+        self.marker, self.epoch = str(marker), epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        import spark_hvd.keras as hvd
+
+        if hvd.rank() == 1 and epoch == self.epoch and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_killed_rank_is_retried_from_the_last_epoch_checkpoint(frame, tmp_path, capsys):
+    """Rank 1 dies as epoch 2 begins: fit reports the retry, resumes after epoch 1, and returns a
+    model whose history has each epoch once; cleanup_intermediate removes the materialized data."""
+    marker = tmp_path / "killed"
+    est = make_estimator(tmp_path, epochs=2, verbose=1, run_id="killed", callbacks=[KillRankOnce(marker, 1)],
+                         cleanup_intermediate=True)
+    model = est.fit(frame)
+    printed = capsys.readouterr().out
+    assert marker.exists()
+    assert "retry 1/3 (attempt 2) after the barrier stage failed" in printed, printed[-3000:]
+    assert "resuming from the end of epoch 1" in printed, printed[-3000:]
+    assert [h["epoch"] for h in model.getHistory()] == [1, 2]
+    assert est.getStore().list_intermediate() == []

@@ -4,6 +4,9 @@ and CrossValidator. Each fit starts real rank processes, so the frames and epoch
 
 from __future__ import annotations
 
+import os
+import signal
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -299,3 +302,32 @@ def test_cross_validator_fits_folds_and_picks_a_model(frame, tmp_path):
     best = cv_model.bestModel
     assert isinstance(best, LightningModel) and best.getTask() == "binary"
     assert best.transform(frame).select("prediction").distinct().count() >= 1
+
+
+class KillRankOnce(pl.Callback):
+    """Rank 1 kills its own process (SIGKILL) as epoch ``epoch`` (from 0) starts, once: a marker
+    file keeps the retried stage from doing it again."""
+
+    def __init__(self, marker, epoch):
+        self.marker, self.epoch = str(marker), epoch
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.global_rank == 1 and trainer.current_epoch == self.epoch and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_rank_is_retried_from_the_last_epoch_checkpoint(frame, tmp_path, capsys):
+    """Rank 1 dies as epoch 2 starts: fit reports the retry, Lightning resumes from the epoch-1
+    checkpoint, the history has each epoch once; cleanup_intermediate removes the materialized data."""
+    marker = tmp_path / "killed"
+    est = make_estimator(tmp_path, epochs=2, verbose=1, run_id="killed", callbacks=[KillRankOnce(marker, 1)],
+                         cleanup_intermediate=True)
+    model = est.fit(frame)
+    printed = capsys.readouterr().out
+    assert marker.exists()
+    assert "retry 1/3 (attempt 2) after the barrier stage failed" in printed, printed[-3000:]
+    assert "resuming from the end of epoch 1" in printed, printed[-3000:]
+    assert [h["epoch"] for h in model.getHistory()] == [1, 2]
+    assert est.getStore().list_intermediate() == []

@@ -32,6 +32,7 @@ from spark_hvd.spark.params import KerasEstimatorParams
 from spark_hvd.spark.persistence import ParamsReader, ParamsWriter
 from spark_hvd.spark.progress import ProgressPrinter
 from spark_hvd.spark.reader import steps_for
+from spark_hvd.spark.retry import run_with_retries
 from spark_hvd.spark.runner import run
 from spark_hvd.spark.session import session_info
 from spark_hvd.spark.store import Store
@@ -138,6 +139,10 @@ class KerasEstimator(Estimator, KerasEstimatorParams, MLReadable, MLWritable):
         if self.getTrainMinibatchFn() is not None:
             raise ValueError("train_minibatch_fn is not supported by KerasEstimator: Keras runs its own train_step; "
                              "fix: override train_step in a keras.Model subclass, or use TorchEstimator")
+        if self.getCheckpointEverySteps() is not None:
+            raise ValueError(f"checkpoint_every_steps={self.getCheckpointEverySteps()!r} is not supported by "
+                             "KerasEstimator, which checkpoints after every epoch (a retry resumes from the last one); "
+                             "fix: leave it unset, or use shorter epochs with train_steps_per_epoch")
         checks.check_input_count(model, feature_cols)
         weight_col = self.getSampleWeightCol()
         if weight_col is not None and weight_col in list(feature_cols) + list(label_cols):
@@ -257,13 +262,28 @@ class KerasEstimator(Estimator, KerasEstimatorParams, MLReadable, MLWritable):
                       "or use a new run_id)")
             return self._finish(self._model(c, history, timings), c)
 
-        spec = self._spec(c, prepared, start_epoch, history, resume, seed, fingerprint)
+        current = [self._spec(c, prepared, start_epoch, history, resume, seed, fingerprint)]
         printer = ProgressPrinter(verbose)
         mark_wall = time.time()
+        session = dataset.sparkSession
+
+        def launch(attempt: int) -> List[Any]:
+            return run(train_on_rank, args=(current[0],), num_proc=c.num_proc, env=RANK_ENVIRONMENT,  # type: ignore[arg-type]
+                       stdout=printer.stdout, stderr=printer.stderr, verbose=1, use_gpu=self.getUseGpu(),
+                       store=c.store, spark=session)
+
+        def resume_point() -> str:
+            """Set the next attempt to start from the run's last checkpoint (this fit's own)."""
+            latest = self._latest(c, fingerprint)
+            if latest is None:
+                return "the start"
+            c.model.set_weights(load_model_bytes(latest.model, self.getCustomObjects()).get_weights())
+            current[0] = self._spec(c, prepared, latest.epoch, list(latest.history), latest, seed, fingerprint)
+            return f"the end of epoch {latest.epoch}" if latest.epoch else "the start"
+
         try:
-            results = run(train_on_rank, args=(spec,), num_proc=c.num_proc, env=RANK_ENVIRONMENT,  # type: ignore[arg-type]
-                          stdout=printer.stdout, stderr=printer.stderr, verbose=1, use_gpu=self.getUseGpu(),
-                          store=c.store, spark=dataset.sparkSession)
+            results = run_with_retries(launch, session=session, num_proc=c.num_proc, max_retries=self.getMaxRetries(),
+                                       report=printer.note if verbose else log.warning, resume_point=resume_point)
         finally:
             printer.close()
         # Phases by the ranks' own clock (a Connect client receives their output in bursts).
@@ -276,7 +296,20 @@ class KerasEstimator(Estimator, KerasEstimatorParams, MLReadable, MLWritable):
         c.model.set_weights(result["weights"])
         model = self._model(c, list(result["history"]), timings)
         timings["collection"] = max(0.0, time.time() - last_epoch)
+        if self.getCleanupIntermediate():
+            c.store.remove_intermediate([prepared.key])
         return self._finish(model, c)
+
+    def _latest(self, c: _Checked, fingerprint: Dict[str, str]) -> Optional[KerasCheckpoint]:
+        """The run's checkpoint when it is this fit's (same fingerprint), for a retry to resume from."""
+        path = self._checkpoint_path(c)
+        if not c.store.exists(path):
+            return None
+        try:
+            state = read_checkpoint(c.store.read(path))
+        except ValueError:
+            return None
+        return None if changed_parts(state.fingerprint, fingerprint) else state
 
     def _spec(self, c: _Checked, prepared: PreparedData, start_epoch: int, history: List[Dict[str, Any]],
               resume: Optional[KerasCheckpoint], seed: Optional[int], fingerprint: Dict[str, str]) -> KerasTrainingSpec:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import logging
 import time
@@ -23,6 +24,7 @@ from spark_hvd.spark.lightning.params import LightningEstimatorParams
 from spark_hvd.spark.lightning.training import CHECKPOINT_FORMAT, CHECKPOINT_KEY, LightningSpec, fit_on_rank, module_batch
 from spark_hvd.spark.outputs import check_task
 from spark_hvd.spark.reader import steps_for
+from spark_hvd.spark.retry import run_with_retries
 from spark_hvd.spark.runner import run
 from spark_hvd.spark.session import session_info
 from spark_hvd.spark.store import Store
@@ -249,10 +251,26 @@ class LightningEstimator(Estimator, LightningEstimatorParams, MLReadable, MLWrit
         spec.fingerprint = fingerprint
         printer = ProgressPrinter(self.getVerbose())
         mark_wall = time.time()
+        session = dataset.sparkSession
+        current = [spec]
+
+        def launch(attempt: int) -> List[Any]:
+            return run(fit_on_rank, args=(current[0],), num_proc=c.num_proc, stdout=printer.stdout,  # type: ignore[arg-type]
+                       stderr=printer.stderr, verbose=1, use_gpu=self.getUseGpu(), store=c.store, spark=session)
+
+        def resume_point() -> str:
+            """Set the next attempt to start Lightning from the run's last checkpoint (this fit's own)."""
+            record = self._latest(c, fingerprint)
+            if record is None:
+                return "the start"
+            done = int(record["epochs_done"])
+            current[0] = dataclasses.replace(spec, resume=True, start_epoch=done, history=list(record["history"]))
+            return f"the end of epoch {done}" if done else "the start"
+
         try:
-            results = run(fit_on_rank, args=(spec,), num_proc=c.num_proc, stdout=printer.stdout,  # type: ignore[arg-type]
-                          stderr=printer.stderr, verbose=1, use_gpu=self.getUseGpu(), store=c.store,
-                          spark=dataset.sparkSession)
+            results = run_with_retries(launch, session=session, num_proc=c.num_proc, max_retries=self.getMaxRetries(),
+                                       report=printer.note if self.getVerbose() else log.warning,
+                                       resume_point=resume_point)
         finally:
             printer.close()
         done = time.time()
@@ -263,7 +281,23 @@ class LightningEstimator(Estimator, LightningEstimatorParams, MLReadable, MLWrit
         result = results[0]
         trained.load_state_dict(result["model"])
         timings["collection"] = max(0.0, time.time() - last_epoch)
+        if self.getCleanupIntermediate():
+            c.store.remove_intermediate([prepared.key])
         return self._model(trained, c, shapes, list(result["history"]), timings)
+
+    def _latest(self, c: _Checked, fingerprint: Dict[str, str]) -> Optional[Dict[str, Any]]:
+        """The record of the run's checkpoint when it is this fit's (same fingerprint), for a retry."""
+        path = c.store.get_checkpoint_path(c.run_id)
+        if not c.store.exists(path):
+            return None
+        try:
+            checkpoint = torch.load(io.BytesIO(c.store.read(path)), map_location="cpu", weights_only=False)
+        except Exception:  # a checkpoint cut short by the failure: resume from where this fit began
+            return None
+        record = checkpoint.get(CHECKPOINT_KEY) if isinstance(checkpoint, dict) else None
+        if not isinstance(record, dict) or record.get("format") != CHECKPOINT_FORMAT:
+            return None
+        return None if changed_parts(record.get("fingerprint"), fingerprint) else record
 
     def _spec(self, c: _Checked, model: torch.nn.Module, prepared: PreparedData, shapes: List[Tuple[int, ...]],
               start_epoch: int, history: List[Dict[str, Any]], resume: bool, seed: Optional[int]) -> LightningSpec:

@@ -26,7 +26,7 @@ _SHARED = ("num_proc", "feature_cols", "label_cols", "sample_weight_col", "valid
            "val_batch_size", "epochs", "train_steps_per_epoch", "validation_steps_per_epoch", "shuffle",
            "random_seed", "store", "run_id", "gradient_compression", "input_shapes", "transformation_fn", "use_gpu",
            "verbose", "reader", "invalid_rows", "overwrite_run", "prediction_col", "probability_col",
-           "raw_prediction_col")
+           "raw_prediction_col", "max_retries", "cleanup_intermediate")
 """Params of the torch estimator that mean the same for a LightningModule (taken from its table)."""
 
 LIGHTNING_ESTIMATOR_PARAMS: Tuple[ParamSpec, ...] = (
