@@ -35,7 +35,8 @@ pytestmark = pytest.mark.timeout(900)  # a cluster of three JVMs starts slowly o
 
 ROWS = 256
 BATCH = 16
-EPOCHS = 3
+EPOCHS = int(os.environ.get("SPARK_HVD_TEST_FAULT_EPOCHS", "3"))
+"""Epochs of the fits; the issue's 20-epoch run is ``SPARK_HVD_TEST_FAULT_EPOCHS=20 pytest ... -k killed``."""
 STEPS = ROWS // (2 * BATCH)  # per epoch, on each of the 2 ranks
 
 
