@@ -150,17 +150,17 @@ def transform_check(torch: Any, dev: Any) -> str:
     gives the CPU answer."""
     import numpy as np
 
-    from spark_hvd.spark.torch import transform
+    from spark_hvd.spark.torch.transform import InferencePlan, TorchPredictor
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).eval()
-    plan = transform.InferencePlan(key="gpu-check", feature_cols=("features",), input_shapes=((8,),),
-                                   output_cols=("out",), scalar_outputs=(False,), batch_size=256, dtype="float32",
-                                   sys_path=())
+    plan = InferencePlan(key="gpu-check", feature_cols=("features",), input_shapes=((8,),), output_cols=("out",),
+                         scalar_outputs=(False,), batch_size=256, dtype="float32", sys_path=())
     columns = [np.random.default_rng(0).standard_normal((5000, 8)).astype(np.float32)]
-    want = transform._predict(model, torch.device("cpu"), plan, columns)[0]
+    predictor = TorchPredictor()
+    want = predictor.predict(model, "cpu", plan, columns)[0]
     moved = model.to(dev)
-    got = transform._predict(moved, dev, plan, columns)[0]
+    got = predictor.predict(moved, str(dev), plan, columns)[0]
     assert next(moved.parameters()).device.type == dev.type
     assert np.allclose(got, want, atol=1e-4), float(np.abs(got - want).max())
     return f"TorchModel.transform inference on {dev}: 5000 rows match the CPU (max diff {np.abs(got - want).max():.1e})"

@@ -209,7 +209,7 @@ def test_transform_runs_on_the_gpu_spark_assigned_to_the_task(monkeypatch):
     import pyspark
     import torch
 
-    from spark_hvd.spark.torch import transform
+    from spark_hvd.spark.torch.transform import TorchPredictor
 
     class Gpus:
         def __init__(self, addresses):
@@ -225,11 +225,12 @@ def test_transform_runs_on_the_gpu_spark_assigned_to_the_task(monkeypatch):
     context = {"now": Context({"gpu": Gpus(["3"])})}
     monkeypatch.setattr(pyspark.TaskContext, "get", classmethod(lambda cls: context["now"]))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert transform._device() == torch.device("cuda", 3)
+    predictor = TorchPredictor()
+    assert predictor.device() == "cuda:3"
     context["now"] = Context({})
-    assert transform._device() == torch.device("cpu")
+    assert predictor.device() == "cpu"
     context["now"] = None
-    assert transform._device() == torch.device("cpu")
+    assert predictor.device() == "cpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     context["now"] = Context({"gpu": Gpus(["0"])})
-    assert transform._device() == torch.device("cpu")
+    assert predictor.device() == "cpu"

@@ -65,6 +65,7 @@ EXTENSIONS = {
     "allgather_object": "process_set=<global>",
     "broadcast_parameters": "prefix=Parameter., process_set=<global>",
     "broadcast_optimizer_state": "process_set=<global>",
+    "DistributedOptimizer": "bucket_cap_mb=None",
 }
 
 # The collective grid: each must be a plain, documented def over the one enqueue path.
