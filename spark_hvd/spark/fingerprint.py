@@ -12,7 +12,7 @@ import hashlib
 import json
 from typing import Any, List, Mapping, Optional, Sequence
 
-__all__ = ["PARTS", "digest", "data_digest", "changed_parts"]
+__all__ = ["PARTS", "digest", "data_digest", "changed_parts", "start_over_or_refuse"]
 
 PARTS = ("model architecture", "optimizer", "loss", "data")
 """The parts of a fingerprint, in the order messages name them."""
@@ -44,3 +44,22 @@ def changed_parts(recorded: Optional[Mapping[str, str]], current: Mapping[str, s
     if not recorded:
         return list(PARTS)
     return [part for part in PARTS if recorded.get(part) != current.get(part)]
+
+
+def start_over_or_refuse(store: Any, run_id: str, changed: Sequence[str], overwrite: bool,
+                         epochs_done: Optional[int]) -> None:
+    """``run_id``'s checkpoint trained something else (the ``changed`` parts): with ``overwrite``,
+    delete the run so the fit starts over; otherwise refuse with a ValueError naming what changed
+    (resuming would continue another training and return its model)."""
+    import logging
+
+    if overwrite:
+        logging.getLogger("spark_hvd.spark").warning("run_id=%r: starting over; its checkpoint trained a different %s",
+                                                     run_id, ", ".join(changed))
+        store.delete(store.get_run_path(run_id))
+        return
+    trained = f" ({epochs_done} epoch(s) done)" if epochs_done is not None else ""
+    raise ValueError(
+        f"run_id={run_id!r} already holds a checkpoint{trained} of a different {', '.join(changed)}: "
+        "resuming it would continue another training and return its model; fix: use a new run_id (or "
+        f"leave run_id unset for a new run every fit), or pass overwrite_run=True to start {run_id!r} over")

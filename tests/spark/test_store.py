@@ -220,3 +220,24 @@ def test_dbfs_store_uses_the_fuse_mount():
     store = Store.create("dbfs:/ml/x")
     assert store.get_train_data_path("k") == "/dbfs/ml/x/intermediate_train_data.k"
     assert store.spark_url(store.get_train_data_path("k")) == "dbfs:/ml/x/intermediate_train_data.k"
+
+
+def test_a_run_that_trained_something_else_is_refused_or_started_over(tmp_path):
+    """The shared rule of every estimator: refuse naming what changed and the fix, or, with
+    overwrite_run, delete the run's files so the fit starts over."""
+    import pytest
+
+    from spark_hvd.spark import Store
+    from spark_hvd.spark.fingerprint import start_over_or_refuse
+
+    store = Store.create(str(tmp_path / "store"))
+    path = store.get_checkpoint_path("r1")
+    store.write(path, b"old")
+    with pytest.raises(ValueError, match=r"run_id='r1' already holds a checkpoint \(2 epoch\(s\) done\) of a different "
+                                         r"model architecture, data: .*overwrite_run=True"):
+        start_over_or_refuse(store, "r1", ["model architecture", "data"], False, 2)
+    assert store.exists(path)
+    with pytest.raises(ValueError, match=r"already holds a checkpoint of a different checkpoint format"):
+        start_over_or_refuse(store, "r1", ["checkpoint format"], False, None)
+    start_over_or_refuse(store, "r1", ["loss"], True, 2)
+    assert not store.exists(path)

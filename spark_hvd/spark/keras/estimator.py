@@ -17,7 +17,7 @@ from pyspark.ml.util import MLReadable, MLWritable
 
 from spark_hvd.spark import checks as common
 from spark_hvd.spark.data import PreparedData, plan_columns, prepare_data, sample_batch
-from spark_hvd.spark.fingerprint import changed_parts
+from spark_hvd.spark.fingerprint import changed_parts, start_over_or_refuse
 from spark_hvd.spark.fitting import PROBE_ROWS, fit_store, prepare_lock
 from spark_hvd.spark.keras import checks
 from spark_hvd.spark.keras.checkpoint import (CHECKPOINT_NAME, KerasCheckpoint, load_model_bytes, model_bytes,
@@ -206,16 +206,9 @@ class KerasEstimator(Estimator, KerasEstimatorParams, MLReadable, MLWritable):
         else:
             changed = changed_parts(state.fingerprint, fingerprint)
         if changed:
-            if self.getOverwriteRun():
-                log.warning("run_id=%r: starting over; its checkpoint trained a different %s", c.run_id,
-                            ", ".join(changed))
-                c.store.delete(c.store.get_run_path(c.run_id))
-                return None
-            trained = f" ({state.epoch} epoch(s) done)" if state else ""
-            raise ValueError(
-                f"run_id={c.run_id!r} already holds a checkpoint{trained} of a different {', '.join(changed)}: "
-                "resuming it would continue another training and return its model; fix: use a new run_id (or "
-                f"leave run_id unset for a new run every fit), or pass overwrite_run=True to start {c.run_id!r} over")
+            start_over_or_refuse(c.store, c.run_id, changed, self.getOverwriteRun(),
+                                 state.epoch if state else None)
+            return None
         assert state is not None
         try:
             c.model.set_weights(load_model_bytes(state.model, self.getCustomObjects()).get_weights())

@@ -33,6 +33,7 @@ from spark_hvd.spark.torch.batches import model_dtype
 # One default store and one materialization lock per process, shared with TorchEstimator: both
 # estimators cache the same prepared datasets.
 from spark_hvd.spark.torch.estimator import _local_default_store, _prepare_lock
+from spark_hvd.spark.fingerprint import start_over_or_refuse
 from spark_hvd.spark.torch.fingerprint import changed_parts, run_fingerprint
 from spark_hvd.spark.torch.persistence import ParamsReader, ParamsWriter
 from spark_hvd.spark.torch.progress import ProgressPrinter
@@ -189,16 +190,9 @@ class LightningEstimator(Estimator, LightningEstimatorParams, MLReadable, MLWrit
         else:
             changed = changed_parts(record.get("fingerprint"), fingerprint)
         if changed:
-            if self.getOverwriteRun():
-                log.warning("run_id=%r: starting over; its checkpoint trained a different %s", c.run_id,
-                            ", ".join(changed))
-                c.store.delete(c.store.get_run_path(c.run_id))
-                return None
-            trained = f" ({record['epochs_done']} epoch(s) done)" if record else ""
-            raise ValueError(
-                f"run_id={c.run_id!r} already holds a checkpoint{trained} of a different {', '.join(changed)}: "
-                "resuming it would continue another training and return its model; fix: use a new run_id (or "
-                f"leave run_id unset for a new run every fit), or pass overwrite_run=True to start {c.run_id!r} over")
+            start_over_or_refuse(c.store, c.run_id, changed, self.getOverwriteRun(),
+                                 int(record["epochs_done"]) if record else None)
+            return None
         assert record is not None
         try:
             model_copy.load_state_dict(checkpoint["state_dict"])

@@ -28,6 +28,7 @@ from spark_hvd.spark.session import session_info
 from spark_hvd.spark.store import Store
 from spark_hvd.spark.torch import checks
 from spark_hvd.spark.torch.batches import LossFunction, metric_names, model_dtype
+from spark_hvd.spark.fingerprint import start_over_or_refuse
 from spark_hvd.spark.torch.fingerprint import changed_parts, run_fingerprint
 from spark_hvd.spark.torch.model import TorchModel
 from spark_hvd.spark.torch.persistence import ParamsReader, ParamsWriter
@@ -190,16 +191,9 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         else:
             changed = changed_parts(state.get("fingerprint"), fingerprint)
         if changed:
-            if self.getOverwriteRun():
-                log.warning("run_id=%r: starting over; its checkpoint trained a different %s", c.run_id,
-                            ", ".join(changed))
-                c.store.delete(c.store.get_run_path(c.run_id))
-                return None
-            trained = f" ({state['epoch']} epoch(s) done)" if state else ""
-            raise ValueError(
-                f"run_id={c.run_id!r} already holds a checkpoint{trained} of a different {', '.join(changed)}: "
-                "resuming it would continue another training and return its model; fix: use a new run_id (or "
-                f"leave run_id unset for a new run every fit), or pass overwrite_run=True to start {c.run_id!r} over")
+            start_over_or_refuse(c.store, c.run_id, changed, self.getOverwriteRun(),
+                                 int(state["epoch"]) if state else None)
+            return None
         try:
             model_copy.load_state_dict(state["model"])
         except Exception as exc:
