@@ -55,6 +55,19 @@ _POLL_BUSY_SHARED = 200e-6
 """The same on an oversubscribed host."""
 _POLL_IDLE = 0.005
 """The longest interval between polls of an idle job's MPI links."""
+_CALLER_SPIN = 300e-6
+"""Seconds a waiting caller polls its links before it blocks in select(): a round trip between
+ranks that both have a core takes less, so most answers need no wake-up at all."""
+_COALESCE_STEP = 100e-6
+_COALESCE_MAX = 0.001
+"""Woken for asynchronous requests, the engine thread first sleeps in steps of _COALESCE_STEP
+while more keep arriving, for at most _COALESCE_MAX: a caller submitting a burst (the gradients
+of a backward pass) keeps the GIL and announces them in one message instead of trading the GIL
+with this thread once per request; a caller that starts waiting in the meantime drives them
+itself. Horovod's background thread waits a cycle time (1 ms) the same way."""
+_PARKED = 0.02
+"""How often a parked engine thread (nothing of its own to wait for, or a caller driving) reads the
+control links anyway: aborts and goodbyes of other ranks, and frames that must not pile up."""
 
 
 def _usable_cpus() -> int:
@@ -88,9 +101,13 @@ class Engine(Executor):
         self._wake_pending = False
         self._progress = threading.Lock()  # held by whoever runs a cycle: engine thread or a waiting caller
         self._in_cycle = False
+        # True while a waiting caller holds _progress: it reads the links itself, and the engine
+        # thread stays off them, so an arriving frame wakes one thread, not two that then trade the
+        # GIL (a hand-over costs more than the whole round trip).
+        self._driving = False
         # Polling for an answer pays off only while every local rank has a core of its own; on an
         # oversubscribed host it would take the core from the rank that has to answer.
-        self._spin_budget = 0.002 if world.local_size <= _usable_cpus() else 0.0
+        self._spin_budget = _CALLER_SPIN if world.local_size <= _usable_cpus() else 0.0
         self.process_sets: Dict[int, Tuple[int, ...]] = {0: tuple(range(self.size))}
         world.transport.check = self._check_while_waiting
         if world.data is not None:
@@ -222,16 +239,45 @@ class Engine(Executor):
     def _run(self) -> None:
         try:
             while not self._stopping and self._failure is None:
-                self._wait_for_work()
+                self._wait_for_work(parked=self._driving or not self._watching())
                 if self._stopping or self._failure is not None:
                     break
-                with self._progress:
+                if self._queue and not self._driving:
+                    self._coalesce()
+                if not self._progress.acquire(blocking=False):
+                    continue  # a caller runs the cycles; it wakes this thread if it leaves work behind
+                try:
                     self._cycle()
+                finally:
+                    self._progress.release()
         except BaseException as exc:
             self._abort(self._as_collective_error(exc))
         finally:
             if self._stopping and self._failure is None:
                 self._say_bye()
+
+    def _coalesce(self) -> None:
+        """Sleep while asynchronous requests keep arriving (see ``_COALESCE_STEP``)."""
+        deadline = time.perf_counter() + _COALESCE_MAX
+        seen = len(self._queue)
+        while not self._driving and not self._stopping and time.perf_counter() < deadline:
+            time.sleep(_COALESCE_STEP)
+            count = len(self._queue)
+            if count == seen:
+                return
+            seen = count
+
+    def _watching(self) -> bool:
+        """Whether the engine thread must watch the links: requests of this rank wait on them, or
+        (rank 0) requests of other ranks can be answered without one of this rank (a process set
+        without rank 0, or all ranks joined). Otherwise nothing that arrives is urgent here: the
+        next request reads it, and a parked thread still reads the links every ``_PARKED`` s."""
+        if self._queue or self._local:
+            return True
+        coord = self.coordinator
+        if coord is None:
+            return False
+        return coord.has_work() or (bool(coord.pending) and any(0 not in ranks for ranks in self.process_sets.values()))
 
     def _cycle(self) -> None:
         if self.coordinator is not None:
@@ -245,30 +291,42 @@ class Engine(Executor):
         log.exception("spark-hvd engine failed")  # a bug must not leave callers waiting forever
         return CollectiveError(f"the spark-hvd engine on rank {self.rank} failed: {exc!r}")
 
-    def drive(self, handle: Handle) -> None:
-        """Make progress on the caller's thread while it waits for ``handle``.
+    def drive(self, handle: Handle, deadline: Optional[float] = None) -> None:
+        """Make progress on the caller's thread while it waits for ``handle``, until it is done or
+        ``deadline`` (time.perf_counter()) passes.
 
-        Handing work to the engine thread and back costs two thread wake-ups (tens of
-        microseconds each); a waiting caller that finds the engine idle runs the cycles itself and
-        polls the sockets, for at most a short budget before it blocks. A KeyboardInterrupt (or any
-        other BaseException that is not an Exception) that lands here reaches the caller as such;
-        if it cut a cycle short, this rank's part of the job is in an unknown state, so the job is
-        aborted too (the other ranks learn why).
+        Handing work to the engine thread and back costs two thread wake-ups and two GIL hand-overs;
+        a waiting caller that finds the engine idle runs the cycles itself: it polls the links for
+        a short budget, then blocks in select() on them. Meanwhile the engine thread is parked.
+        When another thread runs the cycles, the caller returns at once (and waits on its handle).
+        A KeyboardInterrupt (or any other BaseException that is not an Exception) that lands here
+        reaches the caller as such; if it cut a cycle short, this rank's part of the job is in an
+        unknown state, so the job is aborted too (the other ranks learn why).
         """
         if self._inline_lock is not None or self._failure is not None or self._stopping:
             return
         if not self._progress.acquire(blocking=False):
             self._wake()  # the engine thread or another caller is busy: make sure work is seen
             return
+        self._driving = True
         try:
-            deadline = time.perf_counter() + self._spin_budget
-            while not handle._done and self._failure is None:
+            spin_until = time.perf_counter() + self._spin_budget
+            while not handle._done and self._failure is None and not self._stopping:
                 self._in_cycle = True
                 self._cycle()
                 self._in_cycle = False
-                if handle._done or time.perf_counter() > deadline:
+                if handle._done:
                     break
-                os.sched_yield()
+                now = time.perf_counter()
+                if deadline is not None and now >= deadline:
+                    break
+                if now < spin_until or self._queue:
+                    continue
+                wait = self._idle_timeout()
+                wait = _PARKED * 50 if wait is None else wait  # look at the stop flag now and then
+                if deadline is not None:
+                    wait = min(wait, deadline - now)
+                self._wait_for_work(parked=False, timeout=wait)
         except Exception as exc:
             self._in_cycle = False
             self._abort(self._as_collective_error(exc))
@@ -279,9 +337,10 @@ class Engine(Executor):
                     f"rank {self.rank} was interrupted ({type(exc).__name__}) in the middle of a collective"))
             raise
         finally:
+            self._driving = False
             self._progress.release()
-        if not handle._done or self._queue or any(r.frames for r in self._links.values()):
-            self._wake()  # the engine thread takes over (and recomputes its stall-check timeout)
+        if self._watching() or any(r.frames for r in self._links.values()):
+            self._wake()  # the engine thread takes over what is left
 
     def _wake(self) -> None:
         if not self._wake_pending:
@@ -291,21 +350,28 @@ class Engine(Executor):
             except OSError:
                 pass
 
-    def _wait_for_work(self) -> None:
-        if self._queue or any(r.frames for r in self._links.values()):
-            timeout = 0.0
-        elif self.coordinator is not None and self.coordinator.has_work():
-            timeout = 0.0
+    def _wait_for_work(self, parked: bool, timeout: Optional[float] = -1.0) -> None:
+        """Block until something may need a cycle: a wake-up, a frame on a control link, or the
+        next stall check (``timeout`` -1). ``parked``: watch only the wake-up pipe, for at most
+        ``_PARKED`` seconds."""
+        if parked:
+            fds = [self._wake_r]
+            timeout = _PARKED
         else:
-            timeout = self._idle_timeout()
-        fds = [self._wake_r] + [fd for fd in (link.fileno() for link in self._links.values()) if fd is not None]
-        if self._polled:
-            waiting = self.coordinator.pending if self.coordinator is not None else self._local
-            if waiting or self._queue:
-                self._poll_interval = self._poll_busy
-            else:
-                self._poll_interval = min(_POLL_IDLE, (self._poll_interval or self._poll_busy) * 2)
-            timeout = self._poll_interval if timeout is None else min(timeout, self._poll_interval)
+            if self._queue or any(r.frames for r in self._links.values()):
+                timeout = 0.0
+            elif self.coordinator is not None and self.coordinator.has_work():
+                timeout = 0.0
+            elif timeout is not None and timeout < 0:
+                timeout = self._idle_timeout()
+            fds = [self._wake_r] + [fd for fd in (link.fileno() for link in self._links.values()) if fd is not None]
+            if self._polled:
+                waiting = self.coordinator.pending if self.coordinator is not None else self._local
+                if waiting or self._queue:
+                    self._poll_interval = self._poll_busy
+                else:
+                    self._poll_interval = min(_POLL_IDLE, (self._poll_interval or self._poll_busy) * 2)
+                timeout = self._poll_interval if timeout is None else min(timeout, self._poll_interval)
         try:
             select.select(fds, [], [], timeout)
         except (InterruptedError, ValueError, OSError):

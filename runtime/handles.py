@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from typing import TYPE_CHECKING, Any, List, Optional
 
 import numpy as np
@@ -58,7 +59,10 @@ class Handle:
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         if not self._done and self._engine is not None:
-            self._engine.drive(self)
+            start = time.perf_counter()
+            self._engine.drive(self, None if timeout is None else start + timeout)
+            if timeout is not None:
+                timeout = max(0.0, timeout - (time.perf_counter() - start))
         if not self._done:
             if not self._gate.acquire(timeout=-1 if timeout is None else timeout):
                 raise TimeoutError(
