@@ -8,7 +8,8 @@ import queue
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import (Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union)
+from collections import deque
+from typing import (Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union)
 
 import numpy as np
 
@@ -179,11 +180,15 @@ class _ShuffleBuffer:
 
 
 class _Batcher:
-    """Cuts a stream of chunks into batches of exactly ``batch_size`` rows."""
+    """Cuts a stream of chunks into batches of exactly ``batch_size`` rows.
+
+    A batch that lies within one chunk is a view of it (no copy); only a batch that straddles
+    two chunks is gathered. Rows are never copied more than once, whatever the chunk size.
+    """
 
     def __init__(self, batch_size: int) -> None:
         self.batch_size = batch_size
-        self.pending: List[Chunk] = []
+        self.pending: Deque[Chunk] = deque()
         self.count = 0
 
     def push(self, chunk: Optional[Chunk]) -> Iterator[Batch]:
@@ -194,12 +199,28 @@ class _Batcher:
             return
         self.pending.append(chunk)
         self.count += n
-        while self.count >= self.batch_size:
-            joined = {k: np.concatenate([c[k] for c in self.pending]) for k in chunk}
-            yield {k: v[: self.batch_size] for k, v in joined.items()}
-            rest = {k: v[self.batch_size:] for k, v in joined.items()}
-            self.count -= self.batch_size
-            self.pending = [rest] if self.count else []
+        size = self.batch_size
+        while self.count >= size:
+            first = self.pending[0]
+            if len(next(iter(first.values()))) >= size:
+                yield self._take(size)
+            else:
+                parts = []
+                need = size
+                while need:
+                    rows = min(need, len(next(iter(self.pending[0].values()))))
+                    parts.append(self._take(rows))
+                    need -= rows
+                yield {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
+            self.count -= size
+
+    def _take(self, rows: int) -> Chunk:
+        """The first ``rows`` rows of the first pending chunk (at most all of it), as views."""
+        first = self.pending[0]
+        if len(next(iter(first.values()))) <= rows:
+            return self.pending.popleft()
+        self.pending[0] = {k: v[rows:] for k, v in first.items()}
+        return {k: v[:rows] for k, v in first.items()}
 
 
 _DONE = object()
@@ -221,7 +242,7 @@ class BatchReader:
     def __init__(self, *, source: Callable[[int, int], Iterator[Chunk]], kind: str, rank: int, size: int,
                  batch_size: int, columns: Sequence[str], total_rows: int, shard_rows: int,
                  steps_per_epoch: int, shuffle: bool, seed: int, shuffle_buffer_rows: int,
-                 prefetch_batches: int, timeout_s: float) -> None:
+                 prefetch_batches: int, timeout_s: float, block_rows: int = 8192) -> None:
         self._source = source
         self.kind = kind
         """Which reader produces the rows: 'builtin' or 'petastorm'."""
@@ -241,25 +262,33 @@ class BatchReader:
         self.shuffle_buffer_rows = shuffle_buffer_rows
         self.prefetch_batches = prefetch_batches
         self.timeout_s = timeout_s
+        self.block_rows = block_rows
+        """Rows the reader thread hands over at once (whole batches; at least one batch)."""
         self._threads: List[Tuple[threading.Thread, threading.Event]] = []
 
     def iter_epoch(self, epoch: int) -> Iterator[Batch]:
         """Exactly :attr:`steps_per_epoch` batches of epoch ``epoch``; a background thread reads
-        ahead up to ``prefetch_batches`` batches. Shuffling is seeded by ``seed`` and ``epoch``."""
-        batches: "queue.Queue[Any]" = queue.Queue(maxsize=self.prefetch_batches)
+        ahead up to ``prefetch_batches`` blocks of batches (a block is up to
+        :attr:`block_rows` rows, handed over at once: one thread hand-off per block, not per batch).
+        Shuffling is seeded by ``seed`` and ``epoch``."""
+        blocks: "queue.Queue[Any]" = queue.Queue(maxsize=self.prefetch_batches)
         stop = threading.Event()
-        thread = threading.Thread(target=self._produce, args=(epoch, batches, stop),
+        thread = threading.Thread(target=self._produce, args=(epoch, blocks, stop),
                                   name=f"spark-hvd-reader-rank{self.rank}-epoch{epoch}", daemon=True)
         self._threads.append((thread, stop))
         thread.start()
+        ready: Deque[Batch] = deque()
         try:
             for _ in range(self.steps_per_epoch):
-                item = self._next(batches, thread)
-                if isinstance(item, _Failure):
-                    raise item.error
-                yield item
+                if not ready:
+                    item = self._next(blocks, thread)
+                    if isinstance(item, _Failure):
+                        raise item.error
+                    ready.extend(item)
+                yield ready.popleft()
         finally:
-            self._stop(thread, stop, batches)
+            ready.clear()
+            self._stop(thread, stop, blocks)
 
     def __iter__(self) -> Iterator[Batch]:
         return self.iter_epoch(0)
@@ -280,15 +309,31 @@ class BatchReader:
                         "reader; the storage may be slow or unreachable; raise timeout_s of make_reader "
                         "if reads are just slow") from None
 
-    def _produce(self, epoch: int, batches: "queue.Queue[Any]", stop: threading.Event) -> None:
+    def _produce(self, epoch: int, blocks: "queue.Queue[Any]", stop: threading.Event) -> None:
         def put(item: Any) -> bool:
             while not stop.is_set():
                 try:
-                    batches.put(item, timeout=0.2)
+                    blocks.put(item, timeout=0.2)
                     return True
                 except queue.Full:
                     continue
             return False
+
+        per_block = max(1, self.block_rows // self.batch_size)
+
+        def emit(batches: Iterator[Batch]) -> bool:
+            """Queue ``batches`` in blocks, the last one as soon as it is cut (a block never waits
+            for the next read); False when the epoch's batches are all queued or the consumer stopped."""
+            nonlocal needed
+            block: List[Batch] = []
+            for batch in batches:
+                block.append(batch)
+                needed -= 1
+                if len(block) >= per_block or needed == 0:
+                    full, block = block, []
+                    if not put(full) or needed == 0:
+                        return False
+            return not block or put(block)
 
         try:
             needed = self.steps_per_epoch
@@ -304,22 +349,14 @@ class BatchReader:
                 try:
                     for chunk in chunks:
                         rows_seen += len(next(iter(chunk.values())))
-                        for batch in batcher.push(buffer.add(chunk)):
-                            if not put(batch):
-                                return
-                            needed -= 1
-                            if needed == 0:
-                                return
+                        if not emit(batcher.push(buffer.add(chunk))):
+                            return
                 finally:
                     close = getattr(chunks, "close", None)
                     if close is not None:
                         close()
-                for batch in batcher.push(buffer.drain()):
-                    if not put(batch):
-                        return
-                    needed -= 1
-                    if needed == 0:
-                        return
+                if not emit(batcher.push(buffer.drain())):
+                    return
                 if rows_seen == 0:
                     raise ValueError(f"rank {self.rank} of {self.size} has no rows to read: the dataset has "
                                      f"{self.total_rows} rows; prepare it with num_proc={self.size}")
@@ -437,14 +474,17 @@ def make_reader(kind: str, urls: Union[str, Sequence[str]], *, rank: int, size: 
                 shuffle_buffer_rows: int = 10_000, steps_per_epoch: Optional[int] = None,
                 shapes: Optional[Mapping[str, Sequence[int]]] = None,
                 storage_options: Optional[Mapping[str, Any]] = None, prefetch_batches: int = 4,
-                timeout_s: float = 600.0) -> BatchReader:
+                timeout_s: float = 600.0, block_rows: int = 8192) -> BatchReader:
     """A reader of rank ``rank``'s shard (of ``size``) of the Parquet at ``urls``.
 
     ``kind`` is "builtin" (current pyarrow; row group ``i`` goes to rank ``i % size``) or
     "petastorm" (petastorm's ``make_batch_reader``, same interface). Batches hold
     ``feature_cols``, ``label_cols`` and ``sample_weight_col``, each reshaped to ``shapes[col]``
     per row when given (e.g. the shapes recorded by ``prepare_data``). ``steps_per_epoch``
-    defaults to ``ceil(total_rows / (size * batch_size))`` on every rank.
+    defaults to ``ceil(total_rows / (size * batch_size))`` on every rank. A background thread
+    reads ahead and hands batches over in blocks of up to ``block_rows`` rows (at least one
+    batch), at most ``prefetch_batches`` blocks ahead; batches are views of the rows read, so
+    small batches cost no copy and no thread hand-off each.
     """
     if kind not in READER_KINDS:
         raise ValueError(f"reader kind={kind!r} is not known: expected one of {READER_KINDS}")
@@ -456,6 +496,9 @@ def make_reader(kind: str, urls: Union[str, Sequence[str]], *, rank: int, size: 
         raise ValueError(f"shuffle_buffer_rows={shuffle_buffer_rows} is not valid: expected >= 0")
     if prefetch_batches < 1:
         raise ValueError(f"prefetch_batches={prefetch_batches} is not valid: expected >= 1")
+    if block_rows < 1:
+        raise ValueError(f"block_rows={block_rows} is not valid: expected >= 1 (rows handed from the reader "
+                         "thread at once; one batch is the least)")
     columns: List[str] = []
     for c in list(feature_cols) + list(label_cols) + ([sample_weight_col] if sample_weight_col else []):
         if c not in columns:
@@ -484,4 +527,4 @@ def make_reader(kind: str, urls: Union[str, Sequence[str]], *, rank: int, size: 
                        columns=columns, total_rows=layout.num_rows, shard_rows=shard_rows,
                        steps_per_epoch=steps, shuffle=shuffle, seed=seed,
                        shuffle_buffer_rows=shuffle_buffer_rows if shuffle else 0,
-                       prefetch_batches=prefetch_batches, timeout_s=timeout_s)
+                       prefetch_batches=prefetch_batches, timeout_s=timeout_s, block_rows=block_rows)

@@ -129,7 +129,7 @@ def test_abandoned_epoch_stops_its_prefetch_thread(tmp_path):
     """Leaving an epoch after one batch stops and joins the background reader thread."""
     write_dataset(tmp_path / "d", files=2, groups_per_file=5, rows_per_group=10)
     reader = make_reader("builtin", str(tmp_path / "d"), rank=0, size=1, batch_size=2, feature_cols=["x"],
-                         prefetch_batches=2)
+                         prefetch_batches=2, block_rows=2)  # one batch a block: 50 blocks, 2 queued ahead
     epoch = reader.iter_epoch(0)
     next(epoch)
     assert len(_reader_threads()) == 1  # the producer is blocked on the full queue
@@ -177,3 +177,33 @@ def test_petastorm_missing_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "petastorm", None)
     with pytest.raises(ImportError, match=r'pip install "spark-hvd\[petastorm\]".*pyarrow<15.*numpy<2'):
         make_reader("petastorm", str(tmp_path / "d"), rank=0, size=1, batch_size=2, feature_cols=["x"])
+
+
+def test_batches_within_a_chunk_are_views_and_straddling_ones_join_chunks():
+    """The batcher copies no row twice: a batch inside one chunk views it, one across chunks
+    gathers exactly its rows, and the order of rows is kept."""
+    from spark_hvd.spark.reader import _Batcher
+
+    batcher = _Batcher(4)
+    chunks = [{"x": np.arange(a, b, dtype=np.float64)} for a, b in ((0, 6), (6, 9), (9, 16), (16, 20))]
+    batches = [batch for chunk in chunks for batch in batcher.push(chunk)]
+    assert [list(b["x"]) for b in batches] == [list(range(i, i + 4)) for i in range(0, 20, 4)]
+    assert np.shares_memory(batches[0]["x"], chunks[0]["x"])  # rows 0-3: inside the first chunk
+    assert not np.shares_memory(batches[1]["x"], chunks[0]["x"])  # rows 4-7: across two chunks
+    assert np.shares_memory(batches[3]["x"], chunks[2]["x"])  # rows 12-15: inside the third chunk
+    assert batcher.count == 0 and not batcher.pending
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_handing_batches_over_in_blocks_changes_no_batch(tmp_path, shuffle):
+    """One batch a block or many: the same batches in the same order, epoch after epoch."""
+    write_dataset(tmp_path / "d", files=2, groups_per_file=3, rows_per_group=17)
+    got = {}
+    for block_rows in (1, 40, 10_000):
+        reader = make_reader("builtin", str(tmp_path / "d"), rank=0, size=1, batch_size=4, feature_cols=["x"],
+                             label_cols=["id"], shuffle=shuffle, seed=3, shuffle_buffer_rows=20,
+                             block_rows=block_rows)
+        got[block_rows] = [[b["id"].tolist() for b in reader.iter_epoch(e)] for e in (0, 1)]
+        reader.close()
+    assert got[1] == got[40] == got[10_000]
+    assert len(got[1][0]) == steps_for(102, 1, 4)
