@@ -50,6 +50,10 @@ class ProgressReporter:
             self._emit({"event": "start", "epochs": epochs, "start_epoch": start_epoch, "steps": steps,
                         "val_steps": val_steps, "size": size, "batch_size": batch_size, "t": time.time()})
 
+    def due(self, force: bool = False) -> bool:
+        """Whether :meth:`step` would report now: callers skip computing its values otherwise."""
+        return self.enabled and bool(self.steps) and (force or time.monotonic() - self._last_step >= self.interval_s)
+
     def step(self, epoch: int, step: int, loss: float, force: bool = False) -> None:
         """Step ``step`` (from 1) of epoch ``epoch`` is done; ``loss`` is the epoch's running mean."""
         if not (self.enabled and self.steps):

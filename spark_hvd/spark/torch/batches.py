@@ -36,6 +36,7 @@ __all__ = [
     "LossFunction",
     "metric_names",
     "metric_values",
+    "metric_tensors",
 ]
 
 
@@ -191,11 +192,17 @@ def metric_names(metrics: Sequence[Callable[..., Any]], label_cols: Sequence[str
 def metric_values(metrics: Sequence[Callable[..., Any]], names: Sequence[str], outputs: Sequence[torch.Tensor],
                   labels: Sequence[torch.Tensor]) -> Dict[str, float]:
     """Each metric of each (output, label) pair as a float, keyed as :func:`metric_names` says."""
-    values: Dict[str, float] = {}
+    return {name: float(value) for name, value in metric_tensors(metrics, names, outputs, labels).items()}
+
+
+def metric_tensors(metrics: Sequence[Callable[..., Any]], names: Sequence[str], outputs: Sequence[torch.Tensor],
+                   labels: Sequence[torch.Tensor]) -> Dict[str, Any]:
+    """Like :func:`metric_values`, but a metric that returns a tensor stays a 0-d float64 tensor on
+    its device: summed over an epoch without a device synchronization per step."""
+    values: Dict[str, Any] = {}
     it = iter(names)
     for metric in metrics:
         for output, label in zip(outputs, labels):
             value = metric(output.detach(), label)
-            values[next(it)] = float(value.detach().float().mean()) if isinstance(value, torch.Tensor) \
-                else float(value)
+            values[next(it)] = value.detach().double().mean() if isinstance(value, torch.Tensor) else float(value)
     return values

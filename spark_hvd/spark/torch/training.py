@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from spark_hvd.spark.torch.batches import (LossFunction, feature_tensors, label_tensors, metric_values,
+from spark_hvd.spark.torch.batches import (LossFunction, feature_tensors, label_tensors, metric_tensors, metric_values,
                                            model_dtype, transform_outputs, weight_tensor)
 from spark_hvd.spark.torch.callbacks import TrainingState, call_hook
 from spark_hvd.spark.torch.progress import ProgressReporter
@@ -262,30 +262,34 @@ class _Trainer:
         spec = self.spec
         self.model.train()
         partial = partial or {}
-        loss_sum = torch.tensor(float(partial.get("loss", 0.0)), dtype=torch.float64)
-        metric_sums: Dict[str, float] = {name: float(partial.get(name, 0.0)) for name in spec.metric_names}
+        # Running sums stay on the model's device: no synchronization per step (a GPU keeps its
+        # queue full); they become floats when progress is reported and at the end of the epoch.
+        loss_sum = torch.tensor(float(partial.get("loss", 0.0)), dtype=torch.float64, device=self.device)
+        metric_sums: Dict[str, Any] = {name: float(partial.get(name, 0.0)) for name in spec.metric_names}
         steps = int(partial.get("steps", 0))
         for step, batch in enumerate(reader.iter_epoch(epoch)):
             if step < start_batch:
                 continue  # trained before the checkpoint this run resumed from; the order is seeded
             inputs, labels, weights = self._tensors(batch)
             outs, labs, loss = self._train_step(step, inputs, labels, weights)
-            batch_loss = loss.detach().double().cpu()
+            batch_loss = loss.detach()
             loss_sum += batch_loss
             steps += 1
             if spec.metrics:
                 with torch.no_grad():
-                    for name, value in metric_values(spec.metrics, spec.metric_names, outs, labs).items():
-                        metric_sums[name] += value
+                    for name, value in metric_tensors(spec.metrics, spec.metric_names, outs, labs).items():
+                        metric_sums[name] = metric_sums[name] + value
             if spec.callbacks:
                 call_hook(spec.callbacks, "on_batch_end", step, {"loss": float(batch_loss)}, self.state)
-            self.reporter.step(epoch, step + 1, float(loss_sum) / steps, force=step + 1 == reader.steps_per_epoch)
+            last = step + 1 == reader.steps_per_epoch
+            if self.reporter.due(last):
+                self.reporter.step(epoch, step + 1, float(loss_sum) / steps, force=last)
             if self._mid_epoch_checkpoint_due(step, reader.steps_per_epoch):
-                sums = {"loss": float(loss_sum), **metric_sums, "steps": float(steps)}
+                sums = {"loss": float(loss_sum), **{k: float(v) for k, v in metric_sums.items()}, "steps": float(steps)}
                 self._checkpoint(epoch, batch=step + 1, partial=self._average(sums, f"{epoch}.{step}"))
         steps = max(steps, 1)
         logs = {"loss": float(loss_sum) / steps}
-        logs.update({name: total / steps for name, total in metric_sums.items()})
+        logs.update({name: float(total) / steps for name, total in metric_sums.items()})
         return logs
 
     def _validate(self, epoch: int, reader: Any) -> Dict[str, float]:
