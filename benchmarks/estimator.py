@@ -40,6 +40,7 @@ TRANSFORM_SPEEDUP_TARGET = 100.0
 HOROVOD_FIT_S = 80.0
 FEATURES = 16
 FRAMEWORKS = ("torch", "keras")
+STEP_RATIO_TARGET = 1.25
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--transform-rows", type=int, default=200_000, help="rows for transform()")
     parser.add_argument("--baseline-rows", type=int, default=20_000, help="rows for the row-by-row baseline")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where the results go")
+    parser.add_argument("--step-rows", type=int, default=200_000,
+                        help="rows for the per-step comparison of TorchEstimator with the bare training loop "
+                             "(0 skips it)")
+    parser.add_argument("--step-batch", type=int, default=32, help="batch size of the per-step comparison")
     parser.add_argument("--frameworks", nargs="+", choices=FRAMEWORKS, default=list(FRAMEWORKS),
                         help="estimators to time (torch is always timed: the baseline compares against it)")
     return parser
@@ -72,11 +77,11 @@ def make_keras_model() -> Any:
                              keras.layers.Dense(64, activation="relu"), keras.layers.Dense(1)])
 
 
-def make_estimator(framework: str, args: argparse.Namespace, store_dir: str, run_id: str) -> Any:
+def make_estimator(framework: str, args: argparse.Namespace, store_dir: str, run_id: str, batch_size: int = 32) -> Any:
     """A TorchEstimator or KerasEstimator of the benchmark's MLP with the same settings."""
     from spark_hvd.spark import Store
 
-    common = dict(num_proc=2, feature_cols=["features"], label_cols=["label"], batch_size=32, epochs=args.epochs,
+    common = dict(num_proc=2, feature_cols=["features"], label_cols=["label"], batch_size=batch_size, epochs=args.epochs,
                   store=Store.create(store_dir), run_id=run_id, verbose=0)
     if framework == "keras":
         import keras
@@ -123,6 +128,76 @@ def time_fits(spark: Any, args: argparse.Namespace, store_dir: str, framework: s
         print(f"{framework} fit {i + 1}/{args.fits}: {total:.1f} s ({', '.join(f'{p} {row[p]:.2f}' for p in PHASES)})",
               flush=True)
     return results
+
+
+def _bare_loop(steps: int, batch: int, seed: int) -> float:
+    """One rank of the bare loop: the benchmark's MLP and optimizer under DistributedOptimizer,
+    stepping through batches sliced from tensors built beforehand; seconds per step."""
+    import torch
+
+    import spark_hvd.torch as hvd
+
+    hvd.init()
+    try:
+        torch.set_num_threads(1)
+        model = make_model()
+        optimizer = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3 * hvd.size()),
+                                             named_parameters=model.named_parameters())
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        loss_fn = torch.nn.BCEWithLogitsLoss()
+        generator = torch.Generator().manual_seed(seed + hvd.rank())
+        x = torch.randn(steps * batch, FEATURES, generator=generator)
+        y = (x[:, :1] - x[:, 1:2] > 0).float()
+        warmup = min(50, steps // 10)
+        for i in range(steps):
+            if i == warmup:
+                hvd.barrier()
+                started = time.perf_counter()
+            optimizer.zero_grad()
+            loss = loss_fn(model(x[i * batch:(i + 1) * batch]), y[i * batch:(i + 1) * batch])
+            loss.backward()
+            optimizer.step()
+        return (time.perf_counter() - started) / (steps - warmup)
+    finally:
+        hvd.shutdown()
+
+
+def time_steps(spark: Any, args: argparse.Namespace, store_dir: str) -> Dict[str, Any]:
+    """TorchEstimator's training time per step (from its history: the epoch's rows per second)
+    next to the bare loop's at the same batch and num_proc, on the same MLP."""
+    from spark_hvd.runner import run
+
+    batch, num_proc = args.step_batch, 2
+    df = make_frame(spark, args.step_rows, seed=100).cache()
+    df.count()
+    step_args = argparse.Namespace(**{**vars(args), "epochs": 2})
+    est = make_estimator("torch", step_args, store_dir, run_id=f"bench-steps-{int(time.time())}", batch_size=batch)
+    fitted = est.fit(df)
+    df.unpersist()
+    last = fitted.history[-1]  # the second epoch: readers and engine warm
+    estimator_s = batch * num_proc / last["rows_per_s"]
+    steps = max(200, args.step_rows // (batch * num_proc))
+    bare = run(_bare_loop, args=(steps, batch, 0), np=num_proc)
+    bare_s = max(bare)
+    result = {"rows": args.step_rows, "batch": batch, "num_proc": num_proc, "estimator_step_s": estimator_s,
+              "bare_step_s": bare_s, "ratio": estimator_s / bare_s, "estimator_rows_per_s": last["rows_per_s"],
+              "bare_rows_per_s": batch * num_proc / bare_s}
+    print(f"per step at batch {batch}, num_proc={num_proc}: TorchEstimator {estimator_s * 1e3:.3f} ms, "
+          f"bare loop {bare_s * 1e3:.3f} ms ({result['ratio']:.2f}x)", flush=True)
+    return result
+
+
+def print_step_table(steps: Dict[str, Any]) -> None:
+    print()
+    print(f"training step of the {FEATURES}-feature MLP, batch {steps['batch']} per rank, num_proc={steps['num_proc']}")
+    print(f"| {'loop':<52} | {'ms/step':>8} | {'rows/s':>11} |")
+    print(f"|{'-' * 54}|{'-' * 10}|{'-' * 13}|")
+    print(f"| {'TorchEstimator.fit (Parquet reader, epoch 2 of 2)':<52} | {steps['estimator_step_s'] * 1e3:>8.3f} | "
+          f"{steps['estimator_rows_per_s']:>11,.0f} |")
+    print(f"| {'bare loop (tensors in memory, DistributedOptimizer)':<52} | {steps['bare_step_s'] * 1e3:>8.3f} | "
+          f"{steps['bare_rows_per_s']:>11,.0f} |")
+    verdict = "meets" if steps["ratio"] <= STEP_RATIO_TARGET else "MISSES"
+    print(f"estimator/bare {steps['ratio']:.2f}x {verdict} the target of <= {STEP_RATIO_TARGET}x")
 
 
 def row_by_row(model_bytes: bytes, rows: Iterator[Any]) -> Iterator[Any]:
@@ -261,6 +336,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="spark-hvd-bench-") as store_dir:
             fits = time_fits(spark, args, store_dir)
+            steps = time_steps(spark, args, store_dir) if args.step_rows > 0 else None
             if "keras" in args.frameworks:
                 keras_fits = time_fits(spark, args, store_dir, "keras")
         transform = time_transform(spark, args)
@@ -272,6 +348,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         spark.stop()
     print_tables(fits, transform, args.rows, keras_result)
+    if steps is not None:
+        print_step_table(steps)
     warm = fits[1:] or fits
     result = {
         "benchmark": "estimator",
@@ -284,9 +362,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         "fits": fits,
         "fit_warm_median": {k: statistics.median(r[k] for r in warm) for k in fits[0]},
         "transform": transform,
+        "steps": steps,
         "keras": keras_result,
         "targets": {"fit_overhead_s": FIT_OVERHEAD_TARGET_S, "transform_speedup": TRANSFORM_SPEEDUP_TARGET,
-                    "horovod_fit_s": HOROVOD_FIT_S},
+                    "horovod_fit_s": HOROVOD_FIT_S, "estimator_step_ratio": STEP_RATIO_TARGET},
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1))
