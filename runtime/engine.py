@@ -65,7 +65,12 @@ while more keep arriving, for at most _COALESCE_MAX: a caller submitting a burst
 of a backward pass) keeps the GIL and announces them in one message instead of trading the GIL
 with this thread once per request; a caller that starts waiting in the meantime drives them
 itself. Horovod's background thread waits a cycle time (1 ms) the same way."""
-_PARKED = 0.02
+_DEFER = 0.001
+"""An asynchronous request wakes the engine thread only once requests have been queued unannounced
+this long (seconds): a burst shorter than that (a small model's gradients) is announced by the
+caller that waits for it next, with no thread hand-off at all; a longer one (a large model's
+backward pass) is announced in pieces while it runs, so communication overlaps computation."""
+_PARKED = 0.005
 """How often a parked engine thread (nothing of its own to wait for, or a caller driving) reads the
 control links anyway: aborts and goodbyes of other ranks, and frames that must not pile up."""
 
@@ -99,6 +104,7 @@ class Engine(Executor):
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._wake_pending = False
+        self._queued_since = 0.0  # when the oldest request still in _queue was queued
         self._progress = threading.Lock()  # held by whoever runs a cycle: engine thread or a waiting caller
         self._in_cycle = False
         # True while a waiting caller holds _progress: it reads the links itself, and the engine
@@ -110,6 +116,7 @@ class Engine(Executor):
         self._spin_budget = _CALLER_SPIN if world.local_size <= _usable_cpus() else 0.0
         self.process_sets: Dict[int, Tuple[int, ...]] = {0: tuple(range(self.size))}
         world.transport.check = self._check_while_waiting
+        world.transport.poll_seconds = _CALLER_SPIN if self._spin_budget else 0.0
         if world.data is not None:
             self.data: DataPlane = world.data  # a backend of its own (MPI)
         else:
@@ -187,8 +194,16 @@ class Engine(Executor):
                 except CollectiveError as exc:
                     self._abort(exc)
             return
-        self._queue.extend(entries)
-        if not will_wait:
+        queue = self._queue
+        if not queue:
+            self._queued_since = now
+        queue.extend(entries)
+        if not will_wait and now - self._queued_since >= _DEFER:
+            self._wake()
+
+    def nudge(self) -> None:
+        """Someone polls a handle instead of waiting for it: have queued requests announced now."""
+        if self._queue and self._thread is not None:
             self._wake()
 
     def _complete(self, entry: Entry, value: Any) -> None:
@@ -323,7 +338,7 @@ class Engine(Executor):
                 if now < spin_until or self._queue:
                     continue
                 wait = self._idle_timeout()
-                wait = _PARKED * 50 if wait is None else wait  # look at the stop flag now and then
+                wait = 1.0 if wait is None else wait  # look at the stop flag now and then
                 if deadline is not None:
                     wait = min(wait, deadline - now)
                 self._wait_for_work(parked=False, timeout=wait)
@@ -564,9 +579,16 @@ class Engine(Executor):
         return False
 
     def _send(self, peer: int, frame: bytes) -> None:
+        link = self._links[peer]
         try:
-            self._links[peer].send(frame)
+            link.send(frame)
         except OSError as exc:
+            # A peer that said goodbye and closed its end in the moment since the links were last
+            # read has shut down cleanly: it needs nothing more (its goodbye is handled as usual).
+            link.pump()
+            if peer in self._left or any(f[:1] == BYE for f in link.frames):
+                self._left.setdefault(peer, "shut down")
+                return
             raise CollectiveError(f"rank {peer} was lost: sending to it failed ({exc})", lost_rank=peer) from None
 
     # -- failure ----------------------------------------------------------------------------------

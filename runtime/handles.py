@@ -35,6 +35,8 @@ class Handle:
         self._single = single
 
     def done(self) -> bool:
+        if not self._done and self._engine is not None:
+            self._engine.nudge()
         return self._done
 
     def _finish(self) -> None:

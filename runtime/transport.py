@@ -207,6 +207,10 @@ class Transport:
         self.size = size
         self.channels = channels
         self.check = check
+        self.poll_seconds = 0.0
+        """How long a wait polls without yielding before it yields and naps; the engine sets it when
+        every local rank has a core of its own (a peer a few tens of microseconds late then costs
+        no nap, which the sleep's granularity would stretch to a hundred)."""
 
     # -- primitives used by the algorithms -------------------------------------------------------
     def isend(self, peer: int, buf: memoryview) -> Op:
@@ -231,11 +235,12 @@ class Transport:
         self.wait([send, recv])
 
     def wait(self, ops: Sequence[Op]) -> None:
-        """Drive ``ops`` to completion: spin briefly, then yield, then sleep or select."""
+        """Drive ``ops`` to completion: poll for ``poll_seconds``, then yield a while, then sleep
+        (shared memory, in naps that grow to 1 ms) or select (sockets)."""
         pending: List[Op] = [op for op in ops if not op.done]
         idle = 0
         progressed = False
-        last_check = last_moved = time.monotonic()
+        last_check = last_moved = idle_since = time.monotonic()
         while pending:
             moved = False
             for op in pending:
@@ -248,14 +253,19 @@ class Transport:
                 idle = 0
                 progressed = True
                 continue
-            idle += 1
             now = time.monotonic()
+            if idle == 0:
+                idle_since = now
             if now - last_check > 0.02:
                 last_check = now
                 if progressed:  # to within one check interval, which is all a stall clock needs
                     last_moved, progressed = now, False
                 if self.check is not None:
                     self.check([op.peer for op in pending], now - last_moved)
+            if now - idle_since < self.poll_seconds:
+                idle = max(idle, 1)
+                continue
+            idle += 1
             if idle < 50:
                 os.sched_yield()
                 continue

@@ -294,8 +294,29 @@ def duplicate_names(rt, rank: int, size: int) -> None:
     assert again.tolist() == [float(size)] * 3
 
 
+def unwaited_async_is_announced(rt, rank: int, size: int) -> None:
+    """A rank that submits an asynchronous allreduce and then does other work, neither waiting for
+    it nor polling it, still has it announced (its engine thread looks at the queue every few
+    milliseconds): the ranks blocked on that allreduce finish long before the busy rank comes back.
+    Tried with the coordinator (rank 0) and with the last rank as the busy one."""
+    for busy in sorted({0, size - 1}):
+        name = f"unwaited.{busy}"
+        buf = np.full(3, float(rank + 1))
+        if rank == busy:
+            handle = rt.allreduce_async(buf, op=rt.Sum, name=name)
+            time.sleep(0.6)
+            result = rt.synchronize(handle)
+        else:
+            start = time.perf_counter()
+            result = rt.allreduce(buf, op=rt.Sum, name=name)
+            waited = time.perf_counter() - start
+            assert waited < 0.4, f"rank {rank} waited {waited:.3f} s for rank {busy}'s unwaited request"
+        assert result.tolist() == [float(size * (size + 1) // 2)] * 3
+        rt.barrier()
+
+
 ALL = [
     allreduce_matrix, scaled_allreduce, allgather_cases, broadcast_cases, alltoall_cases, reducescatter_cases,
     grouped_and_async_cases, object_cases, barrier_and_process_sets, join_cases, storage_views_and_counters,
-    polled_async_rounds, duplicate_names,
+    polled_async_rounds, duplicate_names, unwaited_async_is_announced,
 ]
