@@ -302,7 +302,8 @@ def check_bucket_cap_mb(hvd, rank, size):
         seen = {}
 
         def during_backward():
-            pending = opt._handles.get((last.bias, last.weight))
+            pending = next((v for k, v in opt._handles.items() if isinstance(k, tuple) and len(k) == 2
+                            and k[0] is last.bias and k[1] is last.weight), None)
             seen["started"] = pending is not None and pending[0] is not None
             seen["first_pending"] = any(t is first.weight for key in opt._handles if isinstance(key, tuple) for t in key)
 
