@@ -174,7 +174,7 @@ def time_steps(spark: Any, args: argparse.Namespace, store_dir: str) -> Dict[str
     est = make_estimator("torch", step_args, store_dir, run_id=f"bench-steps-{int(time.time())}", batch_size=batch)
     fitted = est.fit(df)
     df.unpersist()
-    last = fitted.history[-1]  # the second epoch: readers and engine warm
+    last = fitted.getHistory()[-1]  # the second epoch: readers and engine warm
     estimator_s = batch * num_proc / last["rows_per_s"]
     steps = max(200, args.step_rows // (batch * num_proc))
     bare = run(_bare_loop, args=(steps, batch, 0), np=num_proc)

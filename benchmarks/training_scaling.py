@@ -10,7 +10,7 @@ Models train on synthetic data with one torch thread per rank: two compute-bound
 16-64-64-2, 5.4 thousand parameters) at batches 32, 128 and 512, where per-step communication
 overhead decides whether two ranks beat one; and a deep residual MLP with 162 parameter tensors
 (40 blocks of Linear(128, 128) + LayerNorm, 0.7 million parameters, batch 64), where the number
-of requests per step counts. ``spark-hvd-buckets`` is spark-hvd with ``bucket_cap_mb=25``. Every configuration runs as fresh processes:
+of requests per step counts. ``spark-hvd-buckets`` is spark-hvd with ``bucket_cap_mb=25`` (``--bucket-mb``). Every configuration runs as fresh processes:
 spark-hvd ranks through ``spark_hvd.runner.run``, DDP ranks as ``torch.distributed`` gloo
 processes on 127.0.0.1, and plain single-process torch as the common baseline. After warm-up,
 every rank times the same number of steps between two barriers.
@@ -212,7 +212,9 @@ def _launch(framework: str, config: Dict[str, Any], np: int, timeout: float) -> 
     """One run: samples/s over the slowest rank's wall time, and CPU ms per sample per rank."""
     config = dict(config, framework=framework)
     if framework == "spark-hvd-buckets":
-        config["bucket_cap_mb"] = 25
+        config["bucket_cap_mb"] = config.pop("bucket_mb")
+    else:
+        config.pop("bucket_mb", None)
     if framework.startswith("spark-hvd"):
         from spark_hvd.runner import run
 
@@ -253,6 +255,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="rows per rank per step for a model, e.g. mlp=128 or tabular=32,512 (default: mlp=64, "
                              "cnn=32, tabular=32,128,512, deep=64)")
     parser.add_argument("--pin", action="store_true", help="pin rank r to the r-th allowed CPU")
+    parser.add_argument("--bucket-mb", type=float, default=25.0,
+                        help="bucket_cap_mb of the spark-hvd-buckets framework (default 25, torch DDP's)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one run may take")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the raw results")
     parser.add_argument("--rank-process", nargs=3, metavar=("CONFIG", "RANK", "OUT"), help=argparse.SUPPRESS)
@@ -290,7 +294,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for repeat in range(args.repeats):
         for model, batch in cases:
             config = {"model": model, "batch": batch, "steps": args.steps, "warmup": args.warmup,
-                      "pin": args.pin}
+                      "pin": args.pin, "bucket_mb": args.bucket_mb}
             for framework, np in runs:
                 key = f"{model}@{batch}/{framework}/np{np}"
                 result = _launch(framework, config, np, args.timeout)
