@@ -36,7 +36,7 @@ class ProgressReporter:
         self.steps = steps
         self.interval_s = interval_s
         self._out = out
-        self._last_step = 0.0
+        self._last_step = float("-inf")  # the first step is always due
 
     def _emit(self, event: Dict[str, Any]) -> None:
         out = self._out if self._out is not None else sys.stdout

@@ -198,6 +198,19 @@ def test_metric_names_are_unique_and_per_label():
 # -- progress ----------------------------------------------------------------------------------
 
 
+def test_progress_is_due_once_per_interval_and_always_when_forced():
+    """The training loop asks due() before computing a step's values: only rank 0 with steps on,
+    at most once per interval, and always for a forced (last) step."""
+    out = io.StringIO()
+    reporter = ProgressReporter(True, steps=True, interval_s=60.0, out=out)
+    assert reporter.due()  # nothing reported yet
+    reporter.step(0, 1, 0.5)
+    assert not reporter.due() and reporter.due(force=True)
+    assert not ProgressReporter(False, steps=True, interval_s=0.0).due(force=True)
+    assert not ProgressReporter(True, steps=False, interval_s=0.0).due(force=True)
+    assert out.getvalue().count('"event": "step"') == 1
+
+
 def test_progress_lines_become_epoch_lines_on_the_driver():
     """Rank 0's progress events print one line per epoch; other rank output passes through."""
     rank_out = io.StringIO()
