@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import signal
+import time
 
 import numpy as np
 import torch
@@ -43,6 +44,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--kill-worker", default=None, help="worker id (e.g. w1) that kills itself")
     parser.add_argument("--kill-at", default="1:3", help="EPOCH:BATCH at which --kill-worker dies")
+    parser.add_argument("--min-epoch-seconds", type=float, default=0.0,
+                        help="stretch each epoch to at least this long, as a larger model would take "
+                             "(gives workers added mid-training time to start)")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -64,6 +68,7 @@ def main() -> None:
     @hvd.elastic.run
     def train(state: hvd.elastic.TorchState) -> None:
         for state.epoch in range(state.epoch, args.epochs):
+            started = time.monotonic()
             if state.sampler.processed_num == 0:
                 state.sampler.set_epoch(state.epoch)
             for batch_idx, (x, y, ids) in enumerate(loader):
@@ -80,6 +85,9 @@ def main() -> None:
                                                          name="seen").numpy()
                 state.sampler.record_batch(batch_idx, len(ids))
                 state.commit()
+                rest = args.min_epoch_seconds - (time.monotonic() - started)
+                if rest > 0:
+                    time.sleep(rest / max(1, len(loader) - batch_idx))
             if hvd.rank() == 0:
                 print(f"epoch {state.epoch} done in a world of {hvd.size()} workers, last loss {loss.item():.4f}",
                       flush=True)

@@ -57,13 +57,14 @@ def test_a_killed_worker_is_replaced_and_training_ends_as_if_nothing_happened():
 def test_discovered_slots_grow_the_world(tmp_path):
     """Once the first epoch is done, the discovery script offers a third slot: a new worker starts,
     the running ones learn of it at their next commit, and training goes on in a world of three
-    without skipping or repeating a sample."""
+    without skipping or repeating a sample. Epochs last at least 1.5 s, so the rest of the training
+    outlasts the new worker's start even on a busy machine."""
     more = tmp_path / "more"
     script = tmp_path / "discover.sh"
     script.write_text(f"#!/bin/sh\nif [ -e {more} ]; then echo localhost:3; else echo localhost:2; fi\n")
     script.chmod(0o755)
     proc = subprocess.Popen([LAUNCHER, "-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script",
-                             str(script), sys.executable, EXAMPLE, "--epochs", "8"],
+                             str(script), sys.executable, EXAMPLE, "--epochs", "8", "--min-epoch-seconds", "1.5"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = []
