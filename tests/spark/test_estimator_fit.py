@@ -254,6 +254,9 @@ def test_same_run_id_resumes_after_the_last_completed_epoch_and_refuses_a_change
     assert [h["epoch"] for h in restarted.getHistory()] == [1] and restarted.getModel()[0].out_features == 16
 
 
+# Validation splits and sample weights are DataFrame operations and rank code that do not depend
+# on the kind of session; the Connect paths (progress, results, persistence) are tested above.
+@pytest.mark.session_kinds("classic")
 def test_validation_column_and_zero_sample_weights(frame, tmp_path):
     """Rows marked by the validation column are validated on, and weights of zero zero the loss
     (so Adam leaves the weights where they were)."""
@@ -334,6 +337,8 @@ def test_cross_validator_with_a_parameter_grid(frame, tmp_path):
 # -- bad data: counted, named, never silent ------------------------------------------------------
 
 
+# The counts are one DataFrame aggregation, the same on both kinds of session.
+@pytest.mark.session_kinds("classic")
 def test_nan_and_infinite_values_are_refused_naming_columns_and_counts_or_skipped(spark, frame, tmp_path):
     """NaN in an array feature and infinities in the label fail the fit with each column's count;
     invalid_rows='skip' trains on the remaining rows instead."""
@@ -383,6 +388,8 @@ def test_a_label_the_loss_would_broadcast_fails_after_one_probe_batch_before_mat
     assert nothing_materialized(est)
 
 
+# MLflow logging happens on the driver after the fit and does not touch the session.
+@pytest.mark.session_kinds("classic")
 def test_mlflow_gets_params_metrics_with_steps_timings_and_a_scorable_model(spark, frame, tmp_path, monkeypatch):
     """Inside an active MLflow run (a local file store), fit logs the Params, each epoch's metrics
     with the epoch as step, the phase timings, and a model mlflow.pyfunc.load_model scores."""
