@@ -155,14 +155,27 @@ def test_fit_refuses_an_empty_frame(spark, frame, tmp_path):
 # -- fit, transform, save, load ----------------------------------------------------------------
 
 
-def test_fit_trains_reports_progress_and_the_model_transforms_saves_and_loads(spark, frame, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def basic_fit(frame, tmp_path_factory):
+    """Three epochs on two ranks with validation, a metric and epoch lines, under run_id 'basic':
+    the estimator, the model and what the fit printed."""
+    import contextlib
+    import io
+
+    est = make_estimator(tmp_path_factory.mktemp("basic"), epochs=3, validation=0.25, metrics=[accuracy], verbose=1,
+                         run_id="basic")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        model = est.fit(frame)
+    return {"est": est, "model": model, "printed": printed.getvalue()}
+
+
+def test_fit_trains_reports_progress_and_the_model_transforms_saves_and_loads(frame, basic_fit, tmp_path):
     """Two ranks train with live epoch lines; the model adds Spark ML's rawPrediction, probability
     and prediction columns (inferred from BCEWithLogitsLoss) that agree with a local forward pass
     and that BinaryClassificationEvaluator and MulticlassClassificationEvaluator read as they are;
     it predicts the same after save and load; task='none' gives the raw y__output column."""
-    est = make_estimator(tmp_path, epochs=3, validation=0.25, metrics=[accuracy], verbose=1, run_id="basic")
-    model = est.fit(frame)
-    printed = capsys.readouterr().out
+    est, model, printed = basic_fit["est"], basic_fit["model"], basic_fit["printed"]
     for epoch in (1, 2, 3):
         assert f"epoch {epoch}/3: loss " in printed
     assert "val_accuracy" in printed and "rows/s" in printed and "spark-hvd-progress" not in printed
@@ -209,11 +222,26 @@ def test_fit_trains_reports_progress_and_the_model_transforms_saves_and_loads(sp
     np.testing.assert_allclose([r["y__output"] for r in raw], logits, rtol=1e-5, atol=1e-6)
 
 
-def test_same_run_id_resumes_after_the_last_completed_epoch(frame, tmp_path):
-    """A second fit with the run_id continues the epoch count from the checkpoint; a run that is
-    complete is not trained again."""
+def test_same_run_id_resumes_after_the_last_completed_epoch_and_refuses_a_changed_model(frame, tmp_path):
+    """A run_id whose checkpoint trained another architecture or optimizer is refused, naming what
+    changed and the fix; a second fit of the same model continues the epoch count from the
+    checkpoint; a run that is complete is not trained again; overwrite_run=True starts a changed
+    model over."""
     est = make_estimator(tmp_path, run_id="resumable", epochs=1)
     first = est.fit(frame)
+
+    torch.manual_seed(1)
+    wider = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    changed = make_estimator(tmp_path, run_id="resumable", model=wider,
+                             optimizer=torch.optim.Adam(wider.parameters(), lr=0.05))
+    with pytest.raises(ValueError, match=r"run_id='resumable' already holds a checkpoint \(1 epoch\(s\) done\) of a "
+                                         r"different model architecture: .*overwrite_run=True"):
+        changed.fit(frame)
+    same_model = make_estimator(tmp_path, run_id="resumable")
+    same_model.setOptimizer(torch.optim.Adam(same_model.getModel().parameters(), lr=0.5))
+    with pytest.raises(ValueError, match=r"of a different optimizer"):
+        same_model.fit(frame)
+
     second = est.setEpochs(2).fit(frame)
     assert [h["epoch"] for h in second.getHistory()] == [1, 2]
     assert second.getHistory()[0] == first.getHistory()[0]
@@ -222,26 +250,13 @@ def test_same_run_id_resumes_after_the_last_completed_epoch(frame, tmp_path):
     assert third.getHistory() == second.getHistory() and "launch" not in third.fit_timings
     assert torch.equal(third.getModel()[0].weight, second.getModel()[0].weight)
 
-
-def test_a_changed_model_under_an_existing_run_id_is_refused_or_started_over(frame, tmp_path):
-    """A run_id whose checkpoint trained another architecture or optimizer is refused, naming what
-    changed and the fix; overwrite_run=True starts it over."""
-    make_estimator(tmp_path, run_id="rerun").fit(frame)
-    torch.manual_seed(1)
-    wider = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    changed = make_estimator(tmp_path, run_id="rerun", model=wider,
-                             optimizer=torch.optim.Adam(wider.parameters(), lr=0.05))
-    with pytest.raises(ValueError, match=r"run_id='rerun' already holds a checkpoint \(1 epoch\(s\) done\) of a "
-                                         r"different model architecture: .*overwrite_run=True"):
-        changed.fit(frame)
-    same_model = make_estimator(tmp_path, run_id="rerun")
-    same_model.setOptimizer(torch.optim.Adam(same_model.getModel().parameters(), lr=0.5))
-    with pytest.raises(ValueError, match=r"of a different optimizer"):
-        same_model.fit(frame)
     restarted = changed.setOverwriteRun(True).fit(frame)
     assert [h["epoch"] for h in restarted.getHistory()] == [1] and restarted.getModel()[0].out_features == 16
 
 
+# Validation splits and sample weights are DataFrame operations and rank code that do not depend
+# on the kind of session; the Connect paths (progress, results, persistence) are tested above.
+@pytest.mark.session_kinds("classic")
 def test_validation_column_and_zero_sample_weights(frame, tmp_path):
     """Rows marked by the validation column are validated on, and weights of zero zero the loss
     (so Adam leaves the weights where they were)."""
@@ -322,6 +337,8 @@ def test_cross_validator_with_a_parameter_grid(frame, tmp_path):
 # -- bad data: counted, named, never silent ------------------------------------------------------
 
 
+# The counts are one DataFrame aggregation, the same on both kinds of session.
+@pytest.mark.session_kinds("classic")
 def test_nan_and_infinite_values_are_refused_naming_columns_and_counts_or_skipped(spark, frame, tmp_path):
     """NaN in an array feature and infinities in the label fail the fit with each column's count;
     invalid_rows='skip' trains on the remaining rows instead."""
@@ -344,7 +361,7 @@ def test_nan_and_infinite_values_are_refused_naming_columns_and_counts_or_skippe
     assert ROWS - counts["either"] in rows
 
 
-def test_null_vectors_are_named_in_fit_and_in_transform(spark, frame, tmp_path):
+def test_null_vectors_are_named_in_fit_and_in_transform(spark, frame, basic_fit, tmp_path):
     """Rows whose Vector is null: fit says which column and how many; transform fails naming the
     column, without a JVM stack (Spark's own Vector conversion would fail the job from the JVM)."""
     holes = frame.withColumn("features", F.when(F.col("x1") > 1.0, F.lit(None)).otherwise(F.col("features")))
@@ -352,7 +369,7 @@ def test_null_vectors_are_named_in_fit_and_in_transform(spark, frame, tmp_path):
     assert nulls > 0
     with pytest.raises(ValueError, match=rf"column 'features': {nulls} null\): expected a finite number"):
         make_estimator(tmp_path).fit(holes)
-    model = make_estimator(tmp_path).fit(frame)
+    model = basic_fit["model"]
     with pytest.raises(Exception) as info:
         model.transform(holes).collect()
     text = str(info.value)
@@ -371,6 +388,8 @@ def test_a_label_the_loss_would_broadcast_fails_after_one_probe_batch_before_mat
     assert nothing_materialized(est)
 
 
+# MLflow logging happens on the driver after the fit and does not touch the session.
+@pytest.mark.session_kinds("classic")
 def test_mlflow_gets_params_metrics_with_steps_timings_and_a_scorable_model(spark, frame, tmp_path, monkeypatch):
     """Inside an active MLflow run (a local file store), fit logs the Params, each epoch's metrics
     with the epoch as step, the phase timings, and a model mlflow.pyfunc.load_model scores."""

@@ -205,14 +205,41 @@ def test_pipeline_on_digits_fits_evaluates_saves_and_loads(digits, digits_fit, t
     assert isinstance(reloaded.getModel(), keras.Model)
 
 
-def test_the_same_run_id_resumes_after_the_last_completed_epoch(digits, digits_fit):
+class KillRankOnce(keras.callbacks.Callback):
+    """Rank 1 kills its own process (SIGKILL) when epoch ``epoch`` (from 0) begins, once: a marker
+    file keeps the retried stage from doing it again."""
+
+    def __init__(self, marker, epoch):
+        super().__init__()
+        self.marker, self.epoch = str(marker), epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        import spark_hvd.keras as hvd
+
+        if hvd.rank() == 1 and epoch == self.epoch and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_the_same_run_id_resumes_after_the_last_completed_epoch_and_retries_a_killed_rank(digits, digits_fit, tmp_path,
+                                                                                      capsys):
     """A fit with the run_id and epochs=3 trains one more epoch and numbers it 3, its history
-    starting with the first fit's; once complete, a fit returns the run's model without training."""
+    starting with the first fit's; rank 1 dies as that epoch begins: fit reports the retry and
+    resumes after epoch 2, so each epoch is in the history once; cleanup_intermediate removes the
+    materialized data; once complete, a fit returns the run's model without training."""
     est, store = digits_fit["est"], digits["store"]
     history = digits_fit["fitted"].stages[-1].getHistory()
-    resumed = est.copy({est.epochs: 3}).setVerbose(0).fit(digits["train"])
+    marker = tmp_path / "killed"
+    resumed = (est.copy({est.epochs: 3}).setVerbose(1).setCallbacks([KillRankOnce(marker, 2)])
+               .setCleanupIntermediate(True).fit(digits["train"]))
+    printed = capsys.readouterr().out
+    assert marker.exists()
+    assert "retry 1/3 (attempt 2) after the barrier stage failed" in printed, printed[-3000:]
+    assert "resuming from the end of epoch 2" in printed, printed[-3000:]
     assert [h["epoch"] for h in resumed.getHistory()] == [1, 2, 3] and resumed.getHistory()[:2] == history
     assert read_checkpoint(store.read(os.path.join(store.get_run_path("digits"), "checkpoint.keras"))).epoch == 3
+    assert store.list_intermediate() == []
+
     complete = est.copy({est.epochs: 3}).setVerbose(0).fit(digits["train"])
     assert complete.getHistory() == resumed.getHistory() and "launch" not in complete.fit_timings
     for a, b in zip(complete.getModel().get_weights(), resumed.getModel().get_weights()):
@@ -231,34 +258,3 @@ def test_cross_validator_fits_per_fold_and_picks_the_best(frame, tmp_path):
     assert isinstance(best, KerasModel) and best.getTask() == "binary"
     out = best.transform(frame)
     assert out.count() == ROWS and 0.5 < BinaryClassificationEvaluator(labelCol="y").evaluate(out) <= 1.0
-
-
-class KillRankOnce(keras.callbacks.Callback):
-    """Rank 1 kills its own process (SIGKILL) when epoch ``epoch`` (from 0) begins, once: a marker
-    file keeps the retried stage from doing it again."""
-
-    def __init__(self, marker, epoch):
-        super().__init__()
-        self.marker, self.epoch = str(marker), epoch
-
-    def on_epoch_begin(self, epoch, logs=None):
-        import spark_hvd.keras as hvd
-
-        if hvd.rank() == 1 and epoch == self.epoch and not os.path.exists(self.marker):
-            open(self.marker, "w").close()
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-def test_a_killed_rank_is_retried_from_the_last_epoch_checkpoint(frame, tmp_path, capsys):
-    """Rank 1 dies as epoch 2 begins: fit reports the retry, resumes after epoch 1, and returns a
-    model whose history has each epoch once; cleanup_intermediate removes the materialized data."""
-    marker = tmp_path / "killed"
-    est = make_estimator(tmp_path, epochs=2, verbose=1, run_id="killed", callbacks=[KillRankOnce(marker, 1)],
-                         cleanup_intermediate=True)
-    model = est.fit(frame)
-    printed = capsys.readouterr().out
-    assert marker.exists()
-    assert "retry 1/3 (attempt 2) after the barrier stage failed" in printed, printed[-3000:]
-    assert "resuming from the end of epoch 1" in printed, printed[-3000:]
-    assert [h["epoch"] for h in model.getHistory()] == [1, 2]
-    assert est.getStore().list_intermediate() == []

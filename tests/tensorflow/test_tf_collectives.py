@@ -1,10 +1,10 @@
 """The collective grid of spark_hvd.tensorflow at world sizes 1, 2 and 3, eagerly and inside tf.function,
-with gradients; one launched world per size."""
+with gradients; one launched world per size, shared with test_tf_training (conftest.py)."""
 
 import numpy as np
 import pytest
 
-from tf_world import SIZES, assert_passed, close, launch
+from tf_world import assert_passed, close
 
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"]
 LENGTHS = [0, 1, 7]
@@ -319,11 +319,6 @@ CHECKS = [
     check_unreducible_dtype_named,
     check_join_and_objects,
 ]
-
-
-@pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"np{n}")
-def world(request):
-    return launch(CHECKS, request.param)
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)

@@ -1,6 +1,6 @@
 """Training with spark_hvd.tensorflow and spark_hvd.keras (tensorflow backend) at sizes 1, 2 and 3:
 DistributedGradientTape and Keras model.fit against single-process training, accumulation,
-callbacks, load_model, XLA refusal; one launched world per size."""
+callbacks, load_model, XLA refusal; one launched world per size, shared with test_tf_collectives (conftest.py)."""
 
 import numpy as np
 import pytest
@@ -12,7 +12,7 @@ from keras_checks import (
     check_fit_matches_single_process,
     check_keras_values_and_state,
 )
-from tf_world import SIZES, assert_passed, close, launch
+from tf_world import assert_passed, close
 
 
 def check_gradient_tape_matches_single_process(hvd, rank, size):
@@ -136,11 +136,6 @@ CHECKS = [
     check_xla_is_refused_with_the_fix,
     check_elastic_tensorflow_state,
 ]
-
-
-@pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"np{n}")
-def world(request):
-    return launch(CHECKS, request.param)
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)

@@ -7,7 +7,7 @@ simple functions of rank and size.
 import pytest
 import torch
 
-from torch_world import SIZES, assert_passed, close, launch
+from torch_world import assert_passed, close
 
 
 def _mean_weight(size):
@@ -115,12 +115,6 @@ def check_reducescatter_gradient(hvd, rank, size):
 ALL = [check_allreduce_gradient, check_allreduce_fp16_gradient, check_grouped_allreduce_gradient,
        check_allgather_gradient, check_grouped_allgather_gradient, check_broadcast_gradient,
        check_alltoall_gradient, check_reducescatter_gradient]
-
-
-@pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"np{n}")
-def world(request):
-    """One world per size runs every gradient check."""
-    return launch(ALL, np=request.param)
 
 
 @pytest.mark.parametrize("check", ALL, ids=lambda c: c.__name__[len("check_"):])

@@ -1,9 +1,9 @@
-"""The collective grid of spark_hvd.torch at world sizes 1, 2 and 3, one launched world per size."""
+"""The collective grid of spark_hvd.torch at world sizes 1, 2 and 3, in the launched world per size that every check module shares (conftest.py)."""
 
 import pytest
 import torch
 
-from torch_world import SIZES, assert_passed, close, launch, tolerance
+from torch_world import assert_passed, close, tolerance
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32,
           torch.int64, torch.uint8, torch.bool]
@@ -379,12 +379,6 @@ ALL = [check_topology, check_timeline, check_allreduce_every_dtype_and_op, check
        check_alltoall, check_reducescatter, check_reducescatter_refuses_scalars, check_sparse_allreduce_async,
        check_other_dtypes_move, check_adasum_and_bool_average_refused,
        check_shape_mismatch_fails_every_rank, check_names_are_per_kind, check_barrier_poll_handles]
-
-
-@pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"np{n}")
-def world(request):
-    """One world per size runs every check of this module."""
-    return launch(ALL, np=request.param)
 
 
 @pytest.mark.parametrize("check", ALL, ids=lambda c: c.__name__[len("check_"):])

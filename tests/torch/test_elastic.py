@@ -5,7 +5,7 @@ last commit and forms a new world after a failure."""
 import pytest
 import torch
 
-from torch_world import SIZES, assert_passed, close, launch
+from torch_world import assert_passed, close
 
 
 def check_torch_state_commits_restores_and_syncs(hvd, rank, size):
@@ -82,12 +82,6 @@ def check_run_restores_the_last_commit_after_a_failure(hvd, rank, size):
 
 ALL = [check_torch_state_commits_restores_and_syncs, check_sampler_deals_the_rest_of_an_epoch_to_a_new_world,
        check_run_restores_the_last_commit_after_a_failure]
-
-
-@pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"np{n}")
-def world(request):
-    """One world per size runs every elastic check."""
-    return launch(ALL, np=request.param)
 
 
 @pytest.mark.parametrize("check", ALL, ids=lambda c: c.__name__[len("check_"):])

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torch_world import SIZES, assert_passed, close, launch
+from torch_world import assert_passed, close
 
 
 def _model():
@@ -82,12 +82,6 @@ def check_joined_rank_contributes_zeros(hvd, rank, size):
 
 
 ALL = [check_join_with_uneven_batches, check_joined_rank_contributes_zeros]
-
-
-@pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"np{n}")
-def world(request):
-    """One world per size runs every join check."""
-    return launch(ALL, np=request.param)
 
 
 @pytest.mark.parametrize("check", ALL, ids=lambda c: c.__name__[len("check_"):])

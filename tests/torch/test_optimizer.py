@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torch_world import SIZES, assert_passed, close, launch
+from torch_world import assert_passed, close, launch
 
 BATCH = 4  # rows per rank per micro-batch
 
@@ -404,12 +404,6 @@ ALL = [check_matches_single_process_training, check_backward_passes_per_step, ch
        check_zero_grad_between_backward_and_step, check_groups_and_predivide, check_bucket_cap_mb,
        check_wrapping_keeps_optimizer_identity,
        check_sparse_gradients, check_argument_errors]
-
-
-@pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"np{n}")
-def world(request):
-    """One world per size runs every optimizer check."""
-    return launch(ALL, np=request.param)
 
 
 @pytest.mark.parametrize("check", ALL, ids=lambda c: c.__name__[len("check_"):])

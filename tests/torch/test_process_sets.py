@@ -4,7 +4,7 @@ DistributedOptimizer accept ``process_set=`` and involve only its members."""
 import pytest
 import torch
 
-from torch_world import SIZES, assert_passed, close, launch
+from torch_world import assert_passed, close
 
 
 def _members(size):
@@ -113,12 +113,6 @@ def check_distributed_optimizer_outside_its_set_trains_alone(hvd, rank, size):
 
 ALL = [check_init_registers_process_sets, check_collectives_within_a_set, check_autograd_within_a_set,
        check_distributed_optimizer_within_a_set, check_distributed_optimizer_outside_its_set_trains_alone]
-
-
-@pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"np{n}")
-def world(request):
-    """One world per size runs every process-set check."""
-    return launch(ALL, np=request.param)
 
 
 @pytest.mark.parametrize("check", ALL, ids=lambda c: c.__name__[len("check_"):])

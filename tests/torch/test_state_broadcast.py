@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torch_world import SIZES, assert_passed, close, launch
+from torch_world import assert_passed, close
 
 
 def _model(seed):
@@ -255,12 +255,6 @@ ALL = [check_broadcast_parameters_forms, check_optimizer_state_round_trip, check
        check_optimizer_state_root_loaded_others_fresh, check_optimizer_options_of_every_group,
        check_optimizer_state_sparse_model, check_optimizer_state_with_distributed_optimizer,
        check_broadcast_object_any_types]
-
-
-@pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"np{n}")
-def world(request):
-    """One world per size runs every check of this module."""
-    return launch(ALL, np=request.param)
 
 
 @pytest.mark.parametrize("check", ALL, ids=lambda c: c.__name__[len("check_"):])

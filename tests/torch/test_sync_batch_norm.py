@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from torch_world import SIZES, assert_passed, close, launch
+from torch_world import assert_passed, close
 
 
 def _union_batch(size, shape_tail):
@@ -84,12 +84,6 @@ def check_convert_and_float32(hvd, rank, size):
 
 
 ALL = [check_matches_batch_norm_on_union, check_convert_and_float32]
-
-
-@pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"np{n}")
-def world(request):
-    """One world per size runs every SyncBatchNorm check."""
-    return launch(ALL, np=request.param)
 
 
 @pytest.mark.parametrize("check", ALL, ids=lambda c: c.__name__[len("check_"):])
