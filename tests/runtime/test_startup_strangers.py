@@ -74,7 +74,9 @@ def _start_with_strangers(per_listener):
         # Rank 0 listens before it waits for us at the rendezvous: occupy its sockets first.
         deadline = time.monotonic() + 30
         addresses = []
-        while time.monotonic() < deadline and not (addresses and any(isinstance(a, tuple) for a in addresses)):
+        # Both kinds: the TCP listener and the unix control socket are opened one after the other.
+        while time.monotonic() < deadline and not (any(isinstance(a, tuple) for a in addresses)
+                                                   and any(isinstance(a, str) for a in addresses)):
             addresses = [a for pid in _rank0_pids(read_setting("secret")) for a in _listening(pid)]
             time.sleep(0.02)
         assert addresses, "rank 0's listening sockets were not found"
