@@ -1,6 +1,7 @@
 """``DistributedOptimizer``: gradients averaged over all ranks, communicated while backward runs.
 
-Each gradient's allreduce starts from a hook the moment backward has produced it, so
+Gradients are reduced in buckets (torch DDP's ``bucket_cap_mb``): a hook counts each gradient
+backward produces, and a bucket's allreduce starts the moment its last gradient is ready, so
 communication overlaps the rest of backward; ``step()`` waits for them.
 """
 
@@ -33,12 +34,17 @@ _ZERO_GRAD_RACE = (
 
 log = logging.getLogger("spark_hvd.torch")
 
-BUCKET_CANDIDATES: Tuple[Optional[float], ...] = (None, 1.0, 4.0, 25.0)
-"""Bucket sizes (MiB; None: one request per gradient) autotune tries when no bucket size was given."""
+DEFAULT_BUCKET_CAP_MB = 25.0
+"""Bucket size (MiB) when none is given: torch DDP's. Measured on CPU ranks (see the README), it
+trains a small tabular model, a CNN and a model with 162 parameter tensors faster than one request
+per gradient, and a model of large layers as fast."""
+
+BUCKET_CANDIDATES: Tuple[float, ...] = (0.0, 1.0, 4.0, 25.0)
+"""Bucket sizes (MiB; 0: one request per gradient) autotune tries when no bucket size was given."""
 
 # A pending reduction: the handle (None while gradients still accumulate locally) and the
 # compression context(s) needed to unpack its result.
-_Pending = Tuple[Optional[Handle], Any]
+_Pending = Tuple[Union[Handle, "_Parts", None], Any]
 
 
 def _named(optimizer: torch.optim.Optimizer,
@@ -102,6 +108,38 @@ class _Group(tuple):
         return self is not other
 
 
+_ELEMENTWISE = (Compression.none, Compression.fp16)
+
+
+class _Flat:
+    """A group reduced as one flat buffer: the compression context and each gradient's length."""
+
+    __slots__ = ("compression", "sizes")
+
+    def __init__(self, compression: Any, sizes: List[int]) -> None:
+        self.compression = compression
+        self.sizes = sizes
+
+
+class _Parts:
+    """A group reduced in several requests (gradients of several dtypes, or sparse ones): each
+    part's key (a parameter or a tuple of them) and pending reduction. Stands in for the handle."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: List[Tuple[Any, Any]]) -> None:
+        self.parts = parts
+
+
+def _copy_all(targets: List[torch.Tensor], sources: List[torch.Tensor]) -> None:
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None:
+        foreach(targets, sources)
+        return
+    for target, source in zip(targets, sources):
+        target.copy_(source)
+
+
 def _bucket_tuner() -> Optional[_BucketTuner]:
     """A bucket-size search when the runtime autotunes (``HOROVOD_AUTOTUNE``), else None."""
     from spark_hvd.runtime.api import runtime_config
@@ -142,9 +180,9 @@ class _BucketTuner:
     def __init__(self, warmup_steps: int, steps_per_sample: int) -> None:
         self.warmup_steps = warmup_steps
         self.steps_per_sample = steps_per_sample
-        self.plan: List[Optional[float]] = list(BUCKET_CANDIDATES)
-        self.trials: List[Tuple[Optional[float], float]] = []
-        self.current: Optional[float] = None
+        self.plan: List[float] = list(BUCKET_CANDIDATES)
+        self.trials: List[Tuple[float, float]] = []
+        self.current = DEFAULT_BUCKET_CAP_MB
         self.steps = 0
         self.in_sample = -1  # warming up
         self.mark = 0.0
@@ -176,27 +214,29 @@ class _DistributedOptimizer:
         self._group_ready: Dict[Tuple[torch.Tensor, ...], int] = {}
         self._hook_handles: List[Any] = []
         self._trainable = trainable
-        if bucket_cap_mb is not None:
-            groups = _buckets(trainable, bucket_cap_mb)
-        self._set_groups(groups, trainable)
         self._bucket_tuner: Optional[_BucketTuner] = None
-        if bucket_cap_mb is None and not groups:
-            self._bucket_tuner = _bucket_tuner()
+        if not groups:
+            # Groups of the user's own are kept as given (Horovod's meaning); otherwise buckets.
+            if bucket_cap_mb is None:
+                self._bucket_tuner = _bucket_tuner()
+            cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
+            groups = _buckets(trainable, cap) if cap > 0 else None
+        self._set_groups(groups, trainable)
         # Hooks always: an elastic world of one may grow, and reductions start in the first
         # backward after that.
         self._register_hooks(trainable)
 
     @property
-    def bucket_trials(self) -> List[Tuple[Optional[float], float]]:
-        """With autotune: each bucket size tried (MiB, None for one request per gradient) and the
+    def bucket_trials(self) -> List[Tuple[float, float]]:
+        """With autotune: each bucket size tried (MiB, 0 for one request per gradient) and the
         slowest rank's seconds per step under it; the fastest is kept once all are tried."""
         return list(self._bucket_tuner.trials) if self._bucket_tuner is not None else []
 
-    def _use_buckets(self, cap_mb: Optional[float]) -> None:
+    def _use_buckets(self, cap_mb: float) -> None:
         """Regroup the gradients (between steps, when nothing is pending)."""
         self._group_of.clear()
         self._group_ready.clear()
-        if cap_mb is not None:
+        if cap_mb > 0:
             self._set_groups(_buckets(self._trainable, cap_mb), self._trainable)
 
     def _tune_buckets(self) -> None:
@@ -332,12 +372,41 @@ class _DistributedOptimizer:
 
     def _start_group(self, group: Tuple[torch.Tensor, ...]) -> _Pending:
         grads = [self._outgoing(p) for p in group]
-        packed = [self._compression.compress(g) for g in grads]
-        sent = [s for s, _ in packed]
-        pre, post = self._scales()
-        handle = enqueue("allreduce", sent, grouped=True, inplace=True, name=self._parameter_names[group[0]],
-                         op=self.op, prescale_factor=pre, postscale_factor=post, process_set=self.process_set)
-        return handle, packed
+        if self._compression not in _ELEMENTWISE:
+            # A compressor of the user's own may depend on each tensor: compress them one by one
+            # and reduce them as one grouped request.
+            packed = [self._compression.compress(g) for g in grads]
+            pre, post = self._scales()
+            handle = enqueue("allreduce", [s for s, _ in packed], grouped=True, inplace=True,
+                             name=self._parameter_names[group[0]], op=self.op, prescale_factor=pre,
+                             postscale_factor=post, process_set=self.process_set)
+            return handle, packed
+        # One request per dtype and device, its gradients copied end to end into one flat buffer
+        # (the runtime would fuse a grouped request's tensors the same way, but each would stay a
+        # request of its own, with its own negotiation and bookkeeping). Sparse gradients, which
+        # backward hands over only at run time, are reduced on their own.
+        parts: List[Tuple[Any, _Pending]] = []
+        dense: Dict[Tuple[torch.dtype, torch.device], List[int]] = {}
+        for i, (p, grad) in enumerate(zip(group, grads)):
+            if grad.is_sparse:
+                parts.append((p, self._start(p)))
+            else:
+                dense.setdefault((grad.dtype, grad.device), []).append(i)
+        for members in dense.values():
+            if len(members) == 1:
+                p = group[members[0]]
+                parts.append((p, self._start(p)))
+                continue
+            flat = torch.cat([grads[i].reshape(-1) for i in members])
+            sent, ctx = self._compression.compress(flat)
+            pre, post = self._scales()
+            handle = enqueue("allreduce", [sent], inplace=True, name=self._parameter_names[group[members[0]]] + ".flat",
+                             op=self.op, prescale_factor=pre, postscale_factor=post, process_set=self.process_set)
+            parts.append((tuple(group[i] for i in members), (handle, _Flat(ctx, [grads[i].numel() for i in members]))))
+        if len(parts) == 1 and isinstance(parts[0][1][1], _Flat):
+            return parts[0][1]  # the whole group in one buffer, in the group's order
+        several = _Parts(parts)
+        return several, several
 
     def _gradient_ready(self, p: torch.Tensor) -> None:
         if not self._communicate:
@@ -369,8 +438,17 @@ class _DistributedOptimizer:
 
     def _finish(self, key: Any, pending: _Pending) -> None:
         handle, ctx = pending
+        if isinstance(ctx, _Parts):
+            for part_key, part in ctx.parts:
+                self._finish(part_key, part)
+            return
         result = handle.wait()
-        if isinstance(key, tuple):
+        if isinstance(ctx, _Flat):
+            reduced = self._compression.decompress(result, ctx.compression).split(ctx.sizes)
+            grads = [p.grad for p in key]
+            with torch.no_grad():
+                _copy_all(grads, [r.view(g.shape) for r, g in zip(reduced, grads)])
+        elif isinstance(key, tuple):
             for p, reduced, (sent, cctx) in zip(key, result, ctx):
                 self._unpack(p, reduced, sent, cctx)
         elif ctx == "sparse":
@@ -465,8 +543,9 @@ def DistributedOptimizer(
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
-    Each parameter's allreduce starts from a hook as soon as backward has accumulated its
-    gradient, overlapping communication with the rest of backward; ``step()`` waits for them.
+    Gradients are averaged in buckets of about ``bucket_cap_mb`` MiB, each bucket's allreduce
+    starting from a hook as soon as backward has accumulated all of its gradients, overlapping
+    communication with the rest of backward; ``step()`` waits for them.
     The returned object is an instance of a subclass of the optimizer's class (so ``isinstance``
     and learning-rate schedulers keep working) sharing its state and param groups.
 
@@ -485,12 +564,14 @@ def DistributedOptimizer(
         sparse_as_dense: Reduce sparse gradients as dense tensors (otherwise they are allgathered);
             the reduced gradient is made sparse again before the wrapped optimizer's step.
         process_set: Ranks that average their gradients (default: all ranks).
-        bucket_cap_mb: Reduce gradients in buckets of about this many MiB (as torch DDP's
-            ``bucket_cap_mb``) instead of one request per parameter: buckets are filled from the
-            last parameter to the first, and each is reduced as one grouped operation once all
-            its gradients are ready, so a model with hundreds of parameter tensors sends a few
-            requests per step. ``optimizer.buckets`` lists them. Not combined with ``groups``.
-            Left unset while the runtime autotunes (``HOROVOD_AUTOTUNE``), the sizes in
+        bucket_cap_mb: Reduce gradients in buckets of about this many MiB (torch DDP's
+            ``bucket_cap_mb``; default :data:`DEFAULT_BUCKET_CAP_MB`, 25): buckets are filled from
+            the last parameter to the first (a larger gradient gets one of its own), and each is
+            reduced as one request, its gradients copied into one flat buffer, once all of them
+            are ready, so a model with hundreds of parameter tensors sends a few requests per
+            step. ``0`` reduces each gradient on its own as soon as it is ready (Horovod's way).
+            ``optimizer.buckets`` lists the buckets. Not combined with ``groups``. Left unset
+            while the runtime autotunes (``HOROVOD_AUTOTUNE``), the sizes in
             :data:`BUCKET_CANDIDATES` are each tried for a sample of steps after the warm-up and
             the fastest is kept (``optimizer.bucket_trials``).
     """
@@ -517,9 +598,9 @@ def DistributedOptimizer(
         if groups is None:
             groups = num_groups
     if bucket_cap_mb is not None:
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} is invalid: expected a number of MiB > 0, e.g. "
-                             "bucket_cap_mb=25, or None to reduce each gradient on its own")
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb >= 0:
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} is invalid: expected a number of MiB >= 0, e.g. "
+                             "bucket_cap_mb=25, or 0 to reduce each gradient on its own")
         if groups:
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} and groups={groups!r} both say how gradients are "
                              "grouped: expected one of them; drop groups to use buckets, or bucket_cap_mb to use "

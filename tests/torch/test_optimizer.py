@@ -140,14 +140,15 @@ class _Probe(torch.autograd.Function):
 
 
 def check_allreduce_starts_during_backward(hvd, rank, size):
-    """While backward is still running (before the first layer's gradient exists), the last
-    layer's gradient allreduce has been started and completes: communication overlaps backward."""
+    """With one request per gradient (bucket_cap_mb=0, Horovod's way): while backward is still
+    running (before the first layer's gradient exists), the last layer's gradient allreduce has
+    been started and completes: communication overlaps backward."""
     if size == 1:
         return  # Horovod does not communicate in a world of one; nothing to overlap.
     first, last = torch.nn.Linear(6, 8), torch.nn.Linear(8, 3)
     model = torch.nn.Sequential(first, last)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())
+                                   named_parameters=model.named_parameters(), bucket_cap_mb=0)
     seen = {}
 
     def during_backward():
@@ -312,7 +313,7 @@ def check_bucket_cap_mb(hvd, rank, size):
         opt.step()
         assert seen == {"started": True, "first_pending": False}, seen
     model = _model()
-    for options, phrase in (({"bucket_cap_mb": 0}, "bucket_cap_mb=0 is invalid"),
+    for options, phrase in (({"bucket_cap_mb": -1}, "bucket_cap_mb=-1 is invalid"),
                             ({"bucket_cap_mb": "25"}, "expected a number of MiB"),
                             ({"bucket_cap_mb": 25, "groups": 2}, "both say how gradients are grouped")):
         try:
@@ -321,6 +322,86 @@ def check_bucket_cap_mb(hvd, rank, size):
             assert phrase in str(exc), (phrase, str(exc))
         else:
             raise AssertionError(f"{options} did not raise ValueError")
+
+
+class _Mixed(torch.nn.Module):
+    """A sparse embedding, a float32 layer and a float64 layer: one bucket holds gradients that
+    cannot share a flat buffer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(10, 4, sparse=True)
+        self.hidden = torch.nn.Linear(4, 5)
+        self.head = torch.nn.Linear(5, 3).double()
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.hidden(self.emb(ids).mean(dim=1))).double())
+
+
+class _Halving:
+    """Stands in for a compressor of the user's own (sends half of each gradient)."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor * 0.5, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor * 2.0
+
+
+def check_buckets_flat_and_split(hvd, rank, size):
+    """A bucket of dense gradients of one dtype is reduced as one flat request; a bucket mixing
+    sparse, float32 and float64 gradients is split into requests that each can carry, and fp16
+    compression and a compressor of the user's own (gradients compressed one by one) keep training
+    equal to single-process training."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 10, (size * 2, 3), generator=g)
+    y = torch.randint(0, 3, (size * 2,), generator=g)
+    ref = _Mixed()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for _ in range(2):
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(ids), y).backward()
+        ref_opt.step()
+    model = _Mixed()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                   named_parameters=model.named_parameters(), bucket_cap_mb=25)
+    assert len(opt.buckets) == 1, opt.buckets
+    mine = slice(rank * 2, rank * 2 + 2)
+    for _ in range(2):
+        opt.zero_grad()
+        F.cross_entropy(model(ids[mine]), y[mine]).backward()
+        if size > 1:
+            (pending,) = opt._handles.values()
+            kinds = sorted(type(part[1]).__name__ for _, part in pending[1].parts)
+            # The float32 layer as one flat request, the float64 layer as another, and the sparse
+            # embedding on its own (its context says "sparse").
+            assert kinds == ["_Flat", "_Flat", "str"], kinds
+        opt.step()
+        assert model.emb.weight.grad.is_sparse
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        close(p.detach(), q.detach(), 1e-6, f"mixed bucket: {name}")
+
+    data = _data(size, steps=3)
+    want = _reference(_model(), data, _sgd)
+    model = _model()
+    seen = {}
+    opt = hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(), bucket_cap_mb=25)
+    for x, yy in data:
+        opt.zero_grad()
+        F.cross_entropy(model(_my_rows(x, rank)[0]), _my_rows(yy, rank)[0]).backward()
+        if size > 1:
+            seen.update({type(pending[1]).__name__: len(key) for key, pending in opt._handles.items()})
+        opt.step()
+    _assert_same_params(model, want, 1e-5, "one flat bucket")
+    assert size == 1 or seen == {"_Flat": 4}, seen
+    for compression, atol in ((hvd.Compression.fp16, 5e-3), (_Halving, 1e-5)):
+        model = _model()
+        _distributed(hvd, rank, model, data, _sgd, bucket_cap_mb=25, compression=compression)
+        _assert_same_params(model, want, atol, f"buckets with {compression.__name__}")
+        _assert_equal_across_ranks(hvd, model)
 
 
 def check_wrapping_keeps_optimizer_identity(hvd, rank, size):
@@ -402,7 +483,7 @@ def check_argument_errors(hvd, rank, size):
 ALL = [check_matches_single_process_training, check_backward_passes_per_step, check_fp16_compression,
        check_allreduce_starts_during_backward, check_unused_parameters, check_clipping_between_synchronize_and_step,
        check_zero_grad_between_backward_and_step, check_groups_and_predivide, check_bucket_cap_mb,
-       check_wrapping_keeps_optimizer_identity,
+       check_buckets_flat_and_split, check_wrapping_keeps_optimizer_identity,
        check_sparse_gradients, check_argument_errors]
 
 
@@ -426,7 +507,7 @@ def check_autotune_picks_a_bucket_size_on_every_rank(hvd, rank, size):
     assert all(seconds > 0 for _, seconds in trials)
     kept = min(trials, key=lambda t: t[1])[0]
     names = [n for n, _ in model.named_parameters()]
-    assert opt.buckets == ([] if kept is None else [list(reversed(names))]), (kept, opt.buckets)
+    assert opt.buckets == ([] if kept == 0 else [list(reversed(names))]), (kept, opt.buckets)
     assert hvd.allgather_object(opt.buckets) == [opt.buckets] * size
     _assert_same_params(model, want, 1e-5, "autotuned buckets")
     explicit = hvd.DistributedOptimizer(_sgd(_model()), bucket_cap_mb=25)
