@@ -2,7 +2,7 @@
 
     python benchmarks/training_scaling.py [--models mlp cnn tabular deep] [--repeats 3] [--steps 30]
                                           [--batch mlp=64 --batch tabular=32,128,512] [--pin] [--json PATH]
-                                          [--frameworks spark-hvd spark-hvd-buckets ddp-gloo]
+                                          [--frameworks spark-hvd spark-hvd-per-gradient spark-hvd-buckets ddp-gloo]
 
 Models train on synthetic data with one torch thread per rank: two compute-bound ones, an MLP of
 4.2 million parameters (1024-2048-1024-10, batch 64 per rank) and a small CNN on 32x32 RGB images
@@ -10,7 +10,9 @@ Models train on synthetic data with one torch thread per rank: two compute-bound
 16-64-64-2, 5.4 thousand parameters) at batches 32, 128 and 512, where per-step communication
 overhead decides whether two ranks beat one; and a deep residual MLP with 162 parameter tensors
 (40 blocks of Linear(128, 128) + LayerNorm, 0.7 million parameters, batch 64), where the number
-of requests per step counts. ``spark-hvd-buckets`` is spark-hvd with ``bucket_cap_mb=25`` (``--bucket-mb``). Every configuration runs as fresh processes:
+of requests per step counts. ``spark-hvd`` is DistributedOptimizer as it comes (buckets of 25 MiB),
+``spark-hvd-per-gradient`` the same with ``bucket_cap_mb=0`` (one request per gradient, Horovod's
+way) and ``spark-hvd-buckets`` with ``bucket_cap_mb`` set by ``--bucket-mb``. Every configuration runs as fresh processes:
 spark-hvd ranks through ``spark_hvd.runner.run``, DDP ranks as ``torch.distributed`` gloo
 processes on 127.0.0.1, and plain single-process torch as the common baseline. After warm-up,
 every rank times the same number of steps between two barriers.
@@ -45,12 +47,15 @@ __all__ = ["main", "MODELS", "FRAMEWORKS"]
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_JSON = HERE / "results" / "training_scaling.json"
-FRAMEWORKS = ("spark-hvd", "spark-hvd-buckets", "ddp-gloo")
-DEFAULT_FRAMEWORKS = ("spark-hvd", "ddp-gloo")
+FRAMEWORKS = ("spark-hvd", "spark-hvd-per-gradient", "spark-hvd-buckets", "ddp-gloo")
+DEFAULT_FRAMEWORKS = ("spark-hvd", "spark-hvd-per-gradient", "ddp-gloo")
 MODELS: Dict[str, Dict[str, Any]] = {
     "mlp": {"batch": [64], "describe": "MLP 1024-2048-1024-10 (4.2M parameters)"},
     "cnn": {"batch": [32], "describe": "CNN 3x32x32: conv32-conv64-pool-conv128-pool-fc256-fc10 (2.2M parameters)"},
-    "tabular": {"batch": [32, 128, 512], "describe": "tabular MLP 16-64-64-2 (5.4k parameters)"},
+    # Its steps take about a millisecond: it times 30 times as many as --steps (and warms up 10
+    # times as long), so a run lasts long enough to average out scheduling noise.
+    "tabular": {"batch": [32, 128, 512], "describe": "tabular MLP 16-64-64-2 (5.4k parameters)", "step_scale": 30,
+                "warmup_scale": 10},
     "deep": {"batch": [64], "describe": "residual MLP, 40 x (Linear 128-128 + LayerNorm) + head (162 tensors, 0.7M)"},
 }
 DEFAULT_MODELS = ("mlp", "cnn", "tabular", "deep")
@@ -211,10 +216,11 @@ def _launch_processes(config: Dict[str, Any], np: int, timeout: float) -> List[D
 def _launch(framework: str, config: Dict[str, Any], np: int, timeout: float) -> Dict[str, float]:
     """One run: samples/s over the slowest rank's wall time, and CPU ms per sample per rank."""
     config = dict(config, framework=framework)
+    bucket_mb = config.pop("bucket_mb", None)
     if framework == "spark-hvd-buckets":
-        config["bucket_cap_mb"] = config.pop("bucket_mb")
-    else:
-        config.pop("bucket_mb", None)
+        config["bucket_cap_mb"] = bucket_mb
+    elif framework == "spark-hvd-per-gradient":
+        config["bucket_cap_mb"] = 0
     if framework.startswith("spark-hvd"):
         from spark_hvd.runner import run
 
@@ -255,8 +261,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="rows per rank per step for a model, e.g. mlp=128 or tabular=32,512 (default: mlp=64, "
                              "cnn=32, tabular=32,128,512, deep=64)")
     parser.add_argument("--pin", action="store_true", help="pin rank r to the r-th allowed CPU")
-    parser.add_argument("--bucket-mb", type=float, default=25.0,
-                        help="bucket_cap_mb of the spark-hvd-buckets framework (default 25, torch DDP's)")
+    parser.add_argument("--bucket-mb", type=float, default=1.0,
+                        help="bucket_cap_mb of the spark-hvd-buckets framework (default 1; spark-hvd itself uses 25)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one run may take")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the raw results")
     parser.add_argument("--rank-process", nargs=3, metavar=("CONFIG", "RANK", "OUT"), help=argparse.SUPPRESS)
@@ -293,7 +299,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cases = [(model, batch) for model in args.models for batch in args.batches[model]]
     for repeat in range(args.repeats):
         for model, batch in cases:
-            config = {"model": model, "batch": batch, "steps": args.steps, "warmup": args.warmup,
+            scale = MODELS[model]
+            config = {"model": model, "batch": batch, "steps": args.steps * scale.get("step_scale", 1),
+                      "warmup": args.warmup * scale.get("warmup_scale", 1),
                       "pin": args.pin, "bucket_mb": args.bucket_mb}
             for framework, np in runs:
                 key = f"{model}@{batch}/{framework}/np{np}"

@@ -122,7 +122,7 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("hierarchical_allreduce", "SPARK_HVD_HIERARCHICAL_ALLREDUCE", _parse_bool, False,
             "Allreduce within each host first, then across hosts among one rank per host (several hosts).",
             ("HOROVOD_HIERARCHICAL_ALLREDUCE",)),
-    Setting("eager_threshold", "SPARK_HVD_EAGER_THRESHOLD", int, 4096,
+    Setting("eager_threshold", "SPARK_HVD_EAGER_THRESHOLD", int, 32768,
             "Allreduces up to this many bytes travel inside the negotiation messages (0 disables)."),
     Setting("cache_capacity", "SPARK_HVD_CACHE_CAPACITY", int, 1024,
             "Request signatures remembered so steady-state negotiation sends ids, not metadata (0 disables).",
