@@ -15,7 +15,9 @@ from contextlib import contextmanager
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
+import torch._utils
 
+import spark_hvd.runtime as _rt
 from spark_hvd.torch.basics import Adasum, Average, Max, global_process_set
 from spark_hvd.torch.compression import Compression, Compressor
 from spark_hvd.torch.handles import Handle, enqueue
@@ -111,14 +113,38 @@ class _Group(tuple):
 _ELEMENTWISE = (Compression.none, Compression.fp16)
 
 
+_NUMPY_DTYPES = frozenset({torch.float32, torch.float64, torch.float16})
+"""Dtypes whose CPU tensors the runtime takes as numpy arrays as they are (bfloat16 needs staging)."""
+
+
 class _Flat:
-    """A group reduced as one flat buffer: the compression context and each gradient's length."""
+    """A group reduced as one flat buffer: the buffer sent (reduced in place), its compression
+    context, and the gradients whose shapes the result is split into."""
 
-    __slots__ = ("compression", "sizes")
+    __slots__ = ("sent", "compression", "shapes")
 
-    def __init__(self, compression: Any, sizes: List[int]) -> None:
+    def __init__(self, sent: torch.Tensor, compression: Any, shapes: List[torch.Tensor]) -> None:
+        self.sent = sent
         self.compression = compression
-        self.sizes = sizes
+        self.shapes = shapes
+
+
+def _flatten(tensors: List[torch.Tensor]) -> torch.Tensor:
+    """The tensors copied end to end into one new 1-D tensor (torch's own helper for this, which
+    DDP uses, when present: one call instead of a reshape per tensor)."""
+    flatten = getattr(torch._utils, "_flatten_dense_tensors", None)
+    if flatten is not None:
+        return flatten(tensors)
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unflatten(flat: torch.Tensor, like: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Views of ``flat`` shaped like each of ``like``, in order (the inverse of :func:`_flatten`)."""
+    unflatten = getattr(torch._utils, "_unflatten_dense_tensors", None)
+    if unflatten is not None:
+        return list(unflatten(flat, like))
+    pieces = flat.split([t.numel() for t in like])
+    return [piece.view(t.shape) for piece, t in zip(pieces, like)]
 
 
 class _Parts:
@@ -397,12 +423,20 @@ class _DistributedOptimizer:
                 p = group[members[0]]
                 parts.append((p, self._start(p)))
                 continue
-            flat = torch.cat([grads[i].reshape(-1) for i in members])
-            sent, ctx = self._compression.compress(flat)
+            chosen = [grads[i] for i in members]
+            sent, ctx = self._compression.compress(_flatten(chosen))
             pre, post = self._scales()
-            handle = enqueue("allreduce", [sent], inplace=True, name=self._parameter_names[group[members[0]]] + ".flat",
-                             op=self.op, prescale_factor=pre, postscale_factor=post, process_set=self.process_set)
-            parts.append((tuple(group[i] for i in members), (handle, _Flat(ctx, [grads[i].numel() for i in members]))))
+            name = self._parameter_names[group[members[0]]] + ".flat"
+            if sent.device.type == "cpu" and sent.dtype in _NUMPY_DTYPES:
+                # The buffer is this optimizer's own, contiguous tensor: the runtime reduces its
+                # memory in place, with none of the checks and staging a caller's tensor needs.
+                array = sent.numpy()
+                handle: Any = _rt.allreduce_async(array, op=self.op, name=name, prescale_factor=pre,
+                                                  postscale_factor=post, out=array, process_set=self.process_set)
+            else:
+                handle = enqueue("allreduce", [sent], inplace=True, name=name, op=self.op, prescale_factor=pre,
+                                 postscale_factor=post, process_set=self.process_set)
+            parts.append((tuple(group[i] for i in members), (handle, _Flat(sent, ctx, chosen))))
         if len(parts) == 1 and isinstance(parts[0][1][1], _Flat):
             return parts[0][1]  # the whole group in one buffer, in the group's order
         several = _Parts(parts)
@@ -444,10 +478,10 @@ class _DistributedOptimizer:
             return
         result = handle.wait()
         if isinstance(ctx, _Flat):
-            reduced = self._compression.decompress(result, ctx.compression).split(ctx.sizes)
+            reduced = self._compression.decompress(ctx.sent, ctx.compression)
             grads = [p.grad for p in key]
             with torch.no_grad():
-                _copy_all(grads, [r.view(g.shape) for r, g in zip(reduced, grads)])
+                _copy_all(grads, _unflatten(reduced, ctx.shapes))
         elif isinstance(key, tuple):
             for p, reduced, (sent, cctx) in zip(key, result, ctx):
                 self._unpack(p, reduced, sent, cctx)
