@@ -8,7 +8,7 @@ response, so the request costs one round trip instead of a negotiation plus a ri
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -25,7 +25,26 @@ class EagerAnswers:
 
     def __init__(self, threshold: int) -> None:
         self.threshold = threshold
-        self._payloads: Dict[Tuple[int, str], Dict[int, bytes]] = {}  # (ps, name) -> rank -> bytes
+        # (ps, name) -> rank -> its payload, or None when it announced the request without one
+        self._payloads: Dict[Tuple[int, str], Dict[int, Optional[bytes]]] = {}
+
+    def payloads(self, entries: Sequence[Entry]) -> List[Optional[bytes]]:
+        """What a worker sends along with one announcement of ``entries``: the prescaled inputs of
+        small allreduces, as long as their total stays within the threshold. A burst of many
+        small requests goes on with the rest through the ring, fused, where the coordinator would
+        otherwise reduce each of them in turn and every byte would cross the control links twice
+        (the coordinator answers a fused request eagerly only when every part came along)."""
+        budget = self.threshold
+        out: List[Optional[bytes]] = []
+        for entry in entries:
+            payload = None
+            nbytes = entry.meta.nbytes() if entry.meta.kind == "allreduce" else budget + 1
+            if nbytes <= budget:
+                payload = self.payload(entry)
+                if payload is not None:
+                    budget -= nbytes
+            out.append(payload)
+        return out
 
     def payload(self, entry: Entry) -> Optional[bytes]:
         """What a worker sends along with the announcement of ``entry``: its prescaled input, if small."""
@@ -38,7 +57,8 @@ class EagerAnswers:
         scale_inplace(data, meta.prescale, meta.dtype)
         return data.tobytes()
 
-    def collect(self, ps: int, name: str, rank: int, payload: bytes) -> None:
+    def collect(self, ps: int, name: str, rank: int, payload: Optional[bytes]) -> None:
+        """A worker's announcement of allreduce ``name``, with its payload or None."""
         self._payloads.setdefault((ps, name), {})[rank] = payload
 
     def answer(self, responses: Tuple[Response, ...], resolve: Callable[[int], Meta],
@@ -90,6 +110,8 @@ class EagerAnswers:
                             scale_inplace(part, meta.prescale, meta.dtype)
                 else:
                     payload = got.get(r)
+                    if payload is None and r in got:
+                        return None  # announced without its data: use the regular path
                     part = None if payload is None else np.frombuffer(payload, dtype=dtype)
                 if part is None:
                     if r not in joined:

@@ -430,7 +430,8 @@ class Engine(Executor):
     def _worker_cycle(self) -> None:
         new = self._take_new()
         if new:
-            items = tuple(Announce(e.name, self._signatures.encode(e.meta), self._eager.payload(e)) for e in new)
+            items = tuple(Announce(e.name, self._signatures.encode(e.meta), payload)
+                          for e, payload in zip(new, self._eager.payloads(new)))
             self._send(0, REQUESTS + dump_requests(RequestBatch(self._signatures.seq, items)))
         self._pump()
         reader = self._links[0]
@@ -497,12 +498,14 @@ class Engine(Executor):
                     for item in requests.items:
                         if isinstance(item.sig, int):
                             coord.submit_id(peer, item.name, item.sig)
-                            ps = coord.sigs.resolve(item.sig).ps
+                            meta = coord.sigs.resolve(item.sig)
                         else:
                             coord.submit(peer, item.name, item.sig)
-                            ps = item.sig.ps
-                        if item.payload is not None:
-                            self._eager.collect(ps, item.name, peer, item.payload)
+                            meta = item.sig
+                        if meta.kind == "allreduce":
+                            # Without a payload too: a rank that announced a request without
+                            # one and then joined must not be taken for one that contributes zeros.
+                            self._eager.collect(meta.ps, item.name, peer, item.payload)
                 elif kind == ABORT:
                     message, lost = pickle.loads(frame[1:])
                     raise CollectiveError(message, lost_rank=lost)
