@@ -51,10 +51,11 @@ _CHUNK = 1 << 20
 # Start-up messages (a rank's hello, a rendezvous request, a line of output) are a few hundred bytes.
 SMALL_FRAME_LIMIT = 1 << 20
 # Negotiation messages between ranks and the coordinator: per request about 100-200 bytes of
-# metadata (4 MiB for 20,000 tensors) plus, for small allreduces, an eager payload of at most
-# SPARK_HVD_EAGER_THRESHOLD (4 KiB by default): 84 MiB if all 20,000 were that small. The limit
-# leaves three times that; it exists to recognise a corrupt stream (eight random header bytes
-# announce less than 256 MiB with a probability of 2**-36), not to ration trusted peers.
+# metadata (4 MiB for 20,000 tensors) plus, for small allreduces, eager payloads: at most
+# SPARK_HVD_EAGER_THRESHOLD bytes (32 KiB by default) in one announcement, and in a response the
+# results of the small requests it answers (a fused set of them at most 64 times the threshold).
+# The limit exists to recognise a corrupt stream (eight random header bytes announce less than
+# 256 MiB with a probability of 2**-36), not to ration trusted peers.
 CONTROL_FRAME_LIMIT = 256 << 20
 # A client whose handshake the server dropped (an overloaded server sheds the oldest half-open
 # connections) tries again this many times in all before it reports an authentication failure.
