@@ -37,12 +37,10 @@ class EagerAnswers:
         budget = self.threshold
         out: List[Optional[bytes]] = []
         for entry in entries:
-            payload = None
-            nbytes = entry.meta.nbytes() if entry.meta.kind == "allreduce" else budget + 1
-            if nbytes <= budget:
-                payload = self.payload(entry)
-                if payload is not None:
-                    budget -= nbytes
+            meta = entry.meta
+            payload = self.payload(entry) if meta.kind == "allreduce" and meta.nbytes() <= budget else None
+            if payload is not None:
+                budget -= len(payload)
             out.append(payload)
         return out
 
@@ -57,9 +55,12 @@ class EagerAnswers:
         scale_inplace(data, meta.prescale, meta.dtype)
         return data.tobytes()
 
-    def collect(self, ps: int, name: str, rank: int, payload: Optional[bytes]) -> None:
-        """A worker's announcement of allreduce ``name``, with its payload or None."""
-        self._payloads.setdefault((ps, name), {})[rank] = payload
+    def collect(self, meta: Meta, name: str, rank: int, payload: Optional[bytes]) -> None:
+        """A worker announced request ``name``, with its payload or None. A small allreduce
+        announced without one is remembered as such: that rank must not be taken for a joined
+        one, which contributes zeros."""
+        if meta.kind == "allreduce" and (payload is not None or meta.nbytes() <= self.threshold):
+            self._payloads.setdefault((meta.ps, name), {})[rank] = payload
 
     def answer(self, responses: Tuple[Response, ...], resolve: Callable[[int], Meta],
                local: Mapping[Tuple[int, str], Entry], process_sets: Mapping[int, Tuple[int, ...]],

@@ -502,10 +502,7 @@ class Engine(Executor):
                         else:
                             coord.submit(peer, item.name, item.sig)
                             meta = item.sig
-                        if meta.kind == "allreduce":
-                            # Without a payload too: a rank that announced a request without
-                            # one and then joined must not be taken for one that contributes zeros.
-                            self._eager.collect(meta.ps, item.name, peer, item.payload)
+                        self._eager.collect(meta, item.name, peer, item.payload)
                 elif kind == ABORT:
                     message, lost = pickle.loads(frame[1:])
                     raise CollectiveError(message, lost_rank=lost)

@@ -118,33 +118,16 @@ _NUMPY_DTYPES = frozenset({torch.float32, torch.float64, torch.float16})
 
 
 class _Flat:
-    """A group reduced as one flat buffer: the buffer sent (reduced in place), its compression
-    context, and the gradients whose shapes the result is split into."""
+    """A group reduced as one flat buffer (torch's ``_flatten_dense_tensors``, as DDP's buckets):
+    the buffer sent (reduced in place), its compression context, and the gradients it was made of
+    (whose shapes the result is split into)."""
 
-    __slots__ = ("sent", "compression", "shapes")
+    __slots__ = ("sent", "compression", "grads")
 
-    def __init__(self, sent: torch.Tensor, compression: Any, shapes: List[torch.Tensor]) -> None:
+    def __init__(self, sent: torch.Tensor, compression: Any, grads: List[torch.Tensor]) -> None:
         self.sent = sent
         self.compression = compression
-        self.shapes = shapes
-
-
-def _flatten(tensors: List[torch.Tensor]) -> torch.Tensor:
-    """The tensors copied end to end into one new 1-D tensor (torch's own helper for this, which
-    DDP uses, when present: one call instead of a reshape per tensor)."""
-    flatten = getattr(torch._utils, "_flatten_dense_tensors", None)
-    if flatten is not None:
-        return flatten(tensors)
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def _unflatten(flat: torch.Tensor, like: List[torch.Tensor]) -> List[torch.Tensor]:
-    """Views of ``flat`` shaped like each of ``like``, in order (the inverse of :func:`_flatten`)."""
-    unflatten = getattr(torch._utils, "_unflatten_dense_tensors", None)
-    if unflatten is not None:
-        return list(unflatten(flat, like))
-    pieces = flat.split([t.numel() for t in like])
-    return [piece.view(t.shape) for piece, t in zip(pieces, like)]
+        self.grads = grads
 
 
 class _Parts:
@@ -411,6 +394,7 @@ class _DistributedOptimizer:
         # (the runtime would fuse a grouped request's tensors the same way, but each would stay a
         # request of its own, with its own negotiation and bookkeeping). Sparse gradients, which
         # backward hands over only at run time, are reduced on their own.
+        pre, post = self._scales()
         parts: List[Tuple[Any, _Pending]] = []
         dense: Dict[Tuple[torch.dtype, torch.device], List[int]] = {}
         for i, (p, grad) in enumerate(zip(group, grads)):
@@ -424,8 +408,7 @@ class _DistributedOptimizer:
                 parts.append((p, self._start(p)))
                 continue
             chosen = [grads[i] for i in members]
-            sent, ctx = self._compression.compress(_flatten(chosen))
-            pre, post = self._scales()
+            sent, ctx = self._compression.compress(torch._utils._flatten_dense_tensors(chosen))
             name = self._parameter_names[group[members[0]]] + ".flat"
             if sent.device.type == "cpu" and sent.dtype in _NUMPY_DTYPES:
                 # The buffer is this optimizer's own, contiguous tensor: the runtime reduces its
@@ -479,9 +462,16 @@ class _DistributedOptimizer:
         result = handle.wait()
         if isinstance(ctx, _Flat):
             reduced = self._compression.decompress(ctx.sent, ctx.compression)
-            grads = [p.grad for p in key]
+            pieces = torch._utils._unflatten_dense_tensors(reduced, ctx.grads)
+            targets, sources = [], []
+            for p, piece in zip(key, pieces):
+                if p.grad.is_sparse:  # reduced as dense (sparse_as_dense): sparse again, see _unpack
+                    p.grad = piece.to_sparse(p.grad.sparse_dim())
+                else:
+                    targets.append(p.grad)
+                    sources.append(piece)
             with torch.no_grad():
-                _copy_all(grads, _unflatten(reduced, ctx.shapes))
+                _copy_all(targets, sources)
         elif isinstance(key, tuple):
             for p, reduced, (sent, cctx) in zip(key, result, ctx):
                 self._unpack(p, reduced, sent, cctx)

@@ -365,24 +365,27 @@ def check_buckets_flat_and_split(hvd, rank, size):
         ref_opt.zero_grad()
         F.cross_entropy(ref(ids), y).backward()
         ref_opt.step()
-    model = _Mixed()
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
-                                   named_parameters=model.named_parameters(), bucket_cap_mb=25)
-    assert len(opt.buckets) == 1, opt.buckets
     mine = slice(rank * 2, rank * 2 + 2)
-    for _ in range(2):
-        opt.zero_grad()
-        F.cross_entropy(model(ids[mine]), y[mine]).backward()
-        if size > 1:
-            (pending,) = opt._handles.values()
-            kinds = sorted(type(part[1]).__name__ for _, part in pending[1].parts)
-            # The float32 layer as one flat request, the float64 layer as another, and the sparse
-            # embedding on its own (its context says "sparse").
-            assert kinds == ["_Flat", "_Flat", "str"], kinds
-        opt.step()
-        assert model.emb.weight.grad.is_sparse
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        close(p.detach(), q.detach(), 1e-6, f"mixed bucket: {name}")
+    # The float32 layer as one flat request, the float64 layer as another, and the sparse
+    # embedding on its own (its context says "sparse"); with sparse_as_dense its densified
+    # gradient shares the float32 buffer and is handed back sparse.
+    for sparse_as_dense, want_kinds in ((False, ["_Flat", "_Flat", "str"]), (True, ["_Flat", "_Flat"])):
+        model = _Mixed()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                       named_parameters=model.named_parameters(), bucket_cap_mb=25,
+                                       sparse_as_dense=sparse_as_dense)
+        assert len(opt.buckets) == 1, opt.buckets
+        for _ in range(2):
+            opt.zero_grad()
+            F.cross_entropy(model(ids[mine]), y[mine]).backward()
+            if size > 1:
+                (pending,) = opt._handles.values()
+                kinds = sorted(type(part[1]).__name__ for _, part in pending[1].parts)
+                assert kinds == want_kinds, (sparse_as_dense, kinds)
+            opt.step()
+            assert model.emb.weight.grad.is_sparse, sparse_as_dense
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            close(p.detach(), q.detach(), 1e-6, f"mixed bucket, sparse_as_dense={sparse_as_dense}: {name}")
 
     data = _data(size, steps=3)
     want = _reference(_model(), data, _sgd)
