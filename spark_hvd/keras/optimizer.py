@@ -55,18 +55,35 @@ def _split(items: List[int], parts: int) -> List[List[int]]:
 
 
 def _reduce_torch(grads: List[Any], settings: _Settings) -> List[Any]:
+    import torch
+
     import spark_hvd.torch as thvd
 
     pre, post = _scales(settings)
     out = list(grads)
     dense = [i for i, g in enumerate(grads) if g is not None]
     groups = settings.groups if isinstance(settings.groups, int) and settings.groups > 0 else 1
+    elementwise = settings.compression in (Compression.none, Compression.fp16)
     for group in _split(dense, groups):
-        packed = [settings.compression.compress(grads[i]) for i in group]
+        # With an element-wise compression the gradients of each dtype and device travel end to
+        # end in one flat tensor: one request instead of one per gradient (a compressor of the
+        # user's own gets them one by one).
+        parts: Dict[Any, List[int]] = {}
+        for i in group:
+            key = (grads[i].dtype, grads[i].device) if elementwise else i
+            parts.setdefault(key, []).append(i)
+        sent = [torch._utils._flatten_dense_tensors([grads[i] for i in part]) if len(part) > 1 else grads[part[0]]
+                for part in parts.values()]
+        packed = [settings.compression.compress(t) for t in sent]
         reduced = thvd.grouped_allreduce([p[0] for p in packed], op=settings.op, prescale_factor=pre,
                                          postscale_factor=post, process_set=settings.process_set)
-        for i, r, (_, ctx) in zip(group, reduced, packed):
-            out[i] = settings.compression.decompress(r, ctx)
+        for part, r, (_, ctx) in zip(parts.values(), reduced, packed):
+            result = settings.compression.decompress(r, ctx)
+            if len(part) == 1:
+                out[part[0]] = result
+            else:
+                for i, piece in zip(part, torch._utils._unflatten_dense_tensors(result, [grads[i] for i in part])):
+                    out[i] = piece
     return out
 
 

@@ -5,6 +5,7 @@ The reduction itself, :class:`GradientReduction`, is shared with the Keras ``Dis
 
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -18,6 +19,17 @@ from spark_hvd.tensorflow.reductions import grouped_allreduce
 __all__ = ["GradientReduction", "DistributedGradientTape", "PartialDistributedGradientTape"]
 
 Groups = Union[None, int, Sequence[Sequence[tf.Variable]]]
+
+
+
+def _elementwise(compression: Any) -> bool:
+    """Whether ``compression`` acts on each element alone (none, fp16: this module's or Keras's), so a
+    flat tensor of many gradients may go through it."""
+    if compression in (Compression.none, Compression.fp16):
+        return True
+    keras_compression = sys.modules.get("spark_hvd.keras.compression")  # loaded when Keras passed it
+    return keras_compression is not None and compression in (keras_compression.Compression.none,
+                                                             keras_compression.Compression.fp16)
 
 
 @dataclass(frozen=True)
@@ -78,10 +90,39 @@ class GradientReduction:
                                                       process_set=self.process_set)):
                 out[i] = g
         for group in self._groups(grads, variables):
-            reduced = grouped_allreduce([grads[i] for i in group], compression=self.compression, op=self.op,
-                                        prescale_factor=pre, postscale_factor=post, process_set=self.process_set)
+            reduced = self._reduce_group([grads[i] for i in group], pre, post)
             for i, g in zip(group, reduced):
                 out[i] = g
+        return out
+
+    def _reduce_group(self, grads: List[Any], pre: float, post: float) -> List[Any]:
+        """One group's dense gradients, reduced as one grouped operation.
+
+        With an element-wise compression (none, fp16) the gradients of each dtype travel end to
+        end in one flat tensor: one request for the runtime to negotiate, stage and fuse instead
+        of one per gradient. A compressor of the user's own may depend on each tensor, so it gets
+        them one by one.
+        """
+        if not _elementwise(self.compression) or len(grads) == 1:
+            return grouped_allreduce(grads, compression=self.compression, op=self.op, prescale_factor=pre,
+                                     postscale_factor=post, process_set=self.process_set)
+        grads = [tf.convert_to_tensor(g) for g in grads]
+        by_dtype: Dict[Any, List[int]] = {}
+        for i, g in enumerate(grads):
+            by_dtype.setdefault(g.dtype, []).append(i)
+        parts = list(by_dtype.values())
+        flats = [tf.concat([tf.reshape(grads[i], [-1]) for i in part], axis=0) if len(part) > 1 else grads[part[0]]
+                 for part in parts]
+        reduced = grouped_allreduce(flats, compression=self.compression, op=self.op, prescale_factor=pre,
+                                    postscale_factor=post, process_set=self.process_set)
+        out: List[Any] = [None] * len(grads)
+        for part, flat in zip(parts, reduced):
+            if len(part) == 1:
+                out[part[0]] = flat
+                continue
+            pieces = tf.split(flat, [tf.size(grads[i]) for i in part])
+            for i, piece in zip(part, pieces):
+                out[i] = tf.reshape(piece, tf.shape(grads[i]))
         return out
 
     def _groups(self, grads: Sequence[Any], variables: Optional[Sequence[Any]]) -> List[List[int]]:

@@ -159,3 +159,44 @@ def check_keras_values_and_state(hvd, rank, size):
     state.epoch = 5
     state.restore()
     assert state.epoch == 0 and np.abs(model.get_weights()[0]).sum() > 0
+
+
+def check_flat_gradients_of_mixed_dtypes(hvd, rank, size):
+    """DistributedOptimizer.apply with gradients of two dtypes and four shapes (a scalar among
+    them) moves each variable by the average gradient: with no compression (the gradients of a
+    dtype travel as one flat tensor), with fp16, and with a compressor of the user's own, which
+    gets every gradient on its own."""
+    import keras
+
+    import spark_hvd.keras as khvd
+
+    specs = [((3, 4), "float32"), ((), "float32"), ((5,), "float64"), ((2, 2), "float32")]
+
+    def grads_of(r):
+        rng = np.random.default_rng(100 + r)
+        return [np.asarray(rng.normal(size=shape), dtype) for shape, dtype in specs]
+
+    average = [np.mean([grads_of(r)[k] for r in range(size)], axis=0).astype(dtype)
+               for k, (_, dtype) in enumerate(specs)]
+    seen = []
+
+    class Doubling(khvd.Compression.none):
+        """Sends twice each gradient and halves the result: exact, and records what it got."""
+
+        @staticmethod
+        def compress(tensor):
+            seen.append(tuple(tensor.shape))
+            return tensor * 2, None
+
+        @staticmethod
+        def decompress(tensor, ctx):
+            return tensor / 2
+
+    for compression, atol in ((khvd.Compression.none, 1e-6), (khvd.Compression.fp16, 2e-3), (Doubling, 1e-6)):
+        variables = [keras.Variable(np.zeros(shape, dtype), dtype=dtype) for shape, dtype in specs]
+        optimizer = khvd.DistributedOptimizer(keras.optimizers.SGD(1.0), compression=compression)
+        optimizer.apply([keras.ops.convert_to_tensor(g) for g in grads_of(rank)], variables)
+        for k, (variable, want) in enumerate(zip(variables, average)):
+            close(keras.ops.convert_to_numpy(variable.value), -want, atol, f"{compression.__name__} variable {k}")
+    if size > 1:
+        assert sorted(seen) == sorted(shape for shape, _ in specs), f"the own compressor got {seen}"

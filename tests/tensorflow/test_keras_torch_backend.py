@@ -10,6 +10,7 @@ from keras_checks import (
     check_backward_passes_per_step,
     check_callbacks,
     check_fit_matches_single_process,
+    check_flat_gradients_of_mixed_dtypes,
     check_keras_values_and_state,
 )
 from tf_world import assert_passed, launch
@@ -27,6 +28,7 @@ def check_torch_backend_without_tensorflow(hvd, rank, size):
 CHECKS = [
     check_torch_backend_without_tensorflow,
     check_fit_matches_single_process,
+    check_flat_gradients_of_mixed_dtypes,
     check_backward_passes_per_step,
     check_callbacks,
     check_keras_values_and_state,

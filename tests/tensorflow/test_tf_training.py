@@ -10,6 +10,7 @@ from keras_checks import (
     check_broadcast_callback_keeps_local_variables,
     check_callbacks,
     check_fit_matches_single_process,
+    check_flat_gradients_of_mixed_dtypes,
     check_keras_values_and_state,
 )
 from tf_world import assert_passed, close
@@ -128,6 +129,7 @@ def check_elastic_tensorflow_state(hvd, rank, size):
 CHECKS = [
     check_gradient_tape_matches_single_process,
     check_fit_matches_single_process,
+    check_flat_gradients_of_mixed_dtypes,
     check_backward_passes_per_step,
     check_callbacks,
     check_broadcast_callback_keeps_local_variables,
