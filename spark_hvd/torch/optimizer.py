@@ -12,7 +12,7 @@ import time
 import warnings
 import weakref
 from contextlib import contextmanager
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch._utils
@@ -118,16 +118,39 @@ _NUMPY_DTYPES = frozenset({torch.float32, torch.float64, torch.float16})
 
 
 class _Flat:
-    """A group reduced as one flat buffer (torch's ``_flatten_dense_tensors``, as DDP's buckets):
-    the buffer sent (reduced in place), its compression context, and the gradients it was made of
-    (whose shapes the result is split into)."""
+    """A group reduced as one flat buffer, as DDP's buckets: the buffer sent (reduced in place),
+    its compression context, the gradients it was made of (whose shapes the result is split
+    into), and the buffer's views in those shapes when it was sent uncompressed."""
 
-    __slots__ = ("sent", "compression", "grads")
+    __slots__ = ("sent", "compression", "grads", "views", "direct")
 
-    def __init__(self, sent: torch.Tensor, compression: Any, grads: List[torch.Tensor]) -> None:
+    def __init__(self, sent: torch.Tensor, compression: Any, grads: List[torch.Tensor],
+                 views: Optional[List[torch.Tensor]], direct: bool) -> None:
         self.sent = sent
         self.compression = compression
         self.grads = grads
+        self.views = views
+        self.direct = direct
+        """Whether ``grads`` are the parameters' own ``.grad`` tensors (none was densified)."""
+
+
+class _FlatBuffer:
+    """The buffer a part of a bucket is copied into every step, kept from step to step (allocating
+    it, and splitting the result into views, cost more than the copies): the buffer, its views in
+    the gradients' shapes, and, for a CPU buffer the runtime reduces in place, its numpy array."""
+
+    __slots__ = ("members", "flat", "views", "array")
+
+    def __init__(self, members: Tuple[int, ...], grads: List[torch.Tensor]) -> None:
+        self.members = members
+        self.flat = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
+        self.views = list(torch._utils._unflatten_dense_tensors(self.flat, grads))
+        self.array = self.flat.numpy() if self.flat.device.type == "cpu" and self.flat.dtype in _NUMPY_DTYPES \
+            else None
+
+    def fill(self, grads: List[torch.Tensor]) -> torch.Tensor:
+        _copy_all(self.views, grads)
+        return self.flat
 
 
 class _Parts:
@@ -221,6 +244,10 @@ class _DistributedOptimizer:
         self._should_synchronize = True
         self._group_of: Dict[torch.Tensor, Tuple[torch.Tensor, ...]] = {}
         self._group_ready: Dict[Tuple[torch.Tensor, ...], int] = {}
+        self._flat_buffers: Dict[Tuple[_Group, int], _FlatBuffer] = {}
+        self._uniform: Set[_Group] = set()  # groups whose parameters share one dtype and device
+        self._ungrouped: List[torch.Tensor] = list(trainable)  # parameters reduced one by one
+        self._communicating: Optional[bool] = None  # _communicate, as asked by this step's first hook
         self._hook_handles: List[Any] = []
         self._trainable = trainable
         self._bucket_tuner: Optional[_BucketTuner] = None
@@ -245,6 +272,9 @@ class _DistributedOptimizer:
         """Regroup the gradients (between steps, when nothing is pending)."""
         self._group_of.clear()
         self._group_ready.clear()
+        self._flat_buffers.clear()
+        self._uniform.clear()
+        self._ungrouped = list(self._trainable)
         if cap_mb > 0:
             self._set_groups(_buckets(self._trainable, cap_mb), self._trainable)
 
@@ -323,6 +353,9 @@ class _DistributedOptimizer:
             for p in group:
                 self._group_of[p] = group
             self._group_ready[group] = 0
+            if len(group) > 1 and len({(p.dtype, p.device) for p in group}) == 1:
+                self._uniform.add(group)
+        self._ungrouped = [p for p in trainable if p not in self._group_of]
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change how many backward passes accumulate locally before gradients are reduced."""
@@ -380,6 +413,11 @@ class _DistributedOptimizer:
         return handle, (sent, ctx)
 
     def _start_group(self, group: Tuple[torch.Tensor, ...]) -> _Pending:
+        if group in self._uniform and self._compression in _ELEMENTWISE:
+            # Every step of most models: dense gradients of one dtype and device, one buffer.
+            grads = [p.grad for p in group]
+            if not any(g is None or g.is_sparse for g in grads):
+                return self._start_flat(group, tuple(range(len(group))), grads, direct=True)
         grads = [self._outgoing(p) for p in group]
         if self._compression not in _ELEMENTWISE:
             # A compressor of the user's own may depend on each tensor: compress them one by one
@@ -394,7 +432,6 @@ class _DistributedOptimizer:
         # (the runtime would fuse a grouped request's tensors the same way, but each would stay a
         # request of its own, with its own negotiation and bookkeeping). Sparse gradients, which
         # backward hands over only at run time, are reduced on their own.
-        pre, post = self._scales()
         parts: List[Tuple[Any, _Pending]] = []
         dense: Dict[Tuple[torch.dtype, torch.device], List[int]] = {}
         for i, (p, grad) in enumerate(zip(group, grads)):
@@ -407,26 +444,41 @@ class _DistributedOptimizer:
                 p = group[members[0]]
                 parts.append((p, self._start(p)))
                 continue
-            chosen = [grads[i] for i in members]
-            sent, ctx = self._compression.compress(torch._utils._flatten_dense_tensors(chosen))
-            name = self._parameter_names[group[members[0]]] + ".flat"
-            if sent.device.type == "cpu" and sent.dtype in _NUMPY_DTYPES:
-                # The buffer is this optimizer's own, contiguous tensor: the runtime reduces its
-                # memory in place, with none of the checks and staging a caller's tensor needs.
-                array = sent.numpy()
-                handle: Any = _rt.allreduce_async(array, op=self.op, name=name, prescale_factor=pre,
-                                                  postscale_factor=post, out=array, process_set=self.process_set)
-            else:
-                handle = enqueue("allreduce", [sent], inplace=True, name=name, op=self.op, prescale_factor=pre,
-                                 postscale_factor=post, process_set=self.process_set)
-            parts.append((tuple(group[i] for i in members), (handle, _Flat(sent, ctx, chosen))))
+            pending = self._start_flat(group, tuple(members), [grads[i] for i in members], direct=False)
+            parts.append((tuple(group[i] for i in members), pending))
         if len(parts) == 1 and isinstance(parts[0][1][1], _Flat):
             return parts[0][1]  # the whole group in one buffer, in the group's order
         several = _Parts(parts)
         return several, several
 
+    def _start_flat(self, group: Tuple[torch.Tensor, ...], members: Tuple[int, ...], grads: List[torch.Tensor],
+                    direct: bool) -> _Pending:
+        """Reduce ``grads`` (the gradients of ``group[i]`` for i in ``members``, one dtype and
+        device) as one flat buffer."""
+        key = (group, members[0])
+        buffer = self._flat_buffers.get(key)
+        if buffer is None or buffer.members != members or buffer.flat.dtype != grads[0].dtype \
+                or buffer.flat.device != grads[0].device:
+            buffer = self._flat_buffers[key] = _FlatBuffer(members, grads)
+        sent, ctx = self._compression.compress(buffer.fill(grads))
+        pre, post = self._scales()
+        name = self._parameter_names[group[members[0]]] + ".flat"
+        if sent is buffer.flat and buffer.array is not None:
+            # The buffer is this optimizer's own, contiguous tensor: the runtime reduces its
+            # memory in place, with none of the checks and staging a caller's tensor needs.
+            handle: Any = _rt.allreduce_async(buffer.array, op=self.op, name=name, prescale_factor=pre,
+                                              postscale_factor=post, out=buffer.array, process_set=self.process_set)
+        else:
+            handle = enqueue("allreduce", [sent], inplace=True, name=name, op=self.op, prescale_factor=pre,
+                             postscale_factor=post, process_set=self.process_set)
+        views = buffer.views if sent is buffer.flat else None
+        return handle, _Flat(sent, ctx, grads, views, direct)
+
     def _gradient_ready(self, p: torch.Tensor) -> None:
-        if not self._communicate:
+        communicate = self._communicating
+        if communicate is None:  # asked once per step (synchronize() forgets it)
+            communicate = self._communicating = self._communicate
+        if not communicate:
             return
         if self._allreduce_delay[p] <= 0:
             raise AssertionError(_TOO_MANY_PASSES)
@@ -461,8 +513,15 @@ class _DistributedOptimizer:
             return
         result = handle.wait()
         if isinstance(ctx, _Flat):
-            reduced = self._compression.decompress(ctx.sent, ctx.compression)
-            pieces = torch._utils._unflatten_dense_tensors(reduced, ctx.grads)
+            if ctx.direct and ctx.views is not None:
+                with torch.no_grad():
+                    _copy_all(ctx.grads, ctx.views)
+                return
+            if ctx.views is not None:
+                pieces = ctx.views
+            else:
+                reduced = self._compression.decompress(ctx.sent, ctx.compression)
+                pieces = torch._utils._unflatten_dense_tensors(reduced, ctx.grads)
             targets, sources = [], []
             for p, piece in zip(key, pieces):
                 if p.grad.is_sparse:  # reduced as dense (sparse_as_dense): sparse again, see _unpack
@@ -486,17 +545,14 @@ class _DistributedOptimizer:
         Afterwards ``p.grad`` holds the averaged gradient on every rank. Call it before modifying
         gradients (clipping), then ``step()`` inside ``skip_synchronize()``.
         """
+        self._communicating = None
         if not self._communicate:
             self._synchronized = True
             return
-        started = set()
-        for key, (handle, _) in self._handles.items():
-            if handle is not None:
-                started.update(key if isinstance(key, tuple) else (key,))
         # Placeholders mark gradients still accumulating locally: reduce what has accumulated.
         self._handles = {key: pending for key, pending in self._handles.items() if pending[0] is not None}
-        for p in self._requires_update:
-            if p not in self._group_of and p not in started:
+        for p in self._ungrouped:
+            if p not in self._handles:
                 self._handles[p] = self._start(p)
         for group in self._group_ready:
             if group not in self._handles:
@@ -545,6 +601,7 @@ class _DistributedOptimizer:
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load the wrapped optimizer's state and forget any pending reduction."""
         self._handles = {}
+        self._communicating = None
         self._synchronized = False
         self._should_synchronize = True
         for p in self._allreduce_delay:
