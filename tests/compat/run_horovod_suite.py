@@ -22,6 +22,7 @@ counts, not the status, are the result.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import shutil
@@ -59,6 +60,12 @@ SUITES: Dict[str, Dict[str, str]] = {
         "from horovod.common.util import is_version_greater_equal_than": _VERSION_HELPER,
     },
 }
+# Packages a suite imports that spark-hvd's own dependencies do not bring.
+NEEDS: Dict[str, Tuple[str, ...]] = {
+    "tensorflow": ("tensorflow",),
+    "tensorflow2_keras": ("tensorflow", "parameterized"),
+}
+
 # Helper modules a suite imports besides test/utils/common.py, with their own swaps.
 HELPERS: Dict[str, Dict[str, Dict[str, str]]] = {
     "tensorflow": {"test/parallel/base_test_tensorflow.py": {
@@ -199,6 +206,10 @@ def main(argv: List[str] | None = None) -> int:
     parser.add_argument("--launcher", default=str(Path(sys.executable).with_name("spark-hvd-run")),
                         help="the spark-hvd-run executable")
     args = parser.parse_args(argv)
+    missing = [name for name in NEEDS.get(args.suite, ()) if importlib.util.find_spec(name) is None]
+    if missing:
+        raise SystemExit(f"Horovod's {suite_path(args.suite)} imports {', '.join(missing)}, which {sys.executable} "
+                         f"lacks: pip install {' '.join(missing)}")
     if not Path(args.launcher).exists() and shutil.which(args.launcher) is None:
         raise SystemExit(f"launcher {args.launcher!r} not found; install spark-hvd (make venv) or pass --launcher")
     workdir = args.keep or Path(tempfile.mkdtemp(prefix="spark-hvd-horovod-suite-"))
