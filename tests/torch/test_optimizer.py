@@ -407,6 +407,53 @@ def check_buckets_flat_and_split(hvd, rank, size):
         _assert_equal_across_ranks(hvd, model)
 
 
+def check_flat_buffer_is_never_handed_out(hvd, rank, size):
+    """A bucket's flat buffer is kept from step to step, but gradients stay the caller's own tensors:
+    a gradient kept from an earlier step still holds that step's averaged value after later steps
+    (zero_grad setting gradients to None), or is the same tensor throughout (zero_grad keeping them
+    as zeroed tensors). A step in which
+    a head is unused on every rank (its gradients None, reduced as zeros through the general path)
+    between normal steps leaves training equal to one process's."""
+    data = _data(size, steps=3)
+    for set_to_none in (True, False):
+        want = _reference(_model(), data, _sgd)
+        model = _model()
+        opt = hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters())
+        kept = []
+        for x, y in data:
+            opt.zero_grad(set_to_none=set_to_none)
+            F.cross_entropy(model(_my_rows(x, rank)[0]), _my_rows(y, rank)[0]).backward()
+            opt.step()
+            kept.append([(p.grad, p.grad.clone()) for p in model.parameters()])
+        _assert_same_params(model, want, 1e-5, f"set_to_none={set_to_none}")
+        for step, grads in enumerate(kept):
+            for i, (grad, value) in enumerate(grads):
+                if set_to_none:
+                    assert torch.equal(grad, value), f"gradient {i} of step {step} changed after that step"
+                else:  # zeroed in place: still the tensors backward first made
+                    assert grad is kept[0][i][0], f"gradient {i} was replaced at step {step}"
+
+    def heads_loss(model, use_b, r):
+        hidden = model["trunk"](torch.ones(2, 4) * (r + 1))
+        return model["a"](hidden).sum() + (model["b"](hidden).sum() if use_b else 0)
+
+    reference = _two_headed()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    model = _two_headed()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    for use_b in (True, False, True):
+        # One process: the gradient of the ranks' mean loss is the mean of their gradients.
+        ref_opt.zero_grad()
+        (sum(heads_loss(reference, use_b, r) for r in range(size)) / size).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        heads_loss(model, use_b, rank).backward()
+        opt.step()
+    _assert_same_params(model, reference, 1e-6, "a head unused in the middle step")
+    _assert_equal_across_ranks(hvd, model)
+
+
 def check_wrapping_keeps_optimizer_identity(hvd, rank, size):
     """The wrapped optimizer is an instance of the original class with its state and param groups,
     works with an LR scheduler, and param groups with several groups get unique default names."""
@@ -486,7 +533,7 @@ def check_argument_errors(hvd, rank, size):
 ALL = [check_matches_single_process_training, check_backward_passes_per_step, check_fp16_compression,
        check_allreduce_starts_during_backward, check_unused_parameters, check_clipping_between_synchronize_and_step,
        check_zero_grad_between_backward_and_step, check_groups_and_predivide, check_bucket_cap_mb,
-       check_buckets_flat_and_split, check_wrapping_keeps_optimizer_identity,
+       check_buckets_flat_and_split, check_flat_buffer_is_never_handed_out, check_wrapping_keeps_optimizer_identity,
        check_sparse_gradients, check_argument_errors]
 
 
