@@ -21,7 +21,6 @@ __all__ = ["GradientReduction", "DistributedGradientTape", "PartialDistributedGr
 Groups = Union[None, int, Sequence[Sequence[tf.Variable]]]
 
 
-
 def _elementwise(compression: Any) -> bool:
     """Whether ``compression`` acts on each element alone (none, fp16: this module's or Keras's), so a
     flat tensor of many gradients may go through it."""
