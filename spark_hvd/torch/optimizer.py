@@ -238,7 +238,6 @@ class _DistributedOptimizer:
         names = {p: name for name, p in named}
         self._parameter_names: Dict[torch.Tensor, str] = {p: names[p] for p in trainable}
         self._allreduce_delay: Dict[torch.Tensor, int] = {p: backward_passes_per_step for p in trainable}
-        self._requires_update = list(trainable)
         self._handles: Dict[Any, _Pending] = {}
         self._synchronized = False
         self._should_synchronize = True
