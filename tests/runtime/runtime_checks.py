@@ -315,8 +315,60 @@ def unwaited_async_is_announced(rt, rank: int, size: int) -> None:
         rt.barrier()
 
 
+def repeated_small_allreduces(rt, rank: int, size: int) -> int:
+    """Training-step-like traffic: the same names every step with new values, small enough to
+    travel inside the negotiation messages (in a set of two with rank 0, the other member computes
+    them from rank 0's contribution without waiting for the answer), some too large, some past the
+    budget of one message; ranks take turns arriving late. Every result is exact and the same bits
+    on every rank, in the whole job and in a process set of rank 0 and the last rank. Returns the
+    number of results compared."""
+    pair = rt.add_process_set([0, size - 1]) if size > 1 else None
+    cases = [("float32", rt.Average, 1.0, 1.0, 5_000), ("float64", rt.Sum, 1.0, 1.0, 1),
+             ("float32", rt.Sum, 0.5, 3.0, 300), ("float16", rt.Average, 1.0, 1.0, 64),
+             ("int32", rt.Max, 1.0, 1.0, 7), ("float32", rt.Min, 1.0, 1.0, 9_000)]  # the last: 36 KB
+    compared = 0
+    for step in range(30):
+        if rank == step % size:
+            time.sleep(0.002)  # arrive late: the others' contributions wait here, or this rank's there
+        for process_set in ([rt.global_process_set] + ([pair] if pair is not None and pair.included() else [])):
+            members = process_set.ranks
+            got = []
+            for i, (dtype, op, pre, post, length) in enumerate(cases):
+                mine = ((np.arange(length) + 5 * rank + step) % 11).astype(np.float64)
+                out = rt.allreduce(mine.astype(dtype), op=op, prescale_factor=pre, postscale_factor=post,
+                                   name=f"steps.{i}", process_set=process_set)
+                stack = np.stack([((np.arange(length) + 5 * r + step) % 11) * pre for r in members])
+                want = {rt.Sum: stack.sum(0), rt.Average: stack.sum(0) / len(members), rt.Max: stack.max(0),
+                        rt.Min: stack.min(0)}[op] * post
+                _close(out, want, dtype, len(members), f"step {step} case {i} set {members}")
+                got.append(out)
+            # A burst of asynchronous requests beyond what one message carries (8 x 4 KiB fit).
+            burst = [rt.allreduce_async(np.full(1024, float(rank + step + j), np.float32), op=rt.Sum,
+                                        name=f"steps.burst.{j}", process_set=process_set) for j in range(12)]
+            for j, handle in enumerate(burst):
+                out = rt.synchronize(handle)
+                assert out.tolist() == [float(sum(r + step + j for r in members))] * 1024, (step, j, out[:4])
+                got.append(out)
+            digest = np.frombuffer(b"".join(a.tobytes() for a in got), np.uint8).astype(np.int64)
+            everyone = rt.allgather(np.array([[int(digest.sum()), int((digest * np.arange(digest.size)).sum())]]),
+                                    name="steps.digest", process_set=process_set)
+            assert (everyone == everyone[0]).all(), f"step {step}: ranks hold different bits {everyone.tolist()}"
+            compared += len(got)
+    # A disagreement is reported as before, and the names work again afterwards.
+    if size > 1:
+        try:
+            rt.allreduce(np.ones(3 + (rank == size - 1), np.float32), op=rt.Sum, name="steps.0")
+        except rt.RankMismatchError as exc:
+            assert "shapes" in str(exc), exc
+        else:
+            raise AssertionError("mismatched small allreduce did not fail")
+    again = rt.allreduce(np.full(5_000, float(rank), np.float32), op=rt.Average, name="steps.0")
+    assert again.tolist() == [sum(range(size)) / size] * 5_000
+    return compared
+
+
 ALL = [
     allreduce_matrix, scaled_allreduce, allgather_cases, broadcast_cases, alltoall_cases, reducescatter_cases,
     grouped_and_async_cases, object_cases, barrier_and_process_sets, join_cases, storage_views_and_counters,
-    polled_async_rounds, duplicate_names, unwaited_async_is_announced,
+    polled_async_rounds, duplicate_names, unwaited_async_is_announced, repeated_small_allreduces,
 ]

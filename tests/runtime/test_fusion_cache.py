@@ -6,7 +6,7 @@ import runtime_checks as checks
 from harness import assert_passed, launch
 
 SUBSET = [checks.allreduce_matrix, checks.grouped_and_async_cases, checks.object_cases, checks.reducescatter_cases,
-          checks.join_cases]
+          checks.join_cases, checks.repeated_small_allreduces]
 
 
 @pytest.mark.parametrize(
