@@ -32,3 +32,29 @@ def test_gpu_check_says_there_is_nothing_to_check_without_cuda():
                           timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "no CUDA device visible" in proc.stdout
+
+
+def test_step_breakdown_times_every_phase_of_each_mode(tmp_path):
+    """A short run of three modes (spark-hvd, DDP over gloo, the sleep control) prints their rows
+    and writes every phase of every mode, with the sleep showing up in the phase after the step."""
+    out = tmp_path / "breakdown.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "step_breakdown.py"), "--steps", "40", "--warmup", "5",
+         "--repeats", "1", "--pause-us", "2000", "--modes", "spark-hvd", "ddp-gloo", "x2 + sleep", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "spark-hvd" in proc.stdout and "ddp-gloo" in proc.stdout and "x2 + sleep" in proc.stdout
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"spark-hvd", "ddp-gloo", "x2 + sleep"}
+    for mode in results.values():
+        assert set(mode["phases_us"]) == {"zero_grad", "forward", "backward", "opt.step", "after"}
+        assert mode["step_us"] > 0 and all(v >= 0 for v in mode["phases_us"].values())
+    assert results["x2 + sleep"]["phases_us"]["after"] >= 2000
+    assert results["spark-hvd"]["phases_us"]["after"] < 2000
+
+
+def test_step_breakdown_refuses_bad_arguments():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_breakdown.py"), "--steps", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--steps 0 must be at least 1" in proc.stderr
