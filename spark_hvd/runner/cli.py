@@ -9,6 +9,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import sys
 import threading
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from spark_hvd.runtime import config
 
 from .elastic import DEFAULT_ELASTIC_TIMEOUT, ElasticJob, ElasticOptions
+from .follow import OutputFollower, rank_output_paths
 from .local import LocalJob
 from .processes import TERMINATE_GRACE_SECONDS, RankExit, RankProcesses
 
@@ -251,8 +253,8 @@ def parse_options(argv: Sequence[str], environ: Optional[Dict[str, str]] = None)
 
 
 def _mpiexec(args: argparse.Namespace, env: Dict[str, str], environ: Dict[str, str]) -> str:
-    if args.hosts is not None or _elastic_options(args) is not None or args.output_filename is not None:
-        raise UsageError("--mpi cannot be combined with -H, --output-filename or elastic options")
+    if args.hosts is not None or _elastic_options(args) is not None:
+        raise UsageError("--mpi cannot be combined with -H or elastic options")
     path = env.get("PATH", environ.get("PATH", os.defpath))
     found = shutil.which("mpiexec", path=os.pathsep.join([os.path.dirname(sys.executable), path]))
     if found is None:
@@ -370,10 +372,24 @@ def _launch_mpi(options: LaunchOptions) -> int:
     env["PYTHONUNBUFFERED"] = "1"
     for name, value in options.settings.items():
         env.update(config.setting_environment({name: value}))
-    command = [options.mpiexec, "-n", str(options.num_proc), "-prepend-rank", *options.command]
+    # Every rank's output goes to files of its own (the --output-filename directory, or a temporary
+    # one), which are followed and printed line by line with rank labels; see follow.py for why
+    # mpiexec's own labels are not used.
+    directory = options.output_dir or Path(tempfile.mkdtemp(prefix="spark-hvd-mpi-output-"))
+    follower = OutputFollower(directory, options.num_proc)
+    follower.prepare()
+    out, err = rank_output_paths(directory, "%r")
+    command = [options.mpiexec, "-n", str(options.num_proc), "-outfile-pattern", out, "-errfile-pattern", err,
+               *options.command]
     if options.verbose:
         _say("running " + " ".join(command))
-    return subprocess.call(command, env=env)
+    follower.start()
+    try:
+        return subprocess.call(command, env=env)
+    finally:
+        follower.stop()
+        if options.output_dir is None:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def launch(options: LaunchOptions) -> int:

@@ -51,3 +51,28 @@ def test_mpi_flag_is_checked():
         parse_options(["-np", "2", "--mpi", "--min-np", "1", sys.executable, "x.py"])
     assert parse_options(["-np", "2", "--mpi", sys.executable, "x.py"]).mpiexec.endswith("mpiexec")
     assert os.path.basename(LAUNCHER) == "spark-hvd-run"
+
+
+def test_mpi_output_is_labelled_line_by_line(tmp_path):
+    """Under --mpi every line of every rank arrives whole, with its rank and stream in front, also
+    when lines are written in pieces while the other rank writes; --output-filename keeps each
+    rank's raw output."""
+    script = tmp_path / "talk.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "rank = int(os.environ['PMI_RANK'])\n"
+        "for i in range(20):\n"
+        "    sys.stdout.write(f'rank {rank} line {i}'); sys.stdout.flush(); time.sleep(0.002)\n"
+        "    sys.stdout.write('\\n'); sys.stdout.flush()\n"
+        "print(f'rank {rank} says goodbye', file=sys.stderr)\n"
+        "sys.stdout.write('no newline at the end')\n")
+    done = subprocess.run([LAUNCHER, "--mpi", "-np", "2", "--output-filename", str(tmp_path / "out"), sys.executable,
+                           str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for rank in range(2):
+        lines = [line for line in done.stdout.splitlines() if line.startswith(f"[{rank}]<stdout>:")]
+        assert lines == [f"[{rank}]<stdout>:rank {rank} line {i}" for i in range(20)] + \
+            [f"[{rank}]<stdout>:no newline at the end"], done.stdout
+        assert f"[{rank}]<stderr>:rank {rank} says goodbye" in done.stderr.splitlines()
+        assert (tmp_path / "out" / f"rank.{rank}" / "stderr").read_text() == f"rank {rank} says goodbye\n"
+    assert all(line.startswith(("[0]<stdout>:", "[1]<stdout>:")) for line in done.stdout.splitlines())
