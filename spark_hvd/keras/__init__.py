@@ -21,6 +21,7 @@ from spark_hvd.keras.basics import (
     stop_timeline,
 )
 from spark_hvd.keras.compression import Compression
+from spark_hvd.keras.layers import SyncBatchNormalization
 from spark_hvd.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer, load_model
 from spark_hvd.keras.values import (
     allgather,
@@ -51,5 +52,5 @@ __all__ = [
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "DistributedOptimizer", "PartialDistributedOptimizer", "load_model",
     "allreduce", "allgather", "broadcast", "broadcast_object", "allgather_object",
-    "broadcast_global_variables", "broadcast_variables", "callbacks", "elastic",
+    "broadcast_global_variables", "broadcast_variables", "callbacks", "elastic", "SyncBatchNormalization",
 ]

@@ -71,6 +71,7 @@ from spark_hvd.tensorflow.mpi_ops import (
     join,
 )
 from spark_hvd.tensorflow.reductions import allreduce, grouped_allreduce, grouped_reducescatter, reducescatter
+from spark_hvd.keras.layers import SyncBatchNormalization
 
 __all__ = [
     # lifecycle and topology
@@ -91,4 +92,5 @@ __all__ = [
     # training
     "broadcast_variables", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
     "allgather_object", "DistributedGradientTape", "PartialDistributedGradientTape", "elastic",
+    "SyncBatchNormalization",
 ]

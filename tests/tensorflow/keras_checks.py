@@ -200,3 +200,110 @@ def check_flat_gradients_of_mixed_dtypes(hvd, rank, size):
             close(keras.ops.convert_to_numpy(variable.value), -want, atol, f"{compression.__name__} variable {k}")
     if size > 1:
         assert sorted(seen) == sorted(shape for shape, _ in specs), f"the own compressor got {seen}"
+
+
+def _value_and_grads(loss_fn, tensors):
+    """loss_fn() and its gradients with respect to ``tensors`` (backend tensors or Keras variables)."""
+    import keras
+
+    if keras.config.backend() == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            tape.watch([t.value if isinstance(t, keras.Variable) else t for t in tensors])
+            loss = loss_fn()
+        return loss, tape.gradient(loss, [t.value if isinstance(t, keras.Variable) else t for t in tensors])
+    values = [t.value if isinstance(t, keras.Variable) else t for t in tensors]
+    for v in values:
+        v.grad = None
+    loss = loss_fn()
+    loss.backward()
+    return loss, [v.grad for v in values]
+
+
+def check_sync_batch_normalization(hvd, rank, size):
+    """SyncBatchNormalization on each rank's rows (ranks hold different numbers of rows, also
+    with a mask) matches keras.layers.BatchNormalization on all rows in one process: outputs,
+    moving statistics, and gradients (of the inputs, and of gamma and beta summed over ranks)."""
+    import keras
+
+    import spark_hvd.keras as khvd
+
+    torch_backend = keras.config.backend() == "torch"
+    rows = [3 + r for r in range(size)]
+    rng = np.random.default_rng(7)
+    full = rng.normal(2.0, 3.0, size=(sum(rows), 5, 4)).astype("float32")
+    weights = rng.normal(size=full.shape).astype("float32")
+    full_mask = rng.random(full.shape[:2]) > 0.3
+    lo = sum(rows[:rank])
+    mine = slice(lo, lo + rows[rank])
+    for axis, masked in ((-1, False), (1, False), (-1, True)):
+        def layers():
+            options = dict(axis=axis, momentum=0.5, beta_initializer="ones", gamma_initializer="glorot_uniform")
+            keras.utils.set_random_seed(3)
+            reference = keras.layers.BatchNormalization(**options)
+            keras.utils.set_random_seed(3)
+            return reference, khvd.SyncBatchNormalization(**options)
+
+        reference, layer = layers()
+        x_full, x_mine = keras.ops.convert_to_tensor(full), keras.ops.convert_to_tensor(full[mine])
+        if torch_backend:
+            x_full.requires_grad_(True)
+            x_mine.requires_grad_(True)
+        mask_full = keras.ops.convert_to_tensor(full_mask) if masked else None
+        mask_mine = keras.ops.convert_to_tensor(full_mask[mine]) if masked else None
+        reference.build(full.shape)
+        layer.build(full[mine].shape)
+
+        def loss(bn, x, mask, w):
+            return keras.ops.sum(bn(x, training=True, mask=mask) * keras.ops.convert_to_tensor(w))
+
+        want, want_grads = _value_and_grads(lambda: loss(reference, x_full, mask_full, weights),
+                                            [x_full, reference.gamma, reference.beta])
+        got, got_grads = _value_and_grads(lambda: loss(layer, x_mine, mask_mine, weights[mine]),
+                                          [x_mine, layer.gamma, layer.beta])
+        what = f"axis={axis} mask={masked}"
+        out_want = keras.ops.convert_to_numpy(reference(x_full, training=False, mask=mask_full))[mine]
+        out_got = keras.ops.convert_to_numpy(layer(x_mine, training=False, mask=mask_mine))
+        close(out_got, out_want, 1e-4, f"{what}: inference output with the moving statistics")
+        for name in ("moving_mean", "moving_variance"):
+            close(keras.ops.convert_to_numpy(getattr(layer, name).value),
+                  keras.ops.convert_to_numpy(getattr(reference, name).value), 1e-4, f"{what}: {name}")
+        total = khvd.allreduce(np.array([float(keras.ops.convert_to_numpy(got))]), op=khvd.Sum)
+        close(total.astype("float32")[0], np.float32(keras.ops.convert_to_numpy(want)), 1e-2, f"{what}: loss")
+        close(keras.ops.convert_to_numpy(got_grads[0]), keras.ops.convert_to_numpy(want_grads[0])[mine], 1e-4,
+              f"{what}: input gradient")
+        for k, name in ((1, "gamma"), (2, "beta")):
+            summed = khvd.allreduce(keras.ops.convert_to_numpy(got_grads[k]), op=khvd.Sum)
+            close(summed, keras.ops.convert_to_numpy(want_grads[k]), 1e-3, f"{what}: {name} gradient")
+    try:
+        khvd.SyncBatchNormalization(fused=True)
+    except ValueError as exc:
+        assert "fused=False" in str(exc), exc
+    else:
+        raise AssertionError("fused=True was accepted")
+
+
+def check_sync_batch_normalization_in_fit(hvd, rank, size):
+    """model.fit of a model with SyncBatchNormalization, DistributedOptimizer and each rank's share
+    of every batch ends with the weights and moving statistics of one process fitting the whole
+    batches with BatchNormalization (the compiled train step on tensorflow)."""
+    import keras
+
+    import spark_hvd.keras as khvd
+
+    def model(layer_class, seed):
+        keras.utils.set_random_seed(seed)
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), layer_class(momentum=0.8),
+                                 keras.layers.Activation("tanh"), keras.layers.Dense(3)])
+
+    x, y = _data(size, 4)
+    reference = model(keras.layers.BatchNormalization, 0)
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=False)
+    reference.fit(x, y, batch_size=size * BATCH, shuffle=False, epochs=1, verbose=0)
+    synced = model(khvd.SyncBatchNormalization, 0)
+    synced.compile(optimizer=khvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    synced.fit(_my_rows(x, rank, size), _my_rows(y, rank, size), batch_size=BATCH, shuffle=False, epochs=1,
+               verbose=0)
+    for got, want in zip(synced.get_weights(), reference.get_weights()):
+        close(got, want, 1e-4, "weights and moving statistics after fit")

@@ -11,6 +11,8 @@ from keras_checks import (
     check_callbacks,
     check_fit_matches_single_process,
     check_flat_gradients_of_mixed_dtypes,
+    check_sync_batch_normalization,
+    check_sync_batch_normalization_in_fit,
     check_keras_values_and_state,
 )
 from tf_world import assert_passed, launch
@@ -29,6 +31,8 @@ CHECKS = [
     check_torch_backend_without_tensorflow,
     check_fit_matches_single_process,
     check_flat_gradients_of_mixed_dtypes,
+    check_sync_batch_normalization,
+    check_sync_batch_normalization_in_fit,
     check_backward_passes_per_step,
     check_callbacks,
     check_keras_values_and_state,

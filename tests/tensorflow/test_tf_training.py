@@ -11,6 +11,8 @@ from keras_checks import (
     check_callbacks,
     check_fit_matches_single_process,
     check_flat_gradients_of_mixed_dtypes,
+    check_sync_batch_normalization,
+    check_sync_batch_normalization_in_fit,
     check_keras_values_and_state,
 )
 from tf_world import assert_passed, close
@@ -130,6 +132,8 @@ CHECKS = [
     check_gradient_tape_matches_single_process,
     check_fit_matches_single_process,
     check_flat_gradients_of_mixed_dtypes,
+    check_sync_batch_normalization,
+    check_sync_batch_normalization_in_fit,
     check_backward_passes_per_step,
     check_callbacks,
     check_broadcast_callback_keeps_local_variables,
