@@ -13,6 +13,7 @@ from spark_hvd.keras.basics import binding
 __all__ = ["SyncBatchNormalization"]
 
 
+@keras.saving.register_keras_serializable(package="spark_hvd")
 class SyncBatchNormalization(keras.layers.BatchNormalization):
     """Batch normalization with the mean and variance of the union of every rank's batch in training.
 

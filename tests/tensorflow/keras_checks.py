@@ -287,7 +287,8 @@ def check_sync_batch_normalization(hvd, rank, size):
 def check_sync_batch_normalization_in_fit(hvd, rank, size):
     """model.fit of a model with SyncBatchNormalization, DistributedOptimizer and each rank's share
     of every batch ends with the weights and moving statistics of one process fitting the whole
-    batches with BatchNormalization (the compiled train step on tensorflow)."""
+    batches with BatchNormalization (the compiled train step on tensorflow); the model saves and
+    loads as a .keras file."""
     import keras
 
     import spark_hvd.keras as khvd
@@ -307,3 +308,11 @@ def check_sync_batch_normalization_in_fit(hvd, rank, size):
                verbose=0)
     for got, want in zip(synced.get_weights(), reference.get_weights()):
         close(got, want, 1e-4, "weights and moving statistics after fit")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:  # registered: loads without custom_objects
+        synced.save(f"{tmp}/model.keras")
+        loaded = keras.models.load_model(f"{tmp}/model.keras")
+    assert type(loaded.layers[1]) is khvd.SyncBatchNormalization and loaded.layers[1].momentum == 0.8
+    for got, want in zip(loaded.get_weights(), synced.get_weights()):
+        close(got, want, 0.0, "weights after save and load")
