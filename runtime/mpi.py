@@ -56,9 +56,13 @@ class MpiLink:
         self.closed = False
         self.error: Optional[str] = None
         self._status = import_mpi().Status()
+        # Sends still in flight, with their frames kept alive until MPI is done with them.
+        self._sending: Deque[Tuple[Any, bytes]] = deque()
 
     def pump(self) -> None:
         MPI = import_mpi()
+        if self._sending:
+            self._sending = deque(item for item in self._sending if not item[0].Test())
         while self.comm.Iprobe(source=self.peer, tag=_CONTROL, status=self._status):
             buf = bytearray(self._status.Get_count(MPI.BYTE))
             self.comm.Recv([buf, MPI.BYTE], source=self.peer, tag=_CONTROL)
@@ -68,10 +72,13 @@ class MpiLink:
         return None
 
     def send(self, frame: bytes) -> None:
-        # Both ends may send at once; receiving while waiting keeps large frames from deadlocking.
+        """Start sending ``frame``; it completes in the background (``pump`` finishes it). A
+        large frame needs the peer to receive it first, and the peer may be inside a collective
+        that waits for this rank: waiting for the send here would deadlock both. MPI delivers
+        the frames of one link in the order they were sent."""
         request = self.comm.Isend([frame, import_mpi().BYTE], dest=self.peer, tag=_CONTROL)
-        while not request.Test():
-            self.pump()
+        if not request.Test():
+            self._sending.append((request, frame))
 
     def send_quietly(self, frame: bytes) -> None:
         import time
