@@ -130,7 +130,12 @@ def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None, ignore_na
 
         def grad(dy: tf.Tensor) -> tf.Tensor:
             reduced = _allreduce(dy, op=Average, process_set=process_set)
-            return reduced if _rt.rank() == root_rank else tf.zeros_like(reduced)
+            if _rt.rank() == root_rank:
+                return reduced
+            # In a graph, zeros_like of a tensor of known shape is a constant that does not run the
+            # allreduce, and the other ranks would wait for this one forever: depend on it explicitly.
+            with tf.control_dependencies([reduced]):
+                return tf.zeros_like(reduced)
 
         return out, grad
 

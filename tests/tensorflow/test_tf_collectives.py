@@ -303,6 +303,22 @@ def check_join_and_objects(hvd, rank, size):
         hvd.broadcast_global_variables(0)
 
 
+def check_broadcast_gradient_in_a_v1_graph(hvd, rank, size):
+    """In a TensorFlow 1 style graph, running only the gradient of a broadcast runs the
+    allreduce of the output gradient on every rank (the non-root ranks' zeros depend on it), so
+    the root rank gets its averaged gradient instead of waiting for the others forever."""
+    tf = _tf()
+    for dtype in (tf.float32, tf.float64):
+        graph = tf.Graph()
+        with graph.as_default():
+            x = tf.cast(tf.ones([5]) * rank, dtype)
+            grad = tf.gradients(hvd.broadcast(x, size - 1), x, tf.ones([5], dtype) * (rank + 1))[0]
+            with tf.compat.v1.Session(graph=graph) as session:
+                got = session.run(grad)
+        want = np.full(5, (size + 1) / 2.0 if rank == size - 1 else 0.0)
+        close(got, want.astype(dtype.as_numpy_dtype), 1e-6, f"{dtype.name} broadcast gradient in a v1 graph")
+
+
 CHECKS = [
     check_topology,
     check_allreduce_every_dtype_and_op_eager_and_graph,
@@ -314,6 +330,7 @@ CHECKS = [
     check_reducescatter,
     check_indexed_slices,
     check_gradients_eager_and_graph,
+    check_broadcast_gradient_in_a_v1_graph,
     check_graph_runs_many_times_and_orders_agree,
     check_mismatch_errors,
     check_unreducible_dtype_named,
