@@ -36,17 +36,21 @@ def broadcast_variables(variables: Iterable[tf.Variable], root_rank: int, proces
     return tf.group(*assigns)
 
 
-def broadcast_global_variables(root_rank: int) -> None:
-    """Horovod's TensorFlow 1 helper for graph collections, which TensorFlow 2 does not have.
+def broadcast_global_variables(root_rank: int) -> Optional[tf.Operation]:
+    """The op that overwrites every global variable of the default graph with its value on
+    ``root_rank`` (TensorFlow 1 style graphs: ``tf.compat.v1.global_variables()``), as in Horovod.
 
-    Always raises RuntimeError naming the replacement: ``broadcast_variables(model.variables,
-    root_rank)`` (or, with Keras, ``spark_hvd.keras.callbacks.BroadcastGlobalVariablesCallback``).
+    Eagerly there are no global variables to find, so this raises RuntimeError naming the
+    replacement: ``broadcast_variables(model.variables, root_rank)`` (or, with Keras,
+    ``spark_hvd.keras.callbacks.BroadcastGlobalVariablesCallback``).
     """
-    raise RuntimeError(
-        "broadcast_global_variables() needs TensorFlow 1 graph collections, which TensorFlow 2 does not keep; "
-        f"call hvd.broadcast_variables(model.variables, root_rank={root_rank}) instead, or with Keras use "
-        "hvd.callbacks.BroadcastGlobalVariablesCallback"
-    )
+    if tf.executing_eagerly():
+        raise RuntimeError(
+            "broadcast_global_variables() works on the global variables of a TensorFlow 1 style graph, and eagerly "
+            f"there are none; call hvd.broadcast_variables(model.variables, root_rank={root_rank}) instead, or with "
+            "Keras use hvd.callbacks.BroadcastGlobalVariablesCallback"
+        )
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: Optional[str] = None,

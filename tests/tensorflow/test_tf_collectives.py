@@ -319,6 +319,25 @@ def check_broadcast_gradient_in_a_v1_graph(hvd, rank, size):
         close(got, want.astype(dtype.as_numpy_dtype), 1e-6, f"{dtype.name} broadcast gradient in a v1 graph")
 
 
+def check_broadcast_global_variables_in_a_v1_graph(hvd, rank, size):
+    """broadcast_global_variables(root) in a TensorFlow 1 style graph returns the op that gives every
+    rank the root's global variables; eagerly it raises, naming broadcast_variables."""
+    tf = _tf()
+    graph = tf.Graph()
+    with graph.as_default():
+        a = tf.compat.v1.get_variable("a", initializer=tf.fill([3], float(rank)))
+        b = tf.compat.v1.get_variable("b", initializer=tf.constant(rank, tf.int64))
+        sync = hvd.broadcast_global_variables(size - 1)
+        with tf.compat.v1.Session(graph=graph) as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            session.run(sync)
+            got_a, got_b = session.run([a, b])
+    close(got_a, np.full(3, float(size - 1), np.float32), what="float variable after the broadcast")
+    assert int(got_b) == size - 1, got_b
+    with pytest.raises(RuntimeError, match="broadcast_variables"):
+        hvd.broadcast_global_variables(0)
+
+
 CHECKS = [
     check_topology,
     check_allreduce_every_dtype_and_op_eager_and_graph,
@@ -331,6 +350,7 @@ CHECKS = [
     check_indexed_slices,
     check_gradients_eager_and_graph,
     check_broadcast_gradient_in_a_v1_graph,
+    check_broadcast_global_variables_in_a_v1_graph,
     check_graph_runs_many_times_and_orders_agree,
     check_mismatch_errors,
     check_unreducible_dtype_named,
