@@ -9,8 +9,8 @@ import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +19,9 @@ from typing import Any, Dict, List, Optional, Sequence
 from spark_hvd.runtime import config
 
 from .elastic import DEFAULT_ELASTIC_TIMEOUT, ElasticJob, ElasticOptions
-from .follow import OutputFollower, rank_output_paths
+from .follow import OutputFollower
 from .local import LocalJob
-from .processes import TERMINATE_GRACE_SECONDS, RankExit, RankProcesses
+from .processes import TERMINATE_GRACE_SECONDS, RankExit, RankProcesses, rank_output_path
 
 __all__ = ["main", "launch", "parse_options", "LaunchOptions", "UsageError", "check_hosts"]
 
@@ -378,9 +378,9 @@ def _launch_mpi(options: LaunchOptions) -> int:
     directory = options.output_dir or Path(tempfile.mkdtemp(prefix="spark-hvd-mpi-output-"))
     follower = OutputFollower(directory, options.num_proc)
     follower.prepare()
-    out, err = rank_output_paths(directory, "%r")
-    command = [options.mpiexec, "-n", str(options.num_proc), "-outfile-pattern", out, "-errfile-pattern", err,
-               *options.command]
+    command = [options.mpiexec, "-n", str(options.num_proc),
+               "-outfile-pattern", str(rank_output_path(directory, "%r", "stdout")),
+               "-errfile-pattern", str(rank_output_path(directory, "%r", "stderr")), *options.command]
     if options.verbose:
         _say("running " + " ".join(command))
     follower.start()

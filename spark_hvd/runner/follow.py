@@ -14,17 +14,11 @@ import threading
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .processes import print_prefixed
+from .processes import MAX_LINE_BYTES, print_prefixed, rank_output_path
 
-__all__ = ["OutputFollower", "rank_output_paths"]
+__all__ = ["OutputFollower"]
 
-_MAX_LINE_BYTES = 1 << 16
 _READ_BYTES = 1 << 20
-
-
-def rank_output_paths(directory: Path, rank_pattern: str) -> Tuple[str, str]:
-    """The stdout and stderr paths of every rank, with ``rank_pattern`` where the rank goes."""
-    return str(directory / f"rank.{rank_pattern}" / "stdout"), str(directory / f"rank.{rank_pattern}" / "stderr")
 
 
 class OutputFollower:
@@ -38,9 +32,8 @@ class OutputFollower:
                  interval: float = 0.05) -> None:
         self._paths: Dict[Tuple[int, str], Path] = {}
         for rank in range(num_proc):
-            out, err = rank_output_paths(directory, str(rank))
-            self._paths[(rank, "stdout")] = Path(out)
-            self._paths[(rank, "stderr")] = Path(err)
+            for stream in ("stdout", "stderr"):
+                self._paths[(rank, stream)] = rank_output_path(directory, str(rank), stream)
         self._sink = sink
         self._interval = interval
         self._offsets: Dict[Tuple[int, str], int] = {key: 0 for key in self._paths}
@@ -63,9 +56,9 @@ class OutputFollower:
             self._offsets[key] += len(data)
             lines = (self._partial[key] + data).split(b"\n")
             rest = lines.pop()
-            while len(rest) > _MAX_LINE_BYTES:  # a rank that never ends a line is shown in pieces
-                lines.append(rest[:_MAX_LINE_BYTES])
-                rest = rest[_MAX_LINE_BYTES:]
+            while len(rest) > MAX_LINE_BYTES:  # a rank that never ends a line is shown in pieces
+                lines.append(rest[:MAX_LINE_BYTES])
+                rest = rest[MAX_LINE_BYTES:]
             self._partial[key] = rest
             for raw in lines:
                 self._emit(key, raw)

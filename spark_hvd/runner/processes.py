@@ -65,7 +65,14 @@ LEAVER_WAIT_SECONDS = 1.0
 left with code 0 and whose peers failed because of it is seen to exit: a leaver's peers learn of
 its departure when it shuts down, and often fail before its interpreter has finished exiting."""
 
-_MAX_LINE_BYTES = 1 << 16
+MAX_LINE_BYTES = 1 << 16
+"""The longest piece of a rank's output handed on as one line (a rank that never ends a line must
+not grow our memory without limit)."""
+
+
+def rank_output_path(directory: Path, rank: str, stream: str) -> Path:
+    """Where ``--output-filename`` keeps one stream of a rank: ``DIR/rank.<r>/stdout`` (or stderr)."""
+    return directory / f"rank.{rank}" / stream
 
 _print_lock = threading.Lock()
 
@@ -258,16 +265,16 @@ class RankProcesses:
     def _open_output_files(self, rank: int) -> Dict[str, Optional[IO[bytes]]]:
         if self._output_dir is None:
             return {"stdout": None, "stderr": None}
-        rank_dir = self._output_dir / f"rank.{rank}"
-        rank_dir.mkdir(parents=True, exist_ok=True)
+        paths = {name: rank_output_path(self._output_dir, str(rank), name) for name in ("stdout", "stderr")}
+        paths["stdout"].parent.mkdir(parents=True, exist_ok=True)
         # Unbuffered, so the files are complete up to the last line even if we are killed.
-        return {name: open(rank_dir / name, "wb", buffering=0) for name in ("stdout", "stderr")}
+        return {name: open(path, "wb", buffering=0) for name, path in paths.items()}
 
     def _pump(self, rank: int, stream: str, pipe: IO[bytes], file: Optional[IO[bytes]]) -> None:
         sink = self._sink
         try:
             # Bounded reads: a rank that never ends a line must not grow our memory without limit.
-            for raw in iter(lambda: pipe.readline(_MAX_LINE_BYTES), b""):
+            for raw in iter(lambda: pipe.readline(MAX_LINE_BYTES), b""):
                 if file is not None:
                     file.write(raw if raw.endswith(b"\n") else raw + b"\n")
                 line = raw.decode("utf-8", "replace").rstrip("\r\n")
