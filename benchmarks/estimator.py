@@ -327,10 +327,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.fits < 1:
         raise SystemExit("--fits must be at least 1")
-    from spark_hvd.spark._session import LOCAL_ENVIRONMENT, build_local_session
+    from spark_hvd.spark.session import LOCAL_ENVIRONMENT, local_session
 
     os.environ.update(LOCAL_ENVIRONMENT)  # read by the Spark JVM when it starts
-    spark = build_local_session("spark-hvd-benchmark-estimator")
+    spark = local_session("spark-hvd-benchmark-estimator")
     spark.sparkContext.setLogLevel("ERROR")
     keras_result: Optional[Dict[str, Any]] = None
     try:

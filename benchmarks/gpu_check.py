@@ -150,7 +150,8 @@ def transform_check(torch: Any, dev: Any) -> str:
     gives the CPU answer."""
     import numpy as np
 
-    from spark_hvd.spark.torch.transform import InferencePlan, TorchPredictor
+    from spark_hvd.spark.estimator.inference import InferencePlan
+    from spark_hvd.spark.torch.predictor import TorchPredictor
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).eval()

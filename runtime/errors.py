@@ -10,6 +10,7 @@ __all__ = [
     "RankMismatchError",
     "RendezvousTimeout",
     "AuthenticationError",
+    "TamperedError",
     "NotInitializedError",
     "HorovodInternalError",
     "HostsUpdatedInterrupt",
@@ -50,6 +51,10 @@ class RendezvousTimeout(SparkHvdError, TimeoutError):
 
 class AuthenticationError(SparkHvdError, PermissionError):
     """A connection did not prove knowledge of the job secret."""
+
+
+class TamperedError(SparkHvdError, PermissionError):
+    """Bytes read back (a payload file, a stored output chunk) are not sealed with the job's secret."""
 
 
 class NotInitializedError(SparkHvdError, ValueError):

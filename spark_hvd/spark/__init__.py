@@ -1,11 +1,13 @@
-"""Spark integration: run() and run_elastic() on barrier tasks, sessions, stores, data preparation, readers and estimator Params."""
-from .runner import RankFailedError, run
-from .elastic import run_elastic
-from .data import ColumnInfo, PreparedData, prepare_data
-from .params import EstimatorParams, ModelParams, ParamSpec, params_mixin
-from .reader import BatchReader, make_reader
-from .session import local_session
-from .store import DBFSLocalStore, FsspecStore, LocalStore, Store, VolumeStore
+"""Spark integration: run() and run_elastic() on barrier tasks, sessions, stores, data preparation, readers and estimator Params.
+
+The package is in parts: ``launch`` (barrier stages, elastic stages, retries, task output),
+``data`` (stores, preparation, readers), ``estimator`` (the kit every estimator shares), and one
+subpackage of hooks per framework (``torch``, ``keras``, ``lightning``)."""
+from spark_hvd.spark.data import (BatchReader, ColumnInfo, DBFSLocalStore, FsspecStore, LocalStore, PreparedData, Store,
+                                  VolumeStore, make_reader, prepare_data)
+from spark_hvd.spark.estimator import EstimatorParams, ModelParams, ParamSpec, params_mixin
+from spark_hvd.spark.launch import RankFailedError, run, run_elastic
+from spark_hvd.spark.session import local_session
 
 __all__ = [
     "run",

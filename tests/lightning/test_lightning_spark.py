@@ -11,12 +11,12 @@ from test_lightning_training import BATCH, STEPS, Classifier, _loader, _referenc
 @pytest.fixture(scope="module")
 def spark() -> Iterator["object"]:
     """A local[2] SparkSession on loopback for this module."""
-    from spark_hvd.spark._session import LOCAL_ENVIRONMENT, build_local_session
+    from spark_hvd.spark.session import LOCAL_ENVIRONMENT, local_session
 
     with pytest.MonkeyPatch.context() as patch:
         for name, value in LOCAL_ENVIRONMENT.items():
             patch.setenv(name, value)
-        session = build_local_session("spark-hvd-lightning-tests")
+        session = local_session("spark-hvd-lightning-tests")
         try:
             yield session
         finally:

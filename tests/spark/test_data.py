@@ -9,9 +9,9 @@ from typing import Dict
 import numpy as np
 import pytest
 
-from spark_hvd.spark.data import PreparedData, prepare_data
-from spark_hvd.spark.reader import make_reader, scan_parquet
-from spark_hvd.spark.store import Store
+from spark_hvd.spark.data.prepare import PreparedData, prepare_data
+from spark_hvd.spark.data.reader import make_reader, scan_parquet
+from spark_hvd.spark.data.store import Store
 
 N = 40
 

@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from spark_hvd.runner import run as run_local
-from spark_hvd.spark.store import Store
+from spark_hvd.spark.data.store import Store
 from spark_hvd.spark.torch import TorchEstimator, TorchModel
+from spark_hvd.spark.estimator import checks as common
 from spark_hvd.spark.torch import batches, checks
-from spark_hvd.spark.torch.progress import PROGRESS_PREFIX, ProgressPrinter, ProgressReporter, format_epoch
-from spark_hvd.spark.torch.training import (OptimizerSpec, TrainingSpec, checkpoint_bytes, load_checkpoint,
+from spark_hvd.spark.estimator.progress import PROGRESS_PREFIX, ProgressPrinter, ProgressReporter, format_epoch
+from spark_hvd.spark.torch.training import (OptimizerSpec, TorchTrainingSpec, checkpoint_bytes, load_checkpoint,
                                             train_on_rank)
 
 ISSUE_PARAMS = [
@@ -126,13 +127,13 @@ def test_dry_run_reports_wrong_input_size_and_output_count():
 
 def test_input_shapes_are_resolved_against_column_sizes():
     """-1 is filled in from the column's size; sizes that do not match are refused."""
-    assert checks.feature_shapes([[2, -1]], ["img"], [6]) == [(2, 3)]
-    assert checks.feature_shapes(None, ["x", "v"], [1, 5]) == [(1,), (5,)]
-    assert checks.feature_shapes(None, ["v"], [None]) is None
+    assert common.feature_shapes([[2, -1]], ["img"], [6]) == [(2, 3)]
+    assert common.feature_shapes(None, ["x", "v"], [1, 5]) == [(1,), (5,)]
+    assert common.feature_shapes(None, ["v"], [None]) is None
     with pytest.raises(ValueError, match=r"holds 4 values per row but the column has 6"):
-        checks.feature_shapes([[2, 2]], ["img"], [6])
+        common.feature_shapes([[2, 2]], ["img"], [6])
     with pytest.raises(ValueError, match=r"input_shapes has 1 shape\(s\) for 2 feature"):
-        checks.feature_shapes([[2]], ["a", "b"], [2, 2])
+        common.feature_shapes([[2]], ["a", "b"], [2, 2])
 
 
 def test_optimizer_spec_rebuilds_groups_over_another_model_copy():
@@ -261,9 +262,9 @@ def _spec(tmp_path, model, optimizer, **overrides):
         sample_weight_col=None, feature_shapes=[(3,)], column_shapes={"features": (3,), "y": ()},
         train_url=str(tmp_path / "train"), val_url=None, storage_options={}, reader="builtin", batch_size=8,
         val_batch_size=8, epochs=1, start_epoch=0, train_steps=1, val_steps=0, shuffle=False, seed=0,
-        torch_seed=0, store=store, checkpoint_path=store.get_checkpoint_path("run"), progress=False)
+        model_seed=0, store=store, checkpoint_path=store.get_checkpoint_path("run"), progress=False)
     values.update(overrides)
-    return TrainingSpec(**values), store
+    return TorchTrainingSpec(**values), store
 
 
 def _one_sgd_step_expected(tmp_path, model, lr):
@@ -424,12 +425,12 @@ def test_local_master_uses_the_driver_python_when_the_configured_one_lacks_spark
 
     session = FakeSession()
     classic = SessionInfo(connect=False, master="local[2]", slots=2, default_parallelism=2, client_is_local=True)
-    checks.ensure_executor_python(session, classic)
+    common.ensure_executor_python(session, classic, ("torch",))
     assert session.sparkContext.pythonExec == sys.executable
     # A Spark Connect server started with its Python already: the fix is named instead.
     connect = SessionInfo(connect=True, master="local[2]", slots=2, default_parallelism=2, client_is_local=True)
     with pytest.raises(ValueError, match=r"/nonexistent/bin/python3.*PYSPARK_PYTHON=.*local_session\(connect=True\)"):
-        checks.ensure_executor_python(session, connect)
+        common.ensure_executor_python(session, connect, ("torch",))
     # A remote cluster's executors are not this machine's: nothing to probe here.
     remote = SessionInfo(connect=True, master="spark://h:7077", slots=None, default_parallelism=2, client_is_local=False)
-    checks.ensure_executor_python(session, remote)
+    common.ensure_executor_python(session, remote, ("torch",))

@@ -25,10 +25,10 @@ import torch
 from spark_hvd.runner.errors import RankFailedError
 from spark_hvd.runtime.errors import CollectiveError
 from spark_hvd.spark import Store, prepare_data, run_elastic
-from spark_hvd.spark._task import WORKDIR_PREFIX, remove_stale_workdirs
-from spark_hvd.spark.data import _normalize_ids, data_identity, dataset_key
-from spark_hvd.spark.retry import is_recoverable, run_with_retries
-from spark_hvd.spark.runner import StageLostError
+from spark_hvd.spark.launch.task import WORKDIR_PREFIX, remove_stale_workdirs
+from spark_hvd.spark.data.identity import data_identity, dataset_key, normalize_ids
+from spark_hvd.spark.launch.retry import is_recoverable, run_with_retries
+from spark_hvd.spark.launch.barrier import StageLostError
 from spark_hvd.spark.torch import TorchEstimator
 
 pytestmark = pytest.mark.timeout(900)  # a cluster of three JVMs starts slowly on a busy two-core machine
@@ -43,7 +43,7 @@ STEPS = ROWS // (2 * BATCH)  # per epoch, on each of the 2 ranks
 _KEY_SCRIPT = """
 import json, sys
 from spark_hvd.spark.session import local_session
-from spark_hvd.spark.data import data_identity, dataset_key
+from spark_hvd.spark.data.identity import data_identity, dataset_key
 spark = local_session("key-check", num_cores=1)
 df = spark.read.parquet(sys.argv[1])
 memory = spark.createDataFrame([(1.0, 2.0), (3.0, 4.0)], ["p", "q"])
@@ -87,7 +87,7 @@ def cluster(fresh_keys):
             "spark.executor.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
         })
         try:
-            from spark_hvd.spark.retry import wait_for_free_slots
+            from spark_hvd.spark.launch.retry import wait_for_free_slots
 
             wait_for_free_slots(session, 2, 120.0)
             yield session
@@ -291,7 +291,7 @@ def test_dataset_key_is_the_same_in_a_fresh_process(cluster, fresh_keys, tmp_pat
 
 def test_plan_ids_are_renumbered_by_first_appearance():
     """Session-specific expression ids become 0, 1, ... in order; distinct ids stay distinct."""
-    assert _normalize_ids("Join (x#812L = x#815L)\n:- Project [x#812L, y#813]") == \
+    assert normalize_ids("Join (x#812L = x#815L)\n:- Project [x#812L, y#813]") == \
         "Join (x#0L = x#1L)\n:- Project [x#0L, y#2]"
 
 

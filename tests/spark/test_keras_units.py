@@ -19,9 +19,9 @@ from spark_hvd.spark.keras.checkpoint import checkpoint_bytes, read_checkpoint
 from spark_hvd.spark.keras.environment import RANK_ENVIRONMENT
 from spark_hvd.spark.keras.fingerprint import run_fingerprint
 from spark_hvd.spark.keras.training import KerasTrainingSpec, train_on_rank
-from spark_hvd.spark.outputs import standard_columns
-from spark_hvd.spark.params import ESTIMATOR_PARAMS
-from spark_hvd.spark.store import Store
+from spark_hvd.spark.estimator.outputs import standard_columns
+from spark_hvd.spark.estimator.params import ESTIMATOR_PARAMS
+from spark_hvd.spark.data.store import Store
 
 
 def dense(units=1, inputs=3, hidden=0):
@@ -181,7 +181,7 @@ def test_fingerprint_ignores_layer_names_and_weights_but_not_architecture_or_opt
 
     base = fingerprint(dense(hidden=4))
     assert fingerprint(dense(hidden=4)) == base
-    from spark_hvd.spark.fingerprint import changed_parts
+    from spark_hvd.spark.estimator.fingerprint import changed_parts
 
     assert changed_parts(base, fingerprint(dense(hidden=8))) == ["model architecture"]
     assert changed_parts(base, fingerprint(dense(hidden=4), lr=0.2)) == ["optimizer"]
@@ -210,7 +210,7 @@ def _spec(tmp_path, model, optimizer, **overrides):
         feature_shapes=[(3,)], output_shapes=[(1,)], column_shapes={"features": (3,), "y": ()}, dtype="float32",
         train_url=str(tmp_path / "train"), val_url=None, storage_options={}, reader="builtin", batch_size=8,
         val_batch_size=8, epochs=1, start_epoch=0, train_steps=1, val_steps=0, shuffle=False,
-        shuffle_buffer_rows=0, seed=0, keras_seed=0, store=store,
+        shuffle_buffer_rows=0, seed=0, model_seed=0, store=store,
         checkpoint_path=os.path.join(store.get_run_path("run"), "checkpoint.keras"), progress=False)
     values.update(overrides)
     return KerasTrainingSpec(**values), store

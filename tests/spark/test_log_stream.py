@@ -8,7 +8,7 @@ import time
 
 from spark_hvd.runtime.config import new_secret
 from spark_hvd.runtime.wire import authenticate_client, secret_bytes
-from spark_hvd.spark._log_stream import _FIELD_CHARS, FRAME_LIMIT, LogCollector, LogSender, _shortened
+from spark_hvd.spark.launch.log_stream import _FIELD_CHARS, FRAME_LIMIT, LogCollector, LogSender, _shortened
 
 
 def _rss_mib():

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from spark_hvd.spark._store_log import StoreLogCollector, StoreLogSender, seal, unseal
-from spark_hvd.spark.outputs import check_task, column_kinds, infer_task, standard_columns
+from spark_hvd.spark.launch.store_log import StoreLogCollector, StoreLogSender, seal, unseal
+from spark_hvd.spark.estimator.outputs import check_task, column_kinds, infer_task, standard_columns
 from spark_hvd.spark.session import slots_from_conf
-from spark_hvd.spark.store import LocalStore, Store, VolumeStore
+from spark_hvd.spark.data.store import LocalStore, Store, VolumeStore
 from spark_hvd.spark.torch import checks
 from spark_hvd.spark.torch.batches import LossFunction
 from spark_hvd.spark.torch.fingerprint import changed_parts, run_fingerprint
@@ -209,7 +209,7 @@ def test_transform_runs_on_the_gpu_spark_assigned_to_the_task(monkeypatch):
     import pyspark
     import torch
 
-    from spark_hvd.spark.torch.transform import TorchPredictor
+    from spark_hvd.spark.torch.predictor import TorchPredictor
 
     class Gpus:
         def __init__(self, addresses):

@@ -9,9 +9,9 @@ import pytest
 import torch
 from pyspark.ml import Estimator, Model
 
-from spark_hvd.spark.params import (ESTIMATOR_PARAMS, MODEL_PARAMS, EstimatorParams, ModelParams, ParamSpec,
+from spark_hvd.spark.estimator.params import (ESTIMATOR_PARAMS, MODEL_PARAMS, EstimatorParams, ModelParams, ParamSpec,
                                     ToInt, params_mixin)
-from spark_hvd.spark.store import LocalStore, Store
+from spark_hvd.spark.data.store import LocalStore, Store
 
 
 class ProbeEstimator(Estimator, EstimatorParams):

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from spark_hvd.spark.reader import make_reader, scan_parquet, steps_for
+from spark_hvd.spark.data.reader import make_reader, scan_parquet, steps_for
 
 KINDS = ["builtin", pytest.param("petastorm", marks=pytest.mark.petastorm)]
 
@@ -182,9 +182,9 @@ def test_petastorm_missing_says_how_to_install(tmp_path, monkeypatch):
 def test_batches_within_a_chunk_are_views_and_straddling_ones_join_chunks():
     """The batcher copies no row twice: a batch inside one chunk views it, one across chunks
     gathers exactly its rows, and the order of rows is kept."""
-    from spark_hvd.spark.reader import _Batcher
+    from spark_hvd.spark.data.reader import Batcher
 
-    batcher = _Batcher(4)
+    batcher = Batcher(4)
     chunks = [{"x": np.arange(a, b, dtype=np.float64)} for a, b in ((0, 6), (6, 9), (9, 16), (16, 20))]
     batches = [batch for chunk in chunks for batch in batcher.push(chunk)]
     assert [list(b["x"]) for b in batches] == [list(range(i, i + 4)) for i in range(0, 20, 4)]

@@ -11,8 +11,9 @@ from typing import Any, Dict
 import pytest
 
 from spark_hvd.runner.errors import RankFailedError
-from spark_hvd.spark import _task, runner
-from spark_hvd.spark.runner import run
+from spark_hvd.spark.launch import barrier as runner
+from spark_hvd.spark.launch import task as _task
+from spark_hvd.spark.launch.barrier import run
 
 SESSION_KINDS = ("classic", "connect")
 

@@ -15,7 +15,7 @@ from typing import Iterator
 
 import pytest
 
-from spark_hvd.spark.store import DBFSLocalStore, FsspecStore, LocalStore, Store
+from spark_hvd.spark.data.store import DBFSLocalStore, FsspecStore, LocalStore, Store
 
 
 @pytest.mark.parametrize("prefix, cls, stored_prefix", [
@@ -159,7 +159,7 @@ def test_readers_never_see_a_write_in_progress(store):
 
 _KILLED_WRITER = textwrap.dedent("""
     import sys, time
-    from spark_hvd.spark.store import FsspecStore, LocalStore
+    from spark_hvd.spark.data.store import FsspecStore, LocalStore
     store = LocalStore(sys.argv[1]) if sys.argv[2] == "local" else FsspecStore("file://" + sys.argv[1])
     def chunks():
         yield b"n" * 1_000_000
@@ -228,7 +228,7 @@ def test_a_run_that_trained_something_else_is_refused_or_started_over(tmp_path):
     import pytest
 
     from spark_hvd.spark import Store
-    from spark_hvd.spark.fingerprint import start_over_or_refuse
+    from spark_hvd.spark.estimator.fingerprint import start_over_or_refuse
 
     store = Store.create(str(tmp_path / "store"))
     path = store.get_checkpoint_path("r1")

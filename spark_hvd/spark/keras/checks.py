@@ -1,7 +1,7 @@
 """Checks KerasEstimator and KerasModel make on the driver before any Spark job runs.
 
 Each failure is a ValueError that names the parameter or column, the value seen, what was
-expected and how to fix it. The framework-independent checks are :mod:`spark_hvd.spark.checks`.
+expected and how to fix it. The framework-independent checks are :mod:`spark_hvd.spark.estimator.checks`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import keras
 import numpy as np
 
-from spark_hvd.spark.checks import require, resolve_shape
+from spark_hvd.spark.estimator.checks import require, resolve_shape
+from spark_hvd.spark.estimator.outputs import check_task
 
 __all__ = [
     "check_model",
@@ -268,20 +269,22 @@ def dry_run(model: Any, shapes: Sequence[Tuple[int, ...]], num_labels: Optional[
 
 
 def dry_run_batch(model: Any, losses: Sequence[Any], batch: Mapping[str, np.ndarray], feature_cols: Sequence[str],
-                  label_cols: Sequence[str], shapes: Sequence[Tuple[int, ...]], dtype: str) -> None:
-    """One real batch through the model and each loss, as the ranks will run them, on the driver.
+                  label_cols: Sequence[str], shapes: Sequence[Tuple[int, ...]], dtype: str,
+                  task: str = "none") -> List[Tuple[int, ...]]:
+    """One real batch through the model and each loss, as the ranks will run them, on the driver;
+    returns each output's per-row shape.
 
-    Raises a ValueError naming the shapes when a loss refuses an output and its label, or would
-    silently broadcast them (Keras's mean squared error accepts a label of 3 values per row
-    against an output of 1 and averages over 3x the pairs). The model's weights are not changed.
+    Raises a ValueError naming the shapes when the outputs do not suit the labels or ``task``, or
+    a loss refuses an output and its label, or would silently broadcast them (Keras's mean
+    squared error accepts a label of 3 values per row against an output of 1 and averages over 3x
+    the pairs). The model's weights are not changed (a model without defined inputs is built).
     """
-    rows = len(next(iter(batch.values()))) if batch else 0
-    if rows == 0:
-        return
     outputs = call_model(model, _inputs(batch, feature_cols, shapes, dtype))
     if len(outputs) != len(label_cols):
         raise ValueError(f"the model returned {len(outputs)} output(s) for {len(label_cols)} label column(s): "
                          "expected one output per label column; fix label_cols or the model's outputs")
+    output_shapes = [tuple(o.shape[1:]) for o in outputs]
+    check_task(task, output_shapes)
     labels = label_arrays(batch, label_cols, [tuple(o.shape[1:]) for o in outputs], dtype)
     for fn, col, out, lab in zip(losses, label_cols, outputs, labels):
         name = loss_name(fn)[0]
@@ -309,3 +312,4 @@ def dry_run_batch(model: Any, losses: Sequence[Any], batch: Mapping[str, np.ndar
         if not np.all(np.isfinite(value)):
             raise ValueError(f"the loss is not finite on a real batch: {shapes_text} gave {value}; expected a finite "
                              "loss; fix: check the labels' range for this loss (e.g. 0/1 for binary cross-entropy)")
+    return output_shapes

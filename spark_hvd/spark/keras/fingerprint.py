@@ -1,4 +1,4 @@
-"""The fingerprint of a KerasEstimator run (see :mod:`spark_hvd.spark.fingerprint`): the model's
+"""The fingerprint of a KerasEstimator run (see :mod:`spark_hvd.spark.estimator.fingerprint`): the model's
 layers and their settings and weight shapes (not names, which Keras numbers per session, and not
 values), the optimizer's class and settings, the losses and their weights, and the data."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Sequence
 
-from spark_hvd.spark.fingerprint import data_digest, digest
+from spark_hvd.spark.estimator.fingerprint import data_digest, digest
 
 __all__ = ["run_fingerprint"]
 

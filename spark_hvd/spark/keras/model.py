@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import hashlib
-import sys
 import warnings
 from typing import Any, List, Tuple
 
 import cloudpickle
 import numpy as np
 
-from spark_hvd.spark import inference
-from spark_hvd.spark.checks import ensure_executor_python
-from spark_hvd.spark.fitted import FittedModel
-from spark_hvd.spark.inference import InferencePlan, feature_args, output_is_scalar
+from spark_hvd.spark.estimator.fitted import FittedModel
+from spark_hvd.spark.estimator.inference import InferencePlan
 from spark_hvd.spark.keras import checks
 from spark_hvd.spark.keras.checkpoint import load_model_bytes, model_bytes
-from spark_hvd.spark.outputs import check_task
-from spark_hvd.spark.params import KerasModelParams
-from spark_hvd.spark.session import session_info
+from spark_hvd.spark.keras.params import KerasModelParams
 
 __all__ = ["KerasModel", "KerasPredictor", "WORKER_MODULES"]
 
@@ -84,11 +79,19 @@ class KerasModel(FittedModel, KerasModelParams):
     ``KerasModel.load(path)``, also inside a ``PipelineModel``; loading unpickles the Params.
     """
 
-    def _check(self, df: Any) -> Tuple[Any, List[str], List[str]]:
-        model = self.getModel()
+    worker_modules = WORKER_MODULES
+
+    def _check_model(self, model: Any) -> None:
         checks.check_model(model)
-        feature_cols, output_cols = self._check_columns(df)
-        return model, feature_cols, output_cols
+
+    def _dtype(self, model: Any) -> str:
+        return checks.model_dtype(model)
+
+    def _shapes(self, model: Any, feature_cols: List[str], sizes: List[int]) -> List[Tuple[int, ...]]:
+        return checks.feature_shapes(self.getInputShapes(), model, feature_cols, sizes)
+
+    def _dry_run(self, model: Any, shapes: List[Tuple[int, ...]], outputs: int, dtype: str) -> List[Tuple[int, ...]]:
+        return checks.dry_run(model, shapes, outputs, dtype)
 
     def _payload(self, model: Any) -> Tuple[str, bytes]:
         """The model's key and what travels in the UDF's closure: its ``.keras`` bytes and the
@@ -98,21 +101,5 @@ class KerasModel(FittedModel, KerasModelParams):
             data = model_bytes(model)
         return _model_key(model), cloudpickle.dumps({"model": data, "custom_objects": self.getCustomObjects()})
 
-    def _transform(self, dataset: Any) -> Any:
-        model, feature_cols, output_cols = self._check(dataset)
-        session = dataset.sparkSession
-        ensure_executor_python(session, session_info(session), WORKER_MODULES)
-        sizes = self._input_sizes(dataset, feature_cols)
-        shapes = checks.feature_shapes(self.getInputShapes(), model, feature_cols, sizes)
-        dtype = checks.model_dtype(model)
-        row_shapes = checks.dry_run(model, shapes, len(output_cols), dtype)
-        check_task(self.getTask(), row_shapes)
-        scalar = tuple(output_is_scalar(s) for s in row_shapes)
-        key, payload = self._payload(model)
-        plan = InferencePlan(
-            key=key, feature_cols=tuple(feature_cols), input_shapes=tuple(tuple(s) for s in shapes),
-            output_cols=tuple(output_cols), scalar_outputs=scalar, batch_size=self.getInferenceBatchSize(),
-            dtype=dtype, sys_path=tuple(p for p in sys.path if isinstance(p, str)), task=self.getTask())
-        udf = inference.prediction_udf(plan, payload, KerasPredictor())
-        predicted = udf(*feature_args(dataset.schema, feature_cols, dtype))
-        return self._add_predictions(dataset, predicted, output_cols, scalar)
+    def _predictor(self) -> "KerasPredictor":
+        return KerasPredictor()

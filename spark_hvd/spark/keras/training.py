@@ -15,24 +15,24 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import keras
 import numpy as np
 
 from spark_hvd.spark.keras import checks
 from spark_hvd.spark.keras.checkpoint import checkpoint_bytes, load_model_bytes
-from spark_hvd.spark.progress import ProgressReporter
+from spark_hvd.spark.estimator.progress import ProgressReporter
+from spark_hvd.spark.estimator.training import TrainingSpec, rank_threads
 
 __all__ = ["KerasTrainingSpec", "train_on_rank", "scaled_optimizer"]
 
 
-@dataclass
-class KerasTrainingSpec:
-    """Everything one fit's ranks need; built by the estimator on the driver."""
+@dataclass(kw_only=True)
+class KerasTrainingSpec(TrainingSpec):
+    """Everything one fit's ranks need: the shared settings, and the Keras model, optimizer and loss."""
 
     model: bytes
     """The model as ``.keras`` bytes, holding any resumed weights."""
@@ -42,45 +42,13 @@ class KerasTrainingSpec:
     loss_weights: Optional[List[float]]
     metrics: List[Any]
     custom_objects: Optional[Dict[str, Any]]
-    feature_cols: List[str]
-    label_cols: List[str]
-    sample_weight_col: Optional[str]
-    feature_shapes: List[Tuple[int, ...]]
-    """Per-row shape of each feature as the model takes it."""
     output_shapes: List[Tuple[int, ...]]
     """Per-row shape of each model output (labels of as many values are reshaped to it)."""
-    column_shapes: Dict[str, Tuple[int, ...]]
-    """Per-row shape of every column as stored (for the reader)."""
     dtype: str
-    train_url: str
-    val_url: Optional[str]
-    storage_options: Dict[str, Any]
-    reader: str
-    batch_size: int
-    val_batch_size: int
-    epochs: int
-    start_epoch: int
-    train_steps: int
-    val_steps: int
-    shuffle: bool
-    shuffle_buffer_rows: int
-    seed: int
-    keras_seed: Optional[int]
-    store: Any
-    checkpoint_path: str
-    history: List[Dict[str, Any]] = field(default_factory=list)
     optimizer_variables: Optional[List[np.ndarray]] = None
     """The resumed optimizer's variables, in order, or None for a new run."""
     backward_passes_per_step: int = 1
-    compression: Any = None
     scale_lr: bool = True
-    use_gpu: bool = True
-    transformation_fn: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None
-    callbacks: List[Any] = field(default_factory=list)
-    progress: bool = True
-    """Whether rank 0 reports steps while an epoch runs (epochs are always reported)."""
-    progress_interval_s: float = 0.25
-    fingerprint: Dict[str, str] = field(default_factory=dict)
 
 
 def scaled_optimizer(config: Dict[str, Any], factor: float, custom_objects: Optional[Dict[str, Any]] = None) -> Any:
@@ -106,8 +74,7 @@ class _Trainer:
         self.spec = spec
         self.hvd = hvd
         self.rank, self.size = hvd.rank(), hvd.size()
-        # Ranks sharing a host share its cores: oversubscribed threads slow every rank down.
-        threads = max(1, (os.cpu_count() or 1) // max(1, hvd.local_size()))
+        threads = rank_threads(hvd.local_size())
         try:
             tf.config.threading.set_intra_op_parallelism_threads(threads)
             tf.config.threading.set_inter_op_parallelism_threads(threads)
@@ -115,8 +82,8 @@ class _Trainer:
             pass
         if not spec.use_gpu:
             tf.config.set_visible_devices([], "GPU")
-        if spec.keras_seed is not None:
-            keras.utils.set_random_seed(spec.keras_seed)
+        if spec.model_seed is not None:
+            keras.utils.set_random_seed(spec.model_seed)
         self.model = load_model_bytes(spec.model, spec.custom_objects)
         self.lr_scale = float(self.size) if spec.scale_lr else 1.0
         self.base_lr = spec.optimizer.get("config", {}).get("learning_rate")
@@ -143,16 +110,6 @@ class _Trainer:
                 variable.assign(value)
 
     # -- data ------------------------------------------------------------------------------------
-    def _reader(self, url: str, batch_size: int, steps: int, shuffle: bool) -> Any:
-        from spark_hvd.spark.reader import make_reader
-
-        spec = self.spec
-        return make_reader(spec.reader, url, rank=self.rank, size=self.size, batch_size=batch_size,
-                           feature_cols=spec.feature_cols, label_cols=spec.label_cols,
-                           sample_weight_col=spec.sample_weight_col, shuffle=shuffle, seed=spec.seed,
-                           shuffle_buffer_rows=spec.shuffle_buffer_rows, steps_per_epoch=steps,
-                           shapes=spec.column_shapes, storage_options=spec.storage_options)
-
     def _keras_batch(self, batch: Dict[str, Any]) -> Tuple[Any, ...]:
         spec = self.spec
         if spec.transformation_fn is not None:
@@ -190,9 +147,8 @@ class _Trainer:
     # -- fit -------------------------------------------------------------------------------------
     def run(self) -> Optional[Dict[str, Any]]:
         spec = self.spec
-        train_reader = self._reader(spec.train_url, spec.batch_size, spec.train_steps, spec.shuffle)
-        val_reader = (self._reader(spec.val_url, spec.val_batch_size, spec.val_steps, False)
-                      if spec.val_url else None)
+        train_reader = spec.open_reader(self.rank, self.size)
+        val_reader = spec.open_reader(self.rank, self.size, validation=True) if spec.val_url else None
         self.reporter.start(epochs=spec.epochs, start_epoch=spec.start_epoch, steps=spec.train_steps,
                             val_steps=spec.val_steps if val_reader else 0, size=self.size,
                             batch_size=spec.batch_size)

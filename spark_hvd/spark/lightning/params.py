@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Tuple
 
-from spark_hvd.spark.outputs import TASKS
-from spark_hvd.spark.params import ESTIMATOR_PARAMS, AnyValue, Converter, ParamSpec, ToChoice, ToList, params_mixin
+from spark_hvd.spark.estimator.outputs import TASKS
+from spark_hvd.spark.estimator.params import ESTIMATOR_PARAMS, AnyValue, Converter, ParamSpec, ToChoice, ToList, params_mixin
 
 __all__ = ["ToTrainerArgs", "LIGHTNING_ESTIMATOR_PARAMS", "LightningEstimatorParams"]
 
@@ -22,12 +22,14 @@ class ToTrainerArgs(Converter):
         return dict(value)
 
 
-_SHARED = ("num_proc", "feature_cols", "label_cols", "sample_weight_col", "validation", "batch_size",
-           "val_batch_size", "epochs", "train_steps_per_epoch", "validation_steps_per_epoch", "shuffle",
-           "random_seed", "store", "run_id", "gradient_compression", "input_shapes", "transformation_fn", "use_gpu",
-           "verbose", "reader", "invalid_rows", "overwrite_run", "prediction_col", "probability_col",
-           "raw_prediction_col", "max_retries", "cleanup_intermediate")
-"""Params of the torch estimator that mean the same for a LightningModule (taken from its table)."""
+_REPLACED = ("model", "callbacks", "task")
+"""Shared Params whose meaning is Lightning's own here (declared below)."""
+
+_NOT_FOR_LIGHTNING = ("optimizer", "loss", "loss_weights", "metrics", "backward_passes_per_step", "train_minibatch_fn",
+                      "scale_lr", "checkpoint_every_steps")
+"""Shared Params a LightningModule brings itself: configure_optimizers gives the optimizer and its
+learning rate, training_step the loss, self.log the metrics; trainer_args holds the rest
+(accumulate_grad_batches, val_check_interval)."""
 
 LIGHTNING_ESTIMATOR_PARAMS: Tuple[ParamSpec, ...] = (
     ParamSpec("model", "The pytorch_lightning.LightningModule to train: its configure_optimizers gives the "
@@ -40,7 +42,8 @@ LIGHTNING_ESTIMATOR_PARAMS: Tuple[ParamSpec, ...] = (
     ParamSpec("task", "Prediction columns of the fitted model: 'binary', 'binary_probability', 'multiclass', "
                       "'multiclass_log_probability', 'regression' or 'none' (raw outputs only).", "none",
               ToChoice(TASKS[1:])),
-) + tuple(spec for spec in ESTIMATOR_PARAMS if spec.name in _SHARED)
-"""Params of LightningEstimator."""
+) + tuple(spec for spec in ESTIMATOR_PARAMS if spec.name not in _REPLACED + _NOT_FOR_LIGHTNING)
+"""Params of LightningEstimator: its own, then every shared Param that means the same for a
+LightningModule (a Param added to the shared table reaches it too)."""
 
 LightningEstimatorParams = params_mixin("LightningEstimatorParams", LIGHTNING_ESTIMATOR_PARAMS, module=__name__)

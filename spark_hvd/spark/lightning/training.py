@@ -25,9 +25,10 @@ import torch
 from pytorch_lightning.callbacks import Checkpoint
 
 from spark_hvd.spark.torch.batches import feature_tensors, model_dtype, weight_tensor
-from spark_hvd.spark.torch.progress import ProgressReporter
+from spark_hvd.spark.estimator.progress import ProgressReporter
+from spark_hvd.spark.estimator.training import TrainingSpec, rank_threads
 
-__all__ = ["LightningSpec", "fit_on_rank", "CHECKPOINT_KEY", "history_entry"]
+__all__ = ["LightningTrainingSpec", "fit_on_rank", "CHECKPOINT_KEY", "history_entry"]
 
 CHECKPOINT_KEY = "spark_hvd"
 """Key of the estimator's own record (format, completed epochs, history, fingerprint) in a Lightning checkpoint."""
@@ -43,45 +44,14 @@ _QUIET_WARNINGS = (
 )
 
 
-@dataclass
-class LightningSpec:
-    """Everything one fit's ranks need; built by the estimator on the driver."""
+@dataclass(kw_only=True)
+class LightningTrainingSpec(TrainingSpec):
+    """Everything one fit's ranks need: the shared settings, and the LightningModule and Trainer's."""
 
     model: torch.nn.Module
-    feature_cols: List[str]
-    label_cols: List[str]
-    sample_weight_col: Optional[str]
-    feature_shapes: List[Tuple[int, ...]]
-    """Per-row shape of each feature column as the module receives it."""
-    column_shapes: Dict[str, Tuple[int, ...]]
-    """Per-row shape of every column as stored (for the reader)."""
-    train_url: str
-    val_url: Optional[str]
-    storage_options: Dict[str, Any]
-    reader: str
-    batch_size: int
-    val_batch_size: int
-    epochs: int
-    start_epoch: int
-    train_steps: int
-    val_steps: int
-    shuffle: bool
-    seed: int
-    torch_seed: Optional[int]
-    store: Any
-    checkpoint_path: str
     resume: bool = False
     """Whether ``checkpoint_path`` holds the checkpoint to continue from."""
     trainer_args: Dict[str, Any] = field(default_factory=dict)
-    callbacks: List[Any] = field(default_factory=list)
-    compression: Any = None
-    use_gpu: bool = True
-    transformation_fn: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None
-    progress: bool = True
-    """Whether rank 0 reports steps while an epoch runs (epochs are always reported)."""
-    progress_interval_s: float = 0.25
-    fingerprint: Dict[str, str] = field(default_factory=dict)
-    history: List[Dict[str, Any]] = field(default_factory=list)
 
 
 def module_batch(batch: Dict[str, np.ndarray], feature_cols: List[str], label_cols: List[str],
@@ -156,7 +126,7 @@ class _EpochEnd(Checkpoint):
     checkpointing.
     """
 
-    def __init__(self, spec: LightningSpec, hvd: Any, workdir: str) -> None:
+    def __init__(self, spec: LightningTrainingSpec, hvd: Any, workdir: str) -> None:
         self.spec = spec
         self.hvd = hvd
         self.workdir = workdir
@@ -233,21 +203,12 @@ class _EpochEnd(Checkpoint):
                 self.spec.store.write(self.spec.checkpoint_path, f.read())  # atomic: old or new, never partial
 
 
-def _reader(spec: LightningSpec, url: str, batch_size: int, steps: int, shuffle: bool, rank: int, size: int) -> Any:
-    from spark_hvd.spark.reader import make_reader
-
-    return make_reader(spec.reader, url, rank=rank, size=size, batch_size=batch_size,
-                       feature_cols=spec.feature_cols, label_cols=spec.label_cols,
-                       sample_weight_col=spec.sample_weight_col, shuffle=shuffle, seed=spec.seed,
-                       steps_per_epoch=steps, shapes=spec.column_shapes, storage_options=spec.storage_options)
-
-
 def _loader(dataset: _ShardBatches) -> torch.utils.data.DataLoader:
     # Batches come whole from the reader: no sampler or collation, and so no DistributedSampler either.
     return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=0)
 
 
-def fit_on_rank(spec: LightningSpec) -> Optional[Dict[str, Any]]:
+def fit_on_rank(spec: LightningTrainingSpec) -> Optional[Dict[str, Any]]:
     """Fit on this rank; rank 0 returns ``{"model": state_dict, "history": [...]}``, others None."""
     import pytorch_lightning as pl
 
@@ -258,8 +219,8 @@ def fit_on_rank(spec: LightningSpec) -> Optional[Dict[str, Any]]:
         warnings.filterwarnings("ignore", message=pattern)
     for name in ("pytorch_lightning", "lightning_fabric", "lightning.pytorch"):
         logging.getLogger(name).setLevel(logging.WARNING)  # no GPU/TPU banners from every rank
-    if spec.torch_seed is not None:
-        torch.manual_seed(spec.torch_seed)
+    if spec.model_seed is not None:
+        torch.manual_seed(spec.model_seed)
     module = spec.model
     dtype = model_dtype(module)
     strategy = SparkHvdStrategy(compression=spec.compression) if spec.compression is not None else SparkHvdStrategy()
@@ -275,16 +236,14 @@ def fit_on_rank(spec: LightningSpec) -> Optional[Dict[str, Any]]:
                              callbacks=list(spec.callbacks) + [epoch_end], **kwargs)
         try:
             rank, size = hvd.rank(), hvd.size()
-            # Ranks sharing a host share its cores: oversubscribed threads slow every rank down.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, hvd.local_size())))
+            torch.set_num_threads(rank_threads(hvd.local_size()))
 
             def convert(batch: Dict[str, np.ndarray]) -> Dict[str, torch.Tensor]:
                 return module_batch(batch, spec.feature_cols, spec.label_cols, spec.sample_weight_col,
                                     spec.feature_shapes, dtype, spec.transformation_fn)
 
-            train_reader = _reader(spec, spec.train_url, spec.batch_size, spec.train_steps, spec.shuffle, rank, size)
-            val_reader = (_reader(spec, spec.val_url, spec.val_batch_size, spec.val_steps, False, rank, size)
-                          if spec.val_url else None)
+            train_reader = spec.open_reader(rank, size)
+            val_reader = spec.open_reader(rank, size, validation=True) if spec.val_url else None
             try:
                 ckpt_path = None
                 if spec.resume:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from spark_hvd.spark.checks import resolve_shape
+from spark_hvd.spark.estimator.checks import resolve_shape
 
 __all__ = [
     "model_dtype",

@@ -1,6 +1,6 @@
 """Checks TorchEstimator and TorchModel make on the driver before any Spark job runs.
 
-The framework-independent ones live in :mod:`spark_hvd.spark.checks` and are re-exported here.
+The framework-independent ones are :mod:`spark_hvd.spark.estimator.checks`.
 
 Each failure is a ValueError that names the parameter or column, the value seen, what was
 expected and how to fix it.
@@ -15,23 +15,19 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from spark_hvd.spark.checks import check_slots, feature_shapes, require, schema_row_sizes
-from spark_hvd.spark.checks import ensure_executor_python as _ensure_executor_python
+from spark_hvd.spark.estimator.checks import require
+from spark_hvd.spark.estimator.outputs import check_task
 from spark_hvd.spark.torch.batches import outputs_list
 
 __all__ = [
-    "require",
     "check_losses",
     "check_metrics",
     "check_compression",
     "forward_arity",
     "check_feature_count",
-    "schema_row_sizes",
-    "feature_shapes",
+    "call_forward",
     "dry_run",
     "dry_run_batch",
-    "ensure_executor_python",
-    "check_slots",
 ]
 
 
@@ -96,7 +92,7 @@ def check_feature_count(model: torch.nn.Module, feature_cols: Sequence[str]) -> 
 _SHAPE_WORDS = ("shape", "size", "mat1 and mat2", "dimension", "expected input")
 
 
-def _call_forward(model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> Any:
+def call_forward(model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> Any:
     """``model(*inputs)`` in eval mode without gradients; a ValueError that tells an input-size
     problem from a bug in ``forward``."""
     was_training = model.training
@@ -130,7 +126,7 @@ def dry_run(model: torch.nn.Module, shapes: Sequence[Tuple[int, ...]], num_label
     """
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     inputs = [torch.zeros((2,) + tuple(shape), dtype=dtype, device=device) for shape in shapes]
-    outputs = _call_forward(model, inputs)
+    outputs = call_forward(model, inputs)
     outs = outputs_list(outputs, num_labels if num_labels is not None else
                         (len(outputs) if isinstance(outputs, (list, tuple)) else 1))
     return [tuple(out.shape[1:]) for out in outs]
@@ -142,12 +138,14 @@ _ELEMENTWISE_LOSSES = (torch.nn.MSELoss, torch.nn.L1Loss, torch.nn.SmoothL1Loss,
 
 
 def dry_run_batch(model: torch.nn.Module, loss_fn: Any, batch: Mapping[str, Any], feature_cols: Sequence[str],
-                  label_cols: Sequence[str], shapes: Sequence[Tuple[int, ...]], dtype: torch.dtype) -> None:
+                  label_cols: Sequence[str], shapes: Sequence[Tuple[int, ...]], dtype: torch.dtype,
+                  task: str = "none") -> None:
     """One real batch through ``forward`` and the loss, as the ranks will run them, on the driver.
 
-    Raises a ValueError naming the shapes when the loss refuses an output and its label, or would
-    silently broadcast them (torch's elementwise losses accept a (rows, 3) label against a
-    (rows, 1) output and average over 3x the pairs). The model's parameters are not changed.
+    Raises a ValueError naming the shapes when the outputs do not suit the labels or ``task``, or
+    the loss refuses an output and its label, or would silently broadcast them (torch's
+    elementwise losses accept a (rows, 3) label against a (rows, 1) output and average over 3x
+    the pairs). The model's parameters are not changed.
     """
     from spark_hvd.spark.torch.batches import feature_tensors, label_tensors, transform_outputs
 
@@ -157,8 +155,9 @@ def dry_run_batch(model: torch.nn.Module, loss_fn: Any, batch: Mapping[str, Any]
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     inputs = feature_tensors(batch, feature_cols, shapes, dtype, device)
     labels = label_tensors(batch, label_cols, device)
-    outputs = _call_forward(model, inputs)
+    outputs = call_forward(model, inputs)
     outs, labs = transform_outputs(outputs, labels)
+    check_task(task, [tuple(out.shape[1:]) for out in outs])
     for fn, col, out, lab, raw in zip(loss_fn.losses, label_cols, outs, labs, labels):
         name = type(fn).__name__ if isinstance(fn, torch.nn.Module) else getattr(fn, "__name__", repr(fn))
         shapes_text = (f"{name} got the model's output of shape {tuple(out.shape)} and label {col!r} of shape "
@@ -180,9 +179,3 @@ def dry_run_batch(model: torch.nn.Module, loss_fn: Any, batch: Mapping[str, Any]
         if broadcast:
             raise ValueError(f"the loss would broadcast the label against the output: {shapes_text}; torch warned "
                              f"'{broadcast[0].message}'; {fix}")
-
-
-def ensure_executor_python(session: Any, info: Any) -> None:
-    """Make Spark's Python workers run an interpreter with spark_hvd and torch, or say how (see
-    :func:`spark_hvd.spark.checks.ensure_executor_python`)."""
-    _ensure_executor_python(session, info, ("torch",))

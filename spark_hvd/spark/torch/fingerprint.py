@@ -13,8 +13,8 @@ from typing import Any, Dict, Sequence
 
 import torch
 
-from spark_hvd.spark.fingerprint import changed_parts, data_digest
-from spark_hvd.spark.fingerprint import digest as _digest
+from spark_hvd.spark.estimator.fingerprint import changed_parts, data_digest
+from spark_hvd.spark.estimator.fingerprint import digest as _digest
 
 __all__ = ["run_fingerprint", "changed_parts"]
 

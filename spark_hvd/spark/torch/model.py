@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import sys
 from typing import Any, List, Tuple
 
 import cloudpickle
 import torch
 
-from spark_hvd.spark.fitted import FittedModel
-from spark_hvd.spark.outputs import check_task
-from spark_hvd.spark.session import session_info
+from spark_hvd.spark.estimator.fitted import FittedModel
 from spark_hvd.spark.torch import checks
 from spark_hvd.spark.torch.batches import model_dtype
-from spark_hvd.spark.torch.transform import InferencePlan, feature_args, output_is_scalar, prediction_udf
+from spark_hvd.spark.torch.predictor import TorchPredictor
 
 __all__ = ["TorchModel"]
 
@@ -47,12 +44,18 @@ class TorchModel(FittedModel):
     load only what you trust, as with ``torch.load``.
     """
 
-    def _check(self, df: Any) -> Tuple[torch.nn.Module, List[str], List[str]]:
-        model = self.getModel()
+    worker_modules = ("torch",)
+
+    def _check_model(self, model: Any) -> None:
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"model={model!r} is not valid: expected a torch.nn.Module; set it with setModel()")
-        feature_cols, output_cols = self._check_columns(df)
-        return model, feature_cols, output_cols
+
+    def _dtype(self, model: torch.nn.Module) -> str:
+        return str(model_dtype(model)).replace("torch.", "")
+
+    def _dry_run(self, model: torch.nn.Module, shapes: List[Tuple[int, ...]], outputs: int,
+                 dtype: str) -> List[Tuple[int, ...]]:
+        return checks.dry_run(model, shapes, outputs, getattr(torch, dtype))
 
     def _payload(self, model: torch.nn.Module) -> Tuple[str, bytes]:
         """The serialized model and its key; it travels in the UDF's closure, which Spark ships
@@ -60,21 +63,5 @@ class TorchModel(FittedModel):
         data = cloudpickle.dumps(_cpu_model(model))
         return hashlib.blake2b(data, digest_size=16).hexdigest(), data
 
-    # ---- Spark ML -------------------------------------------------------------------------
-    def _transform(self, dataset: Any) -> Any:
-        model, feature_cols, output_cols = self._check(dataset)
-        session = dataset.sparkSession
-        checks.ensure_executor_python(session, session_info(session))
-        shapes = self._input_shapes(dataset, feature_cols)
-        dtype = model_dtype(model)
-        row_shapes = checks.dry_run(model, shapes, len(output_cols), dtype)
-        check_task(self.getTask(), row_shapes)
-        scalar = tuple(output_is_scalar(s) for s in row_shapes)
-        key, payload = self._payload(model)
-        dtype_name = str(dtype).replace("torch.", "")
-        plan = InferencePlan(
-            key=key, feature_cols=tuple(feature_cols), input_shapes=tuple(tuple(s) for s in shapes),
-            output_cols=tuple(output_cols), scalar_outputs=scalar, batch_size=self.getInferenceBatchSize(),
-            dtype=dtype_name, sys_path=tuple(p for p in sys.path if isinstance(p, str)), task=self.getTask())
-        predicted = prediction_udf(plan, payload)(*feature_args(dataset.schema, feature_cols, dtype_name))
-        return self._add_predictions(dataset, predicted, output_cols, scalar)
+    def _predictor(self) -> TorchPredictor:
+        return TorchPredictor()

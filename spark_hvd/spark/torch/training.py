@@ -1,7 +1,7 @@
 """The training loop TorchEstimator runs on every rank: read the shard, step, validate, checkpoint.
 
 :func:`train_on_rank` is the function ``run()`` calls on each barrier task. Everything it needs
-arrives in one :class:`TrainingSpec` of plain values and torch objects. Each rank builds its
+arrives in one :class:`TorchTrainingSpec` of plain values and torch objects. Each rank builds its
 optimizer over its own copy of the model, wraps it in ``spark_hvd.torch.DistributedOptimizer``,
 and runs the same number of steps per epoch as every other rank (the readers guarantee it),
 so gradient allreduces always match. After each epoch the metrics are averaged over the ranks
@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -25,9 +24,10 @@ import torch
 from spark_hvd.spark.torch.batches import (LossFunction, feature_tensors, label_tensors, metric_tensors, metric_values,
                                            model_dtype, transform_outputs, weight_tensor)
 from spark_hvd.spark.torch.callbacks import TrainingState, call_hook
-from spark_hvd.spark.torch.progress import ProgressReporter
+from spark_hvd.spark.estimator.progress import ProgressReporter
+from spark_hvd.spark.estimator.training import TrainingSpec, rank_threads
 
-__all__ = ["OptimizerSpec", "TrainingSpec", "train_on_rank", "CHECKPOINT_FORMAT", "checkpoint_bytes",
+__all__ = ["OptimizerSpec", "TorchTrainingSpec", "train_on_rank", "CHECKPOINT_FORMAT", "checkpoint_bytes",
            "load_checkpoint"]
 
 CHECKPOINT_FORMAT = 1
@@ -92,9 +92,9 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-@dataclass
-class TrainingSpec:
-    """Everything one fit's ranks need; built by the estimator on the driver."""
+@dataclass(kw_only=True)
+class TorchTrainingSpec(TrainingSpec):
+    """Everything one fit's ranks need: the shared settings, and the torch model, optimizer and loss."""
 
     model: torch.nn.Module
     optimizer: OptimizerSpec
@@ -102,43 +102,11 @@ class TrainingSpec:
     loss_weights: List[float]
     metrics: List[Callable[..., Any]]
     metric_names: List[str]
-    feature_cols: List[str]
-    label_cols: List[str]
-    sample_weight_col: Optional[str]
-    feature_shapes: List[Tuple[int, ...]]
-    """Per-row shape of each feature column as the model receives it."""
-    column_shapes: Dict[str, Tuple[int, ...]]
-    """Per-row shape of every column as stored (for the reader)."""
-    train_url: str
-    val_url: Optional[str]
-    storage_options: Dict[str, Any]
-    reader: str
-    batch_size: int
-    val_batch_size: int
-    epochs: int
-    start_epoch: int
-    train_steps: int
-    val_steps: int
-    shuffle: bool
-    seed: int
-    torch_seed: Optional[int]
-    store: Any
-    checkpoint_path: str
-    history: List[Dict[str, Any]] = field(default_factory=list)
     resume_model: Optional[Dict[str, torch.Tensor]] = None
     resume_optimizer: Optional[Dict[str, Any]] = None
     backward_passes_per_step: int = 1
-    compression: Any = None
     scale_lr: bool = True
-    use_gpu: bool = True
-    transformation_fn: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None
     train_minibatch_fn: Optional[Callable[..., Any]] = None
-    callbacks: List[Any] = field(default_factory=list)
-    progress: bool = True
-    """Whether rank 0 reports steps while an epoch runs (epochs are always reported)."""
-    progress_interval_s: float = 0.25
-    fingerprint: Dict[str, str] = field(default_factory=dict)
-    """What the run trains (see ``fingerprint.run_fingerprint``), recorded in every checkpoint."""
     start_batch: int = 0
     """Batches of epoch ``start_epoch`` already trained (a mid-epoch checkpoint): skipped."""
     partial: Optional[Dict[str, float]] = None
@@ -183,14 +151,13 @@ def _device(use_gpu: bool) -> torch.device:
 class _Trainer:
     """The loop of one rank; a class only so the pieces of state stay together."""
 
-    def __init__(self, spec: TrainingSpec, hvd: Any) -> None:
+    def __init__(self, spec: TorchTrainingSpec, hvd: Any) -> None:
         self.spec = spec
         self.hvd = hvd
         self.rank, self.size = hvd.rank(), hvd.size()
-        # Ranks sharing a host share its cores: oversubscribed threads slow every rank down.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, hvd.local_size())))
-        if spec.torch_seed is not None:
-            torch.manual_seed(spec.torch_seed)
+        torch.set_num_threads(rank_threads(hvd.local_size()))
+        if spec.model_seed is not None:
+            torch.manual_seed(spec.model_seed)
         self.device = _device(spec.use_gpu)
         self.model = spec.model.to(self.device)
         if spec.resume_model is not None:
@@ -215,17 +182,6 @@ class _Trainer:
         self.reporter = ProgressReporter(self.rank == 0, spec.progress, spec.progress_interval_s)
         self.state = TrainingState(model=self.model, optimizer=self.optimizer, rank=self.rank, size=self.size,
                                    epoch=spec.start_epoch, epochs=spec.epochs, history=list(spec.history))
-
-    # -- readers ---------------------------------------------------------------------------------
-    def _reader(self, url: str, batch_size: int, steps: int, shuffle: bool) -> Any:
-        from spark_hvd.spark.reader import make_reader
-
-        spec = self.spec
-        return make_reader(spec.reader, url, rank=self.rank, size=self.size, batch_size=batch_size,
-                           feature_cols=spec.feature_cols, label_cols=spec.label_cols,
-                           sample_weight_col=spec.sample_weight_col, shuffle=shuffle, seed=spec.seed,
-                           steps_per_epoch=steps, shapes=spec.column_shapes,
-                           storage_options=spec.storage_options)
 
     def _tensors(self, batch: Dict[str, Any]) -> Tuple[List[torch.Tensor], List[torch.Tensor], Optional[torch.Tensor]]:
         spec = self.spec
@@ -342,9 +298,8 @@ class _Trainer:
 
     def run(self) -> Optional[Dict[str, Any]]:
         spec = self.spec
-        train_reader = self._reader(spec.train_url, spec.batch_size, spec.train_steps, spec.shuffle)
-        val_reader = (self._reader(spec.val_url, spec.val_batch_size, spec.val_steps, False)
-                      if spec.val_url else None)
+        train_reader = spec.open_reader(self.rank, self.size)
+        val_reader = spec.open_reader(self.rank, self.size, validation=True) if spec.val_url else None
         self.reporter.start(epochs=spec.epochs, start_epoch=spec.start_epoch, steps=spec.train_steps,
                             val_steps=spec.val_steps if val_reader else 0, size=self.size,
                             batch_size=spec.batch_size)
@@ -390,7 +345,7 @@ class _Trainer:
         return bool(flag.item() > 0)
 
 
-def train_on_rank(spec: TrainingSpec) -> Optional[Dict[str, Any]]:
+def train_on_rank(spec: TorchTrainingSpec) -> Optional[Dict[str, Any]]:
     """Train on this rank; rank 0 returns ``{"model": state_dict, "history": [...]}``, others None."""
     import spark_hvd.torch as hvd
 

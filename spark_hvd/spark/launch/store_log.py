@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, TextIO
 
 from spark_hvd.runtime.wire import secret_bytes
 
-from ._log_stream import format_line
+from spark_hvd.spark.launch.log_stream import format_line
 
 __all__ = ["seal", "unseal", "StoreLogSender", "StoreLogCollector", "FLUSH_INTERVAL_S"]
 

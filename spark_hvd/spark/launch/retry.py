@@ -14,8 +14,8 @@ from typing import Any, Callable, Optional, TypeVar
 
 from spark_hvd.runner.errors import RankFailedError
 
-from .runner import SlotsUnavailableError, StageLostError
-from .session import session_info
+from spark_hvd.spark.launch.barrier import SlotsUnavailableError, StageLostError
+from spark_hvd.spark.session import session_info
 
 __all__ = ["is_recoverable", "describe_failure", "wait_for_free_slots", "run_with_retries", "SLOT_WAIT_S"]
 

@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from spark_hvd.spark.outputs import column_kinds, standard_columns
+from spark_hvd.spark.estimator.outputs import column_kinds, standard_columns
 
 __all__ = ["InferencePlan", "Predictor", "output_is_scalar", "prediction_udf", "feature_args"]
 
@@ -50,7 +50,7 @@ class InferencePlan:
     sys_path: Tuple[str, ...]
     """The driver's sys.path, so model classes imported there import here too."""
     task: str = "none"
-    """The Spark ML columns to compute from the single output (see ``spark_hvd.spark.outputs``)."""
+    """The Spark ML columns to compute from the single output (see ``spark_hvd.spark.estimator.outputs``)."""
 
 
 def output_is_scalar(row_shape: Sequence[int]) -> bool:
@@ -98,13 +98,13 @@ def _series_to_numpy(series: pd.Series, column: str) -> np.ndarray:
 
 
 def _arrow_to_numpy(array: Any, column: str) -> np.ndarray:
-    from spark_hvd.spark.reader import _to_numpy
+    from spark_hvd.spark.data.reader import arrow_to_numpy
 
     nulls = array.null_count + (array.flatten().null_count if pa.types.is_list(array.type) else 0)
     if nulls:
         raise ValueError(f"feature column {column!r} has null values: expected a value in every row; fix: fill "
                          "them (DataFrame.fillna) or drop those rows before transform()")
-    return _to_numpy(array, None, column)
+    return arrow_to_numpy(array, None, column)
 
 
 def _arrow_output(values: np.ndarray, scalar: bool) -> Any:

@@ -27,8 +27,8 @@ from spark_hvd.runner.errors import RankFailedError
 from spark_hvd.runner.payload import FUNCTION_FILE, read_sealed, result_file, write_sealed
 from spark_hvd.runner.processes import RankExit, RankProcesses, print_prefixed, rank_environment
 
-from ._log_stream import LogSender
-from ._store_log import StoreLogSender, seal
+from spark_hvd.spark.launch.log_stream import LogSender
+from spark_hvd.spark.launch.store_log import StoreLogSender, seal
 
 __all__ = ["TaskSpec", "Placement", "assign_ranks", "failure_summary", "run_task", "RESULT_SCHEMA",
            "result_name", "remove_stale_workdirs", "WORKDIR_PREFIX"]

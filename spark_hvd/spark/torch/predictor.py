@@ -1,6 +1,6 @@
-"""Batched inference over Arrow for TorchModel.transform: the torch :class:`~spark_hvd.spark.inference.Predictor`.
+"""Batched inference over Arrow for TorchModel.transform: the torch :class:`~spark_hvd.spark.estimator.inference.Predictor`.
 
-The UDF, its Arrow batches and the output columns are :mod:`spark_hvd.spark.inference`'s; this
+The UDF, its Arrow batches and the output columns are :mod:`spark_hvd.spark.estimator.inference`'s; this
 module deserializes the torch model onto the task's GPU (when Spark assigned one) or the CPU,
 and calls it on tensors built by the same rules as training (``batches.feature_tensors``).
 """
@@ -11,10 +11,9 @@ from typing import Any, List
 
 import numpy as np
 
-from spark_hvd.spark import inference
-from spark_hvd.spark.inference import InferencePlan, feature_args, output_is_scalar
+from spark_hvd.spark.estimator.inference import InferencePlan
 
-__all__ = ["InferencePlan", "output_is_scalar", "prediction_udf", "feature_args", "TorchPredictor"]
+__all__ = ["TorchPredictor"]
 
 
 class TorchPredictor:
@@ -61,8 +60,3 @@ class TorchPredictor:
                     outputs[i].append(tensor.detach().to("cpu", torch.float64).numpy().reshape(tensor.shape[0], -1))
         return [np.concatenate(parts) if parts else np.zeros((0, 1)) for parts in outputs]
 
-
-def prediction_udf(plan: InferencePlan, payload: Any) -> Any:
-    """The UDF predicting with the serialized torch model ``payload`` (see
-    :func:`spark_hvd.spark.inference.prediction_udf`)."""
-    return inference.prediction_udf(plan, payload, TorchPredictor())

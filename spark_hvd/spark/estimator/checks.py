@@ -20,6 +20,7 @@ __all__ = [
     "resolve_shape",
     "schema_row_sizes",
     "feature_shapes",
+    "known_shapes",
     "sizes_from_data",
     "ensure_executor_python",
     "check_slots",
@@ -87,6 +88,14 @@ def feature_shapes(input_shapes: Optional[Sequence[Sequence[int]]], feature_cols
             for shape, size, col in zip(input_shapes, sizes, feature_cols)]
 
 
+def known_shapes(input_shapes: Optional[Sequence[Sequence[int]]], feature_cols: Sequence[str],
+                 sizes: Sequence[int]) -> List[Tuple[int, ...]]:
+    """:func:`feature_shapes` for sizes that are all known."""
+    shapes = feature_shapes(input_shapes, feature_cols, sizes)
+    assert shapes is not None, "every size is known here"
+    return shapes
+
+
 def sizes_from_data(df: Any, cols: Sequence[str], sizes: Sequence[Optional[int]]) -> List[Optional[int]]:
     """Values per row of array and Vector columns whose size the schema does not record (one row read)."""
     from pyspark.ml.functions import vector_to_array
@@ -142,7 +151,7 @@ def ensure_executor_python(session: Any, info: Any, framework_modules: Sequence[
     the same advice.
     """
     from spark_hvd.runtime import config
-    from spark_hvd.spark.runner import executor_python
+    from spark_hvd.spark.launch.barrier import executor_python
 
     if not info.local:
         return
@@ -164,7 +173,7 @@ def ensure_executor_python(session: Any, info: Any, framework_modules: Sequence[
 def check_slots(session: Any, num_proc: int) -> Any:
     """ValueError naming both numbers when the cluster cannot run ``num_proc`` barrier tasks at once;
     returns the session's :class:`spark_hvd.spark.session.SessionInfo`."""
-    from spark_hvd.spark import runner
+    from spark_hvd.spark.launch import barrier as runner
 
     # The same check run() makes, done before the data is materialized rather than after.
     return runner.wait_for_slots(session, num_proc)

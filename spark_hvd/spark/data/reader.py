@@ -21,6 +21,8 @@ __all__ = [
     "steps_for",
     "BatchReader",
     "make_reader",
+    "arrow_to_numpy",
+    "Batcher",
 ]
 
 READER_KINDS = ("builtin", "petastorm")
@@ -115,7 +117,7 @@ def steps_for(total_rows: int, size: int, batch_size: int) -> int:
     return max(1, math.ceil(total_rows / (size * batch_size)))
 
 
-def _to_numpy(column: Any, shape: Optional[Tuple[int, ...]], name: str) -> np.ndarray:
+def arrow_to_numpy(column: Any, shape: Optional[Tuple[int, ...]], name: str) -> np.ndarray:
     """An Arrow column as an ndarray of ``(rows, *shape)``; list columns become matrices."""
     import pyarrow as pa
 
@@ -179,7 +181,7 @@ class _ShuffleBuffer:
         return {k: v[order] for k, v in rows.items()}
 
 
-class _Batcher:
+class Batcher:
     """Cuts a stream of chunks into batches of exactly ``batch_size`` rows.
 
     A batch that lies within one chunk is a view of it (no copy); only a batch that straddles
@@ -339,7 +341,7 @@ class BatchReader:
             needed = self.steps_per_epoch
             rng = np.random.default_rng([self.seed, epoch, self.rank]) if self.shuffle else None
             buffer = _ShuffleBuffer(self.shuffle_buffer_rows, rng)
-            batcher = _Batcher(self.batch_size)
+            batcher = Batcher(self.batch_size)
             pass_index = 0
             # A rank whose shard is shorter than steps * batch_size wraps around it: every rank
             # must run the same number of steps, or a collective would wait for it forever.
@@ -415,7 +417,7 @@ def _builtin_source(layout: ParquetLayout, rank: int, size: int, columns: Sequen
                     handle = fs.open(rg.file, "rb")
                     opened[rg.file] = (handle, pq.ParquetFile(handle))
                 table = opened[rg.file][1].read_row_group(rg.index, columns=list(columns))
-                yield {c: _to_numpy(table.column(c), shapes.get(c), c) for c in columns}
+                yield {c: arrow_to_numpy(table.column(c), shapes.get(c), c) for c in columns}
         finally:
             for handle, _ in opened.values():
                 handle.close()

@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import numpy as np
 from pyspark.ml.param import Param, Params
 
-from spark_hvd.spark.outputs import TASKS
+from spark_hvd.spark.estimator.outputs import TASKS
 
 __all__ = [
     "ParamSpec",
@@ -19,10 +19,6 @@ __all__ = [
     "MODEL_PARAMS",
     "EstimatorParams",
     "ModelParams",
-    "KERAS_PARAMS",
-    "KERAS_ESTIMATOR_PARAMS",
-    "KerasEstimatorParams",
-    "KerasModelParams",
     "Converter",
     "AnyValue",
     "ToInt",
@@ -244,7 +240,7 @@ class ToStore(Converter):
     example = "Store.create('/tmp/spark-hvd')"
 
     def __call__(self, value: Any) -> Any:
-        from spark_hvd.spark.store import Store
+        from spark_hvd.spark.data.store import Store
 
         if isinstance(value, Store):
             return value
@@ -424,7 +420,8 @@ ESTIMATOR_PARAMS: Tuple[ParamSpec, ...] = (
                                       "fit (otherwise it is kept for the next fit of the same DataFrame).",
               False, ToBool()),
 )
-"""Params of the estimators (TorchEstimator, KerasEstimator)."""
+"""Params of the estimators: every one of TorchEstimator and KerasEstimator; LightningEstimator takes
+those that mean the same for a LightningModule (see ``spark_hvd.spark.lightning.params``)."""
 
 MODEL_PARAMS: Tuple[ParamSpec, ...] = (
     ParamSpec("model", "The trained model.", None, AnyValue(), json=False),
@@ -444,19 +441,5 @@ MODEL_PARAMS: Tuple[ParamSpec, ...] = (
 )
 """Params of the fitted models (TorchModel, KerasModel)."""
 
-KERAS_PARAMS: Tuple[ParamSpec, ...] = (
-    ParamSpec("custom_objects", "Custom Keras classes and functions by name (layers, losses, metrics) for "
-                                "loading the model on the workers.", None, AnyValue(), json=False),
-)
-"""Params KerasEstimator and KerasModel add to their tables."""
-
-KERAS_ESTIMATOR_PARAMS: Tuple[ParamSpec, ...] = KERAS_PARAMS + (
-    ParamSpec("shuffle_buffer_size", "Rows each process holds to shuffle within (default 10,000; 0 shuffles "
-                                     "row groups only).", None, ToInt(0)),
-)
-"""Params KerasEstimator adds to ESTIMATOR_PARAMS."""
-
 EstimatorParams = params_mixin("EstimatorParams", ESTIMATOR_PARAMS)
 ModelParams = params_mixin("ModelParams", MODEL_PARAMS)
-KerasEstimatorParams = params_mixin("KerasEstimatorParams", KERAS_ESTIMATOR_PARAMS, bases=(EstimatorParams,))
-KerasModelParams = params_mixin("KerasModelParams", KERAS_PARAMS, bases=(ModelParams,))

@@ -27,7 +27,7 @@ def data_digest(df: Any, columns: Sequence[str], validation: Any) -> str:
     """The data part: the columns and their types, the validation setting, and the DataFrame's
     plan, files and in-memory rows as ``data.data_identity`` hashes them: the same in a new
     process (Spark's semantic hash is not), so a fit re-run after a crash resumes."""
-    from spark_hvd.spark.data import data_identity
+    from spark_hvd.spark.data.identity import data_identity
 
     fields = {f.name: f.dataType.simpleString() for f in df.schema.fields}
     semantic: Any = data_identity(df, columns)

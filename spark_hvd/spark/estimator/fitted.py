@@ -1,17 +1,19 @@
-"""What every fitted model (TorchModel, KerasModel) shares: output columns, their checks, the
-prediction UDF's columns, the training history, and persistence."""
+"""What every fitted model (TorchModel, KerasModel, LightningModel) shares: ``transform`` over a
+prediction UDF, output columns and their checks, the training history, and persistence."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import sys
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 from pyspark.ml import Model
 from pyspark.ml.util import MLReadable, MLWritable
 
-from spark_hvd.spark import checks
-from spark_hvd.spark.outputs import column_kinds
-from spark_hvd.spark.params import ModelParams
-from spark_hvd.spark.persistence import ParamsReader, ParamsWriter
+from spark_hvd.spark.estimator import checks
+from spark_hvd.spark.estimator.inference import InferencePlan, Predictor, feature_args, output_is_scalar, prediction_udf
+from spark_hvd.spark.estimator.outputs import check_task, column_kinds
+from spark_hvd.spark.estimator.params import ModelParams
+from spark_hvd.spark.estimator.persistence import ParamsReader, ParamsWriter
 
 __all__ = ["FittedModel"]
 
@@ -21,9 +23,13 @@ _PACKED = "__spark_hvd_outputs"
 class FittedModel(Model, ModelParams, MLReadable, MLWritable):
     """Base of the fitted models: a Spark ML Model whose ``transform`` runs a prediction UDF.
 
-    Subclasses implement ``_transform`` with :meth:`_check_columns`, :meth:`_input_shapes` and
-    :meth:`_add_predictions`.
+    ``transform`` checks the columns, resolves the features' shapes, tries the model on rows of
+    zeros (outputs against the task), and adds the prediction UDF's columns; a framework supplies
+    the hooks ``_check_model``, ``_dtype``, ``_shapes``, ``_dry_run``, ``_payload`` and ``_predictor``.
     """
+
+    worker_modules: ClassVar[Tuple[str, ...]] = ()
+    """Modules Spark's Python workers need besides spark_hvd's own to load and run the model."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -40,10 +46,57 @@ class FittedModel(Model, ModelParams, MLReadable, MLWritable):
             return list(cols)
         return [f"{label}__output" for label in (self.getLabelCols() or [])]
 
+    # ---- hooks ----------------------------------------------------------------------------
+    def _check_model(self, model: Any) -> None:
+        """ValueError unless ``model`` is the framework's model."""
+        raise NotImplementedError
+
+    def _dtype(self, model: Any) -> str:
+        """numpy name of the floating dtype the model takes."""
+        raise NotImplementedError
+
+    def _shapes(self, model: Any, feature_cols: List[str], sizes: List[int]) -> List[Tuple[int, ...]]:
+        """Per-row shape of each feature as the model takes it, for columns of ``sizes`` values per row."""
+        return checks.known_shapes(self.getInputShapes(), feature_cols, sizes)
+
+    def _dry_run(self, model: Any, shapes: List[Tuple[int, ...]], outputs: int, dtype: str) -> List[Tuple[int, ...]]:
+        """Per-row shape of each of the model's ``outputs`` outputs, from two rows of zeros."""
+        raise NotImplementedError
+
+    def _payload(self, model: Any) -> Tuple[str, bytes]:
+        """The model's key (for the workers' cache) and the bytes that travel in the UDF's closure."""
+        raise NotImplementedError
+
+    def _predictor(self) -> Predictor:
+        """What loads and runs the model in a Spark Python worker."""
+        raise NotImplementedError
+
+    # ---- Spark ML -------------------------------------------------------------------------
+    def _transform(self, dataset: Any) -> Any:
+        from spark_hvd.spark.session import session_info
+
+        model = self.getModel()
+        self._check_model(model)
+        feature_cols, output_cols = self._check_columns(dataset)
+        session = dataset.sparkSession
+        checks.ensure_executor_python(session, session_info(session), self.worker_modules)
+        shapes = self._shapes(model, feature_cols, self._input_sizes(dataset, feature_cols))
+        dtype = self._dtype(model)
+        row_shapes = self._dry_run(model, shapes, len(output_cols), dtype)
+        check_task(self.getTask(), row_shapes)
+        scalar = tuple(output_is_scalar(s) for s in row_shapes)
+        key, payload = self._payload(model)
+        plan = InferencePlan(
+            key=key, feature_cols=tuple(feature_cols), input_shapes=tuple(tuple(s) for s in shapes),
+            output_cols=tuple(output_cols), scalar_outputs=scalar, batch_size=self.getInferenceBatchSize(),
+            dtype=dtype, sys_path=tuple(p for p in sys.path if isinstance(p, str)), task=self.getTask())
+        predicted = prediction_udf(plan, payload, self._predictor())(*feature_args(dataset.schema, feature_cols, dtype))
+        return self._add_predictions(dataset, predicted, output_cols, scalar)
+
     # ---- checks ---------------------------------------------------------------------------
     def _check_columns(self, df: Any) -> Tuple[List[str], List[str]]:
         """(feature_cols, output_cols) after checking them against ``df``'s schema."""
-        from spark_hvd.spark.data import _inspect_column
+        from spark_hvd.spark.data.columns import inspect_column
 
         feature_cols = self.getFeatureCols()
         checks.require("feature_cols", feature_cols, "the model's input columns", "['features']")
@@ -64,7 +117,7 @@ class FittedModel(Model, ModelParams, MLReadable, MLWritable):
             if col not in fields:
                 raise ValueError(f"feature column {col!r} is not in the DataFrame; available columns: "
                                  f"{', '.join(fields) or '(none)'}; fix: add it or set feature_cols")
-            _inspect_column(col, fields[col], "float32")  # raises for strings, structs, nested arrays
+            inspect_column(col, fields[col], "float32")  # raises for strings, structs, nested arrays
         clash = [c for c in new_cols if c in fields]
         if clash:
             setter = "setPredictionCol(...) and the like" if self._task_columns() else "setOutputCols([...])"
@@ -89,17 +142,11 @@ class FittedModel(Model, ModelParams, MLReadable, MLWritable):
             sizes = checks.sizes_from_data(df, feature_cols, sizes)
         return [int(z) for z in sizes]  # type: ignore[arg-type]
 
-    def _input_shapes(self, df: Any, feature_cols: List[str]) -> List[Tuple[int, ...]]:
-        """Per-row shape of each feature: ``input_shapes`` resolved against the columns' sizes."""
-        resolved = checks.feature_shapes(self.getInputShapes(), feature_cols, self._input_sizes(df, feature_cols))
-        assert resolved is not None, "all sizes are known here"
-        return resolved
-
     # ---- the UDF's columns ----------------------------------------------------------------
     def _add_predictions(self, dataset: Any, predicted: Any, output_cols: List[str],
                          scalar: Sequence[bool]) -> Any:
         """``dataset`` with the columns of the prediction UDF's result ``predicted`` (see
-        :func:`spark_hvd.spark.inference.prediction_udf`): the task's Spark ML columns, or one raw
+        :func:`spark_hvd.spark.estimator.inference.prediction_udf`): the task's Spark ML columns, or one raw
         output column per label (dense Vectors where an output has several values per row)."""
         from pyspark.ml.functions import array_to_vector
         from pyspark.sql import functions as F

@@ -53,7 +53,7 @@ class IntermediateData:
     """One materialized dataset in a store, as :meth:`Store.list_intermediate` reports it."""
 
     key: str
-    """The dataset's cache key (see ``spark_hvd.spark.data.dataset_key``)."""
+    """The dataset's cache key (see ``spark_hvd.spark.data.identity.dataset_key``)."""
     paths: List[str]
     """Its training and validation directories and metadata file that exist."""
     modified: Optional[float]

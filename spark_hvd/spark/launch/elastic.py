@@ -23,11 +23,11 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, TextIO, Tup
 from spark_hvd.runtime import config
 from spark_hvd.runtime.elastic import StageHooks, WorldResizeRequested
 
-from ._store_log import seal, unseal
-from .retry import describe_failure, is_recoverable
-from .runner import run
-from .session import active_session, session_info
-from .store import Store
+from spark_hvd.spark.launch.store_log import seal, unseal
+from spark_hvd.spark.launch.retry import describe_failure, is_recoverable
+from spark_hvd.spark.launch.barrier import run
+from spark_hvd.spark.session import active_session, session_info
+from spark_hvd.spark.data.store import Store
 
 __all__ = ["run_elastic", "ELASTIC_TIMEOUT_S"]
 

@@ -2,39 +2,22 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import re
-from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from spark_hvd.spark.reader import scan_parquet
-from spark_hvd.spark.store import Store
+from spark_hvd.spark.data.columns import StoredColumn, is_float, plan_columns, quote, to_arrays, valid_rows
+from spark_hvd.spark.data.identity import FORMAT_VERSION, dataset_key
+from spark_hvd.spark.data.reader import scan_parquet
+from spark_hvd.spark.data.store import Store
 
-__all__ = ["ColumnInfo", "PreparedData", "prepare_data", "dataset_key", "data_identity", "sample_batch", "valid_rows", "to_arrays",
-           "plan_columns",
-           "FORMAT_VERSION"]
-
-FORMAT_VERSION = 1
-"""Bumped when the written layout changes, so older cached datasets are not reused."""
+__all__ = ["ColumnInfo", "PreparedData", "prepare_data"]
 
 _MiB = 1024 * 1024
 # Above this, Spark's size estimate means "unknown" (its default is Long.MaxValue).
 _UNKNOWN_SIZE = 1 << 60
 _MAX_FILES_PER_PROC = 64
-
-_NUMPY_DTYPES = {
-    "ByteType": "int8",
-    "ShortType": "int16",
-    "IntegerType": "int32",
-    "LongType": "int64",
-    "FloatType": "float32",
-    "DoubleType": "float64",
-    "BooleanType": "bool",
-}
-
 
 @dataclass(frozen=True)
 class ColumnInfo:
@@ -108,63 +91,6 @@ class PreparedData:
         raw["label_cols"] = tuple(raw["label_cols"])
         return cls(**raw)
 
-
-@dataclass(frozen=True)
-class _Column:
-    name: str
-    kind: str
-    dtype: str
-    spark_type: str
-    cast: Optional[str] = None
-
-
-def _type_error(name: str, type_text: str, problem: str, fix: str) -> ValueError:
-    return ValueError(f"column {name!r} has type {type_text}, {problem}; fix: {fix}")
-
-
-def _inspect_column(name: str, dtype: Any, vector_dtype: str) -> _Column:
-    """How column ``name`` of Spark type ``dtype`` is stored, or a ValueError saying why it can't be."""
-    from pyspark.ml.linalg import VectorUDT
-    from pyspark.mllib.linalg import VectorUDT as OldVectorUDT
-    from pyspark.sql import types as T
-
-    text = dtype.simpleString()
-    kind = type(dtype).__name__
-    if kind in _NUMPY_DTYPES:
-        return _Column(name, "scalar", _NUMPY_DTYPES[kind], text)
-    if isinstance(dtype, T.DecimalType):
-        return _Column(name, "scalar", "float64", text, cast="double")
-    if isinstance(dtype, (VectorUDT, OldVectorUDT)):
-        return _Column(name, "vector", vector_dtype, text)
-    if isinstance(dtype, T.ArrayType):
-        element = type(dtype.elementType).__name__
-        if element in _NUMPY_DTYPES:
-            return _Column(name, "array", _NUMPY_DTYPES[element], text)
-        if isinstance(dtype.elementType, T.DecimalType):
-            return _Column(name, "array", "float64", text, cast="array<double>")
-        if isinstance(dtype.elementType, (T.ArrayType, VectorUDT, OldVectorUDT)):
-            raise _type_error(name, text, "a nested array, which is not supported",
-                              "flatten it with pyspark.sql.functions.flatten and give the shape with "
-                              "input_shapes")
-        raise _type_error(name, text, "an array of non-numeric values",
-                          "convert the elements to numbers before training")
-    if isinstance(dtype, T.StructType):
-        raise _type_error(name, text, "a nested struct, which is not supported",
-                          f"select its fields as separate columns (df.select('{name}.*')) or assemble "
-                          "them with pyspark.ml.feature.VectorAssembler")
-    if isinstance(dtype, T.MapType):
-        raise _type_error(name, text, "a map, which is not supported",
-                          "extract the needed keys into numeric columns")
-    if isinstance(dtype, (T.StringType, T.VarcharType, T.CharType)):
-        raise _type_error(name, text, "which is not numeric",
-                          "index it with pyspark.ml.feature.StringIndexer or drop it from the columns")
-    if isinstance(dtype, (T.DateType, T.TimestampType, T.TimestampNTZType)):
-        raise _type_error(name, text, "which is not numeric",
-                          "cast it to a number, e.g. pyspark.sql.functions.unix_timestamp")
-    raise _type_error(name, text, "which is not numeric",
-                      "convert it to numeric scalars, arrays of numbers or pyspark.ml Vectors")
-
-
 def _check_args(feature_cols: Sequence[str], label_cols: Sequence[str], sample_weight_col: Optional[str],
                 validation: Any, num_proc: int, vector_dtype: str) -> None:
     if isinstance(feature_cols, str) or not feature_cols or not all(isinstance(c, str) for c in feature_cols):
@@ -184,148 +110,6 @@ def _check_args(feature_cols: Sequence[str], label_cols: Sequence[str], sample_w
                              "between 0 and 1 (e.g. 0.2), the name of a 0/1 column, or None")
     if vector_dtype not in ("float32", "float64"):
         raise ValueError(f"vector_dtype={vector_dtype!r} is not valid: expected 'float32' or 'float64'")
-
-
-def plan_columns(df: Any, feature_cols: Sequence[str], label_cols: Sequence[str],
-                 sample_weight_col: Optional[str], validation: Any, vector_dtype: str) -> List[_Column]:
-    """How each needed column is stored; a ValueError naming a missing or unusable column (no Spark job)."""
-    fields = {f.name: f.dataType for f in df.schema.fields}
-    wanted: List[str] = []
-    for c in list(feature_cols) + list(label_cols) + ([sample_weight_col] if sample_weight_col else []):
-        if c not in wanted:
-            wanted.append(c)
-    for c in wanted + ([validation] if isinstance(validation, str) else []):
-        if c not in fields:
-            role = "validation column" if c == validation and c not in wanted else "column"
-            raise ValueError(f"{role} {c!r} is not in the DataFrame; available columns: "
-                             f"{', '.join(fields) or '(none)'}")
-    planned = [_inspect_column(c, fields[c], vector_dtype) for c in wanted]
-    if sample_weight_col:
-        weight = next(p for p in planned if p.name == sample_weight_col)
-        if weight.kind != "scalar":
-            raise ValueError(f"sample_weight_col {sample_weight_col!r} has type {weight.spark_type}: expected "
-                             "a numeric scalar column (one weight per row)")
-    if isinstance(validation, str):
-        marker = _inspect_column(validation, fields[validation], vector_dtype)
-        if marker.kind != "scalar":
-            raise ValueError(f"validation column {validation!r} has type {marker.spark_type}: expected a "
-                             "boolean or 0/1 numeric column marking validation rows")
-    return planned
-
-
-def _quote(name: str) -> str:
-    return "`" + name.replace("`", "``") + "`"
-
-
-def dataset_key(df: Any, settings: Dict[str, Any], columns: Optional[Sequence[str]] = None) -> str:
-    """Cache key of ``df`` prepared with ``settings``: equal for the same data read the same way,
-    in any session or process (a fit re-run after a crash finds what the first one wrote), and
-    different for other data or settings.
-
-    The key hashes the schema, the analyzed plan with Spark's session-specific expression ids
-    renumbered, and the files the plan reads (its text does not name them). A plan over data held in memory (``createDataFrame`` from local rows or pandas, an
-    RDD) does not show that data, so for such plans the key also hashes the content of ``columns``
-    (default every column), counted and hashed row by row in one Spark job (once per DataFrame
-    and session: the digest is remembered).
-    """
-    raw = _plan_text(df)
-    plan = _normalize_ids(raw)
-    parts: Dict[str, Any] = {"settings": settings, "format": FORMAT_VERSION, "schema": df.schema.json(),
-                             "plan": plan, "files": _input_files(df)}
-    if _IN_MEMORY_SOURCE.search(plan):
-        parts["content"] = _content_digest(df, raw, list(columns) if columns else list(df.columns))
-    digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
-    return digest[:20]
-
-
-def data_identity(df: Any, columns: Sequence[str]) -> Optional[str]:
-    """A hash of ``df``'s plan, files and (for in-memory data) rows of ``columns``, the same in
-    every session and process; None when the session cannot show the plan."""
-    if not _plan_text(df):
-        return None
-    return dataset_key(df, {}, [c for c in columns if c])
-
-
-# Leaf nodes whose rows the plan's text does not show.
-_IN_MEMORY_SOURCE = re.compile(r"\b(LogicalRDD|LocalRelation|ExternalRDD|ExistingRDD|LocalTableScan)\b")
-_EXPR_ID = re.compile(r"#(\d+)")
-
-
-def _normalize_ids(text: str) -> str:
-    """``text`` with expression ids (``x#123``) renumbered by first appearance: the same plan built
-    in another session reads the same, while distinct ids (a self-join's sides) stay distinct."""
-    seen: Dict[str, int] = {}
-
-    def renumber(found: "re.Match[str]") -> str:
-        return "#" + str(seen.setdefault(found.group(1), len(seen)))
-
-    return _EXPR_ID.sub(renumber, text)
-
-
-def _plan_text(df: Any) -> str:
-    """The DataFrame's analyzed logical plan as text, with the session's own expression ids
-    (:func:`_normalize_ids` makes it the same in every session for the same plan).
-
-    Classic sessions ask the JVM; Connect clients ask the server for the extended explanation
-    and keep its analyzed section.
-    """
-    jdf = getattr(df, "_jdf", None)
-    if jdf is not None:
-        return str(jdf.queryExecution().analyzed().toString())
-    explain = getattr(df, "_explain_string", None)
-    if explain is None:
-        return ""
-    text = str(explain(extended=True))
-    analyzed = text.split("== Analyzed Logical Plan ==", 1)[-1].split("== Optimized Logical Plan ==", 1)[0]
-    return analyzed.strip()
-
-
-def _input_files(df: Any) -> List[str]:
-    try:
-        return sorted(str(f) for f in df.inputFiles())
-    except Exception:  # sources without files (JDBC, in-memory) have none to list
-        return []
-
-
-_digests: "OrderedDict[Tuple[str, str, Tuple[str, ...]], List[Any]]" = OrderedDict()
-_DIGESTS_KEPT = 256
-
-
-def _session_id(df: Any) -> str:
-    session = getattr(df, "sparkSession", None)
-    try:
-        return str(getattr(session, "session_id", None) or session.sparkContext.applicationId)
-    except Exception:  # no way to tell sessions apart: the plan text alone must do
-        return ""
-
-
-def _content_digest(df: Any, raw_plan: str, columns: Sequence[str]) -> List[Any]:
-    """Row count, and sum and xor of per-row 64-bit hashes of ``columns``: independent of the
-    rows' order and partitioning, so equal for equal data in any session.
-
-    Remembered by the session and the plan with its session-unique expression ids, which name
-    this DataFrame (and those derived the same way from it) only.
-    """
-    memo = (_session_id(df), raw_plan, tuple(columns))
-    if memo in _digests:
-        _digests.move_to_end(memo)
-        return _digests[memo]
-    digest = _compute_digest(df, columns)
-    _digests[memo] = digest
-    while len(_digests) > _DIGESTS_KEPT:
-        _digests.popitem(last=False)
-    return digest
-
-
-def _compute_digest(df: Any, columns: Sequence[str]) -> List[Any]:
-    from pyspark.sql import functions as F
-
-    hashed = F.xxhash64(*[F.col(_quote(c)) for c in columns])
-    row = df.select(hashed.alias("h")).agg(
-        F.count(F.lit(1)).alias("n"), F.sum(F.col("h").cast("decimal(38,0)")).alias("s"),
-        F.expr("bit_xor(h)").alias("x")).collect()[0]
-    return [int(row["n"]), str(row["s"]), int(row["x"] or 0)]
-
 
 def _estimated_bytes(df: Any) -> Optional[int]:
     try:
@@ -351,36 +135,7 @@ def _write(frame: Any, num_files: int, url: str, row_group_bytes: int) -> None:
      .option("parquet.block.size", str(row_group_bytes))
      .parquet(url))
 
-
-def _is_float(c: _Column) -> bool:
-    return c.dtype in ("float32", "float64")
-
-
-def _bad_value(x: Any) -> Any:
-    """Whether one numeric value is NaN or infinite (a Spark column expression)."""
-    from pyspark.sql import functions as F
-
-    return F.isnan(x) | (F.abs(x) == F.lit(float("inf")))
-
-
-def valid_rows(planned: Sequence[_Column]) -> Any:
-    """A Spark condition true for rows with no null, NaN or infinite value in ``planned`` columns
-    (as they are written: Vectors already arrays)."""
-    from pyspark.sql import functions as F
-
-    condition = F.lit(True)
-    for c in planned:
-        col = F.col(_quote(c.name))
-        condition = condition & col.isNotNull()
-        if c.kind != "scalar":
-            bad = (lambda x: x.isNull() | _bad_value(x)) if _is_float(c) else (lambda x: x.isNull())
-            condition = condition & ~F.exists(col, bad)
-        elif _is_float(c):
-            condition = condition & ~_bad_value(col)
-    return condition
-
-
-def _check_written(spark: Any, urls: List[str], planned: List[_Column]) -> Dict[str, int]:
+def _check_written(spark: Any, urls: List[str], planned: List[StoredColumn]) -> Dict[str, int]:
     """One Spark job over the written Parquet: nulls, NaN and infinities, and one length per array column.
 
     Every problem column is named with its counts in one ValueError. Returns the array length of
@@ -394,16 +149,16 @@ def _check_written(spark: Any, urls: List[str], planned: List[_Column]) -> Dict[
         aggs.append(F.sum(F.when(condition, 1).otherwise(0)).alias(alias))
 
     for i, c in enumerate(planned):
-        col = F.col(_quote(c.name))
+        col = F.col(quote(c.name))
         count(col.isNull(), f"n{i}")
         if c.kind != "scalar":
             aggs.append(F.min(F.size(col)).alias(f"lo{i}"))
             aggs.append(F.max(F.size(col)).alias(f"hi{i}"))
             count(F.exists(col, lambda x: x.isNull()), f"e{i}")
-            if _is_float(c):
+            if is_float(c):
                 count(F.exists(col, F.isnan), f"nan{i}")
                 count(F.exists(col, lambda x: F.abs(x) == F.lit(float("inf"))), f"inf{i}")
-        elif _is_float(c):
+        elif is_float(c):
             count(F.isnan(col), f"nan{i}")
             count(F.abs(col) == F.lit(float("inf")), f"inf{i}")
     row = frame.agg(*aggs).collect()[0].asDict()
@@ -432,41 +187,6 @@ def _check_written(spark: Any, urls: List[str], planned: List[_Column]) -> Dict[
                              "the same length in every row; fix: pad or truncate the arrays")
         lengths[c.name] = int(hi or 0)
     return lengths
-
-
-def to_arrays(df: Any, planned: Sequence[_Column], vector_dtype: str) -> List[Any]:
-    """Select expressions writing ``planned`` columns as stored: Vectors as arrays (null stays null,
-    where Spark's own conversion would fail the job), decimals as doubles."""
-    from pyspark.ml.functions import vector_to_array
-    from pyspark.sql import functions as F
-
-    exprs = []
-    for c in planned:
-        col = F.col(_quote(c.name))
-        if c.kind == "vector":
-            col = F.when(col.isNull(), F.lit(None)).otherwise(vector_to_array(col, dtype=vector_dtype))
-        elif c.cast:
-            col = col.cast(c.cast)
-        exprs.append(col.alias(c.name))
-    return exprs
-
-
-def sample_batch(df: Any, columns: Sequence[str], rows: int, vector_dtype: str = "float64") -> Dict[str, Any]:
-    """Up to ``rows`` complete rows of ``columns`` as numpy arrays (one Spark job reading only as many
-    rows as it needs); rows with a null are left out, as invalid values are reported elsewhere."""
-    import numpy as np
-
-    fields = {f.name: f.dataType for f in df.schema.fields}
-    planned = [_inspect_column(c, fields[c], vector_dtype) for c in dict.fromkeys(columns)]
-    pdf = df.select(*to_arrays(df, planned, vector_dtype)).limit(rows).toPandas().dropna()
-    batch: Dict[str, Any] = {}
-    for c in planned:
-        values = pdf[c.name].to_numpy()
-        if c.kind != "scalar":
-            values = np.stack([np.asarray(v, dtype=c.dtype) for v in values]) if len(values) else np.zeros((0, 0))
-        batch[c.name] = values.astype(c.dtype, copy=False)
-    return batch
-
 
 def prepare_data(df: Any, store: Store, feature_cols: Sequence[str], label_cols: Sequence[str] = (),
                  sample_weight_col: Optional[str] = None, validation: Union[None, float, str] = None,
@@ -518,7 +238,7 @@ def prepare_data(df: Any, store: Store, feature_cols: Sequence[str], label_cols:
     val_path = store.get_val_data_path(key) if validation is not None else None
     estimate = _estimated_bytes(df)
     if isinstance(validation, str):
-        is_val = F.coalesce(F.col(_quote(validation)).cast("boolean"), F.lit(False))
+        is_val = F.coalesce(F.col(quote(validation)).cast("boolean"), F.lit(False))
         marked = df.select(*exprs, is_val.alias("__spark_hvd_is_val"))
         if skip_invalid:
             marked = marked.filter(valid_rows(planned))

@@ -31,11 +31,11 @@ import cloudpickle
 from spark_hvd.runner.errors import RankFailedError
 from spark_hvd.runtime import config
 
-from ._log_stream import LogCollector
-from ._store_log import StoreLogCollector, unseal
-from ._task import FAILURE_MARKER, RESULT_SCHEMA, TaskSpec, result_name, run_task
-from .session import SessionInfo, active_session, session_info
-from .store import Store
+from spark_hvd.spark.launch.log_stream import LogCollector
+from spark_hvd.spark.launch.store_log import StoreLogCollector, unseal
+from spark_hvd.spark.launch.task import FAILURE_MARKER, RESULT_SCHEMA, TaskSpec, result_name, run_task
+from spark_hvd.spark.session import SessionInfo, active_session, session_info
+from spark_hvd.spark.data.store import Store
 
 __all__ = ["run", "RankFailedError", "SlotsUnavailableError", "StageLostError", "check_slots", "wait_for_slots",
            "executor_python", "check_executor_python"]

@@ -1,0 +1,483 @@
+"""The one estimator: what every framework's ``fit`` does, in order, and the hooks a framework fills in.
+
+:class:`DistributedEstimator` runs ``fit(df)`` once through these steps, the same for PyTorch,
+Keras and Lightning:
+
+1. checks: the framework's model and optimizer, the columns and their types, the losses, the
+   cluster's task slots, the executors' Python and the store (nothing runs on Spark before they
+   pass);
+2. dry runs: the model on rows of zeros when the schema tells every feature's size, then one
+   batch of real rows through the model and the loss (one small Spark job);
+3. the run's fingerprint and resume point (a checkpoint of the same ``run_id``);
+4. the data's materialization as Parquet in the store (reused for the same DataFrame);
+5. the training spec, and the barrier stage with retries from the last checkpoint;
+6. the fitted model, and MLflow.
+
+A framework subclass supplies only the hooks (``_check_model``, ``_try_model``, ``_spec``, ...),
+so a Param or a step added here reaches every estimator.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+from pyspark.ml import Estimator
+from pyspark.ml.util import MLReadable, MLWritable
+
+from spark_hvd.spark.data.columns import inspect_column, plan_columns, sample_batch
+from spark_hvd.spark.data.prepare import PreparedData, prepare_data
+from spark_hvd.spark.data.reader import steps_for
+from spark_hvd.spark.data.store import Store
+from spark_hvd.spark.estimator import checks
+from spark_hvd.spark.estimator.fingerprint import changed_parts, start_over_or_refuse
+from spark_hvd.spark.estimator.mlflow_log import params_for_logging, start_logging
+from spark_hvd.spark.estimator.persistence import ParamsReader, ParamsWriter
+from spark_hvd.spark.estimator.progress import ProgressPrinter
+from spark_hvd.spark.launch.barrier import run
+from spark_hvd.spark.launch.retry import run_with_retries
+from spark_hvd.spark.session import session_info
+
+__all__ = ["PROBE_ROWS", "Checkpoint", "Fit", "DistributedEstimator", "local_default_store", "fit_store",
+           "prepare_lock"]
+
+log = logging.getLogger("spark_hvd.spark")
+
+PROBE_ROWS = 64
+"""Rows of real data the driver puts through the model and the loss before materializing."""
+
+_default_store: Optional[Store] = None
+_store_lock = threading.Lock()
+
+prepare_lock = threading.Lock()
+"""Serializes materialization: concurrent fits of one DataFrame (CrossValidator with parallelism
+> 1) would otherwise write the same cached dataset at once."""
+
+
+def local_default_store() -> Store:
+    """A store in a temporary directory of this process, removed when it exits (local masters only)."""
+    global _default_store
+    with _store_lock:
+        if _default_store is None:
+            path = tempfile.mkdtemp(prefix="spark-hvd-store-")
+            atexit.register(shutil.rmtree, path, True)
+            _default_store = Store.create(path)
+        return _default_store
+
+
+def fit_store(store: Optional[Store], info: Any) -> Store:
+    """The ``store`` Param, or on a local master a temporary store when it is unset; a ValueError
+    on a cluster, whose executors cannot read the driver's temporary directory."""
+    if store is not None:
+        return store
+    if not info.local:
+        raise ValueError("store=None is not valid on a cluster: expected storage every executor can read; "
+                         "pass e.g. store=Store.create('hdfs:///user/me/spark-hvd'), or on Databricks "
+                         "store=Store.create('/Volumes/<catalog>/<schema>/<volume>/spark-hvd')")
+    return local_default_store()
+
+
+@dataclass
+class Checkpoint:
+    """What resuming needs of a run's checkpoint, whichever framework wrote it."""
+
+    epoch: int
+    """Completed epochs."""
+    history: List[Dict[str, Any]]
+    fingerprint: Dict[str, str]
+    batch: int = 0
+    """Batches of the next epoch already trained (a mid-epoch checkpoint), else 0."""
+    seed: Optional[int] = None
+    """The shuffle seed of that epoch, for a mid-epoch resume to keep its order."""
+    state: Any = None
+    """The framework's own content (weights, optimizer state, ...)."""
+
+
+@dataclass
+class Fit:
+    """One fit after the driver's checks: what every framework has, and the framework's own values."""
+
+    model: Any
+    """The driver's working copy of the model (the user's object is never changed)."""
+    own: Any
+    """The framework's checked values (optimizer, losses, metrics, ...), from ``_check_model``."""
+    feature_cols: List[str]
+    label_cols: List[str]
+    sample_weight_col: Optional[str]
+    num_proc: int
+    store: Store
+    run_id: str
+    task: str
+    dtype: str
+    """numpy name of the floating dtype the model takes ('float32' or 'float64')."""
+    sizes: Optional[List[int]] = None
+    """Values per row of each feature column that the model was last tried with."""
+    shapes: Optional[List[Tuple[int, ...]]] = None
+    """Per-row shape of each feature as the model receives it, once known."""
+    fingerprint: Dict[str, str] = field(default_factory=dict)
+
+
+def _sizes(batch: Mapping[str, Any], cols: Sequence[str]) -> List[int]:
+    return [max(1, int(np.prod(np.asarray(batch[col]).shape[1:]))) for col in cols]
+
+
+class DistributedEstimator(Estimator, MLReadable, MLWritable):
+    """Base of the estimators: a Spark ML Estimator whose ``fit`` trains on barrier tasks.
+
+    Subclasses mix in their Params (``params_mixin``) and implement the hooks below; the class
+    attributes name what differs without code.
+    """
+
+    framework: ClassVar[str] = ""
+    """Prefix of generated run ids, e.g. 'torch'."""
+    worker_modules: ClassVar[Tuple[str, ...]] = ()
+    """Modules Spark's Python workers need besides spark_hvd's own (e.g. ('torch',))."""
+    rank_environment: ClassVar[Optional[Dict[str, str]]] = None
+    """Variables every rank process starts with."""
+    model_word: ClassVar[str] = "model"
+    """What the user calls the model in messages ('module' for a LightningModule)."""
+    dry_run_loss_on_zeros: ClassVar[bool] = False
+    """Also put rows of zeros through the loss before any Spark job, when the schema tells the
+    labels' sizes too."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+
+    # ---- hooks ----------------------------------------------------------------------------------
+    def _check_model(self) -> Any:
+        """The framework's model-level values (model, optimizer, ...), or a ValueError; no column
+        is known yet."""
+        raise NotImplementedError
+
+    def _check_training(self, own: Any, feature_cols: List[str], label_cols: List[str]) -> None:
+        """Checks that need the columns (losses per label, inputs per feature); may complete ``own``."""
+
+    def _model_dtype(self, own: Any) -> str:
+        """numpy name of the floating dtype the model takes."""
+        return "float32"
+
+    def _infer_task(self, own: Any, label_cols: List[str]) -> str:
+        """The concrete prediction task (the ``task`` Param, or what the loss implies)."""
+        return str(self.getOrDefault("task"))
+
+    def _working_copy(self, own: Any) -> Any:
+        """The driver's copy of the model that fit trains and returns."""
+        raise NotImplementedError
+
+    def _try_model(self, fit: Fit, sizes: List[int]) -> None:
+        """Set ``fit.shapes`` for features of ``sizes`` values per row and call the model on rows of
+        zeros: its outputs must match the labels and the task."""
+        raise NotImplementedError
+
+    def _try_batch(self, fit: Fit, batch: Dict[str, Any], sizes: List[int]) -> None:
+        """Like :meth:`_try_model`, with a batch of rows (features of ``sizes`` values per row, and
+        labels) through the model and the loss."""
+        raise NotImplementedError
+
+    def _run_fingerprint(self, df: Any, fit: Fit, columns: List[str]) -> Dict[str, str]:
+        """One hash per part of the run: the model architecture, the optimizer, the loss, and the data
+        (``df``'s ``columns``; see ``estimator.fingerprint``)."""
+        raise NotImplementedError
+
+    def _checkpoint_path(self, fit: Fit) -> str:
+        """Where the run's checkpoint is kept in the store."""
+        return fit.store.get_checkpoint_path(fit.run_id)
+
+    def _read_checkpoint(self, data: bytes) -> Checkpoint:
+        """The checkpoint in ``data``; a ValueError for one of another format."""
+        raise NotImplementedError
+
+    def _restore(self, fit: Fit, checkpoint: Checkpoint) -> None:
+        """Load the checkpoint's weights into ``fit.model``; raises when they do not fit it."""
+        raise NotImplementedError
+
+    def _spec(self, fit: Fit, common: Dict[str, Any], resume: Optional[Checkpoint]) -> Any:
+        """The ranks' spec: the framework's TrainingSpec from the ``common`` fields, resuming ``resume``."""
+        raise NotImplementedError
+
+    def _rank_function(self) -> Callable[[Any], Any]:
+        """The function ``run()`` calls with the spec on every rank."""
+        raise NotImplementedError
+
+    def _load_result(self, fit: Fit, result: Dict[str, Any]) -> None:
+        """Load rank 0's result (trained weights) into ``fit.model``."""
+        raise NotImplementedError
+
+    def _fitted(self, fit: Fit, history: List[Dict[str, Any]]) -> Any:
+        """The fitted model (a FittedModel) around ``fit.model``."""
+        raise NotImplementedError
+
+    def _mlflow_params(self, fit: Fit) -> Tuple[Dict[str, Any], Optional[float]]:
+        """The objects to describe among the logged Params (model, optimizer, loss) and the learning rate."""
+        return {"model": fit.model}, None
+
+    def _log_model(self, mlflow: Any, fitted: Any) -> None:
+        """Log the trained model of ``fitted`` (the FittedModel fit returns) with MLflow."""
+
+    # ---- 1. checks ------------------------------------------------------------------------------
+    def _check(self, df: Any) -> Fit:
+        own = self._check_model()
+        feature_cols = self.getOrDefault("feature_cols")
+        checks.require("feature_cols", feature_cols, "the list of input columns", "['features']")
+        label_cols = self.getOrDefault("label_cols")
+        checks.require("label_cols", label_cols, "the list of target columns", "['label']")
+        feature_cols, label_cols = list(feature_cols), list(label_cols)
+        self._check_training(own, feature_cols, label_cols)
+        checks.feature_shapes(self.getOrDefault("input_shapes"), feature_cols, [None] * len(feature_cols))  # counts them
+        weight_col = self.getOrDefault("sample_weight_col")
+        if weight_col is not None and weight_col in feature_cols + label_cols:
+            raise ValueError(f"sample_weight_col={weight_col!r} is also a feature or label column: expected a "
+                             "separate column of per-row weights")
+        dtype = self._model_dtype(own)
+        plan_columns(df, feature_cols, label_cols, weight_col, self.getOrDefault("validation"), dtype)
+        task = self._infer_task(own, label_cols)
+
+        session = df.sparkSession
+        info = session_info(session)
+        store = fit_store(self.getOrDefault("store"), info)
+        num_proc = self.getOrDefault("num_proc") or info.default_parallelism
+        checks.check_slots(session, num_proc)
+        checks.ensure_executor_python(session, info, self.worker_modules)
+        store.check_writable()
+        run_id = self.getOrDefault("run_id") or f"{self.framework}-{uuid.uuid4().hex[:12]}"
+        store.get_run_path(run_id)  # checks the name
+        return Fit(model=self._working_copy(own), own=own, feature_cols=feature_cols, label_cols=label_cols,
+                   sample_weight_col=weight_col, num_proc=num_proc, store=store, run_id=run_id, task=task, dtype=dtype)
+
+    # ---- 2. dry runs ----------------------------------------------------------------------------
+    def _dry_run(self, df: Any, fit: Fit) -> None:
+        """The model on rows of zeros when the schema tells every feature's size (before any Spark
+        job), then one batch of real rows through the model and the loss (one small job)."""
+        schema_sizes = checks.schema_row_sizes(df.schema, fit.feature_cols)
+        if all(size is not None for size in schema_sizes):
+            sizes = [int(s) for s in schema_sizes]  # type: ignore[arg-type]
+            self._try(fit, sizes, self._zero_batch(df, fit, sizes))
+        weight_col = fit.sample_weight_col
+        columns = fit.feature_cols + fit.label_cols + ([weight_col] if weight_col else [])
+        batch = sample_batch(df, columns, min(self.getOrDefault("batch_size"), PROBE_ROWS), fit.dtype)
+        transformation_fn = self.getOrDefault("transformation_fn")
+        if transformation_fn is not None:
+            batch = transformation_fn(batch)
+        if not batch or len(next(iter(batch.values()))) == 0:
+            return  # no complete row: the materialization names the nulls, or the empty frame
+        self._try(fit, _sizes(batch, fit.feature_cols), batch)
+
+    def _try(self, fit: Fit, sizes: List[int], batch: Optional[Dict[str, Any]] = None) -> None:
+        if batch is None:
+            self._try_model(fit, sizes)
+        else:
+            self._try_batch(fit, batch, sizes)
+        fit.sizes = sizes
+
+    def _zero_batch(self, df: Any, fit: Fit, sizes: List[int]) -> Optional[Dict[str, Any]]:
+        """Two rows of zeros of every feature and label, when the schema tells the labels' sizes and
+        the loss is tried on zeros (see ``dry_run_loss_on_zeros``); else None."""
+        if not self.dry_run_loss_on_zeros or self.getOrDefault("transformation_fn") is not None:
+            return None
+        label_sizes = checks.schema_row_sizes(df.schema, fit.label_cols)
+        if any(size is None for size in label_sizes):
+            return None
+        fields = {f.name: f.dataType for f in df.schema.fields}
+        batch: Dict[str, Any] = {col: np.zeros((2, size), dtype=fit.dtype) for col, size in zip(fit.feature_cols, sizes)}
+        for col, size in zip(fit.label_cols, label_sizes):
+            stored = inspect_column(col, fields[col], fit.dtype)
+            batch[col] = np.zeros((2,) if stored.kind == "scalar" else (2, int(size)), dtype=stored.dtype)  # type: ignore[arg-type]
+        if fit.sample_weight_col is not None:
+            batch[fit.sample_weight_col] = np.ones(2, dtype=fit.dtype)
+        return batch
+
+    # ---- 3. fingerprint and resume --------------------------------------------------------------
+    def _fingerprint(self, df: Any, fit: Fit) -> Dict[str, str]:
+        return self._run_fingerprint(df, fit, fit.feature_cols + fit.label_cols + [fit.sample_weight_col or ""])
+
+    def _resume_state(self, fit: Fit) -> Optional[Checkpoint]:
+        """The run's checkpoint to continue from, its weights loaded into ``fit.model``; None for a
+        new run (or one started over with ``overwrite_run``)."""
+        store, path = fit.store, self._checkpoint_path(fit)
+        if not store.exists(path):
+            return None
+        checkpoint: Optional[Checkpoint]
+        try:
+            checkpoint = self._read_checkpoint(store.read(path))
+        except Exception as exc:
+            checkpoint, changed = None, [f"checkpoint format ({exc})"]
+        else:
+            changed = changed_parts(checkpoint.fingerprint, fit.fingerprint)
+        if changed:
+            start_over_or_refuse(store, fit.run_id, changed, self.getOrDefault("overwrite_run"),
+                                 checkpoint.epoch if checkpoint else None)
+            return None
+        assert checkpoint is not None
+        try:
+            self._restore(fit, checkpoint)
+        except Exception as exc:
+            raise ValueError(
+                f"run_id={fit.run_id!r} has a checkpoint at {path} that does not fit this {self.model_word} ({exc}); "
+                "fix: use a new run_id, or pass overwrite_run=True to start this run over") from None
+        return checkpoint
+
+    def _latest(self, fit: Fit) -> Optional[Checkpoint]:
+        """The run's checkpoint when it is this fit's (same fingerprint), for a retry to resume from."""
+        store, path = fit.store, self._checkpoint_path(fit)
+        if not store.exists(path):
+            return None
+        try:
+            checkpoint = self._read_checkpoint(store.read(path))
+        except Exception:  # not readable: resume from where this fit began
+            return None
+        return None if changed_parts(checkpoint.fingerprint, fit.fingerprint) else checkpoint
+
+    # ---- 5. the spec ------------------------------------------------------------------------------
+    def _common_spec(self, fit: Fit, prepared: PreparedData, resume: Optional[Checkpoint],
+                     seed: Optional[int]) -> Dict[str, Any]:
+        """The :class:`~spark_hvd.spark.estimator.training.TrainingSpec` fields every framework shares."""
+        assert fit.shapes is not None, "the features' shapes are known once the data is prepared"
+        batch_size = self.getOrDefault("batch_size")
+        val_batch_size = self.getOrDefault("val_batch_size") or batch_size
+        train_steps = self.getOrDefault("train_steps_per_epoch") or steps_for(prepared.train_rows, fit.num_proc,
+                                                                              batch_size)
+        val_steps = 0
+        if prepared.val_path is not None:
+            val_steps = self.getOrDefault("validation_steps_per_epoch") or steps_for(prepared.val_rows, fit.num_proc,
+                                                                                     val_batch_size)
+        if resume is not None and resume.batch > 0 and resume.seed is not None:
+            seed = resume.seed  # the rest of a resumed epoch keeps its shuffle order
+        store = fit.store
+        return dict(
+            feature_cols=fit.feature_cols, label_cols=fit.label_cols, sample_weight_col=fit.sample_weight_col,
+            feature_shapes=fit.shapes, column_shapes=dict(prepared.shapes), train_url=store.url(prepared.train_path),
+            val_url=store.url(prepared.val_path) if prepared.val_path else None,
+            storage_options=store.storage_options, reader=self.getOrDefault("reader"), batch_size=batch_size,
+            val_batch_size=val_batch_size, epochs=self.getOrDefault("epochs"),
+            start_epoch=resume.epoch if resume else 0, train_steps=train_steps, val_steps=val_steps,
+            shuffle=self.getOrDefault("shuffle"),
+            seed=seed if seed is not None else int(np.random.SeedSequence().entropy % (2 ** 31)),
+            model_seed=self.getOrDefault("random_seed"), store=store, checkpoint_path=self._checkpoint_path(fit),
+            history=list(resume.history) if resume else [], compression=self.getOrDefault("gradient_compression"),
+            use_gpu=self.getOrDefault("use_gpu"), transformation_fn=self.getOrDefault("transformation_fn"),
+            progress=self.getOrDefault("verbose") > 0, fingerprint=dict(fit.fingerprint))
+
+    # ---- the whole fit ------------------------------------------------------------------------------
+    def _fit(self, dataset: Any) -> Any:
+        timings: Dict[str, float] = {}
+        started = time.monotonic()
+        fit = self._check(dataset)
+        self._dry_run(dataset, fit)
+        fit.fingerprint = self._fingerprint(dataset, fit)
+        resume = self._resume_state(fit)
+        timings["validation"] = time.monotonic() - started
+
+        mark = time.monotonic()
+        seed = self.getOrDefault("random_seed")
+        with prepare_lock:
+            prepared = prepare_data(
+                dataset, fit.store, fit.feature_cols, fit.label_cols, fit.sample_weight_col,
+                self.getOrDefault("validation"), fit.num_proc, seed=seed if seed is not None else 0,
+                vector_dtype=fit.dtype, skip_invalid=self.getOrDefault("invalid_rows") == "skip")
+        sizes = [max(1, int(np.prod(prepared.column(col).shape))) for col in fit.feature_cols]
+        if sizes != fit.sizes or fit.shapes is None:
+            self._try(fit, sizes)  # the stored data's sizes, which the ranks will read
+        timings["materialization"] = time.monotonic() - mark
+
+        epochs = self.getOrDefault("epochs")
+        start_epoch = resume.epoch if resume else 0
+        verbose = self.getOrDefault("verbose")
+        if start_epoch >= epochs:
+            log.warning("run_id=%r has already trained %d of epochs=%d with this %s, optimizer, loss and data; "
+                        "returning its model without training (raise epochs to continue it, or use a new run_id)",
+                        fit.run_id, start_epoch, epochs, self.model_word)
+            if verbose:
+                print(f"run {fit.run_id!r} has already trained {start_epoch} of epochs={epochs} with this "
+                      f"{self.model_word}, optimizer, loss and data: returning its model without training (raise "
+                      "epochs to continue, or use a new run_id)")
+            model = self._fitted(fit, list(resume.history) if resume else [])
+            model.fit_timings = timings
+            return self._finish(model, fit)
+
+        current = [self._spec(fit, self._common_spec(fit, prepared, resume, seed), resume)]
+        printer = ProgressPrinter(verbose)
+        mark_wall = time.time()
+        session = dataset.sparkSession
+
+        def launch(attempt: int) -> List[Any]:
+            return run(self._rank_function(), args=(current[0],), num_proc=fit.num_proc,  # type: ignore[arg-type]
+                       env=self.rank_environment, stdout=printer.stdout, stderr=printer.stderr, verbose=1,
+                       use_gpu=self.getOrDefault("use_gpu"), store=fit.store, spark=session)
+
+        def resume_point() -> str:
+            """Set the next attempt to start from the run's last checkpoint (this fit's own)."""
+            latest = self._latest(fit)
+            if latest is None:
+                return _describe_resume(resume, current[0].train_steps) if resume else "the start"
+            self._restore(fit, latest)
+            current[0] = self._spec(fit, self._common_spec(fit, prepared, latest, seed), latest)
+            return _describe_resume(latest, current[0].train_steps)
+
+        try:
+            results = run_with_retries(launch, session=session, num_proc=fit.num_proc,
+                                       max_retries=self.getOrDefault("max_retries"),
+                                       report=printer.note if verbose else log.warning, resume_point=resume_point)
+        finally:
+            printer.close()
+        # Phases by the ranks' own clock where they are the ranks' (training on a remote
+        # cluster reaches a Connect client in bursts, so arrival times would mislead).
+        done = time.time()
+        launched = printer.rank_started_at or done
+        last_epoch = printer.rank_last_epoch_at or done
+        timings["launch"] = max(0.0, launched - mark_wall)
+        timings["training"] = max(0.0, last_epoch - launched)
+        result = results[0]
+        self._load_result(fit, result)
+        model = self._fitted(fit, list(result["history"]))
+        timings["collection"] = max(0.0, time.time() - last_epoch)
+        model.fit_timings = timings
+        if self.getOrDefault("cleanup_intermediate"):
+            fit.store.remove_intermediate([prepared.key])
+        return self._finish(model, fit)
+
+    # ---- 6. MLflow ------------------------------------------------------------------------------
+    def _finish(self, model: Any, fit: Fit) -> Any:
+        """Log the fit to MLflow when asked or when a run is active (see ``log_to_mlflow``)."""
+        logger = start_logging(self.getOrDefault("log_to_mlflow"))
+        if logger is None:
+            return model
+        try:
+            json_params = {s.name: self.getOrDefault(s.name) for s in self.param_specs() if s.json}  # type: ignore[attr-defined]
+            objects, lr = self._mlflow_params(fit)
+            logger.log_params({**params_for_logging(json_params, objects), "num_proc": fit.num_proc,
+                               "run_id": fit.run_id, "task": fit.task, "lr": lr})
+            logger.log_history(model.getHistory() or [])
+            logger.log_timings(model.fit_timings)
+            logger.log_model(lambda mlflow: self._log_model(mlflow, model))
+            model.mlflow_run_id = logger.run_id
+        finally:
+            logger.close()
+        return model
+
+    # ---- persistence ----------------------------------------------------------------------------
+    def write(self) -> ParamsWriter:
+        """A writer saving this estimator and its Params (``.save(path)``)."""
+        return ParamsWriter(self)
+
+    @classmethod
+    def read(cls) -> ParamsReader[Any]:
+        """A reader loading a saved estimator of this class (``<Class>.load(path)``)."""
+        return ParamsReader(cls)
+
+
+def _describe_resume(checkpoint: Optional[Checkpoint], train_steps: int) -> str:
+    if checkpoint is None:
+        return "the start"
+    if checkpoint.batch:
+        return f"epoch {checkpoint.epoch + 1}, step {checkpoint.batch} of {train_steps}"
+    if checkpoint.epoch:
+        return f"the end of epoch {checkpoint.epoch}"
+    return "the start"

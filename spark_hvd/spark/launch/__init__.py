@@ -1,0 +1,8 @@
+"""The launch part of the Spark layer: ``run()`` on one barrier stage (its tasks, their output
+streams and results), ``run_elastic()`` over stages of changing size, and the retries of a stage
+that lost a task, an executor or a host."""
+
+from spark_hvd.spark.launch.barrier import RankFailedError, run
+from spark_hvd.spark.launch.elastic import run_elastic
+
+__all__ = ["run", "run_elastic", "RankFailedError"]
