@@ -36,7 +36,7 @@ test-main: $(STAMP)
 
 # The data and estimator tests again, on the pinned versions petastorm needs (pyarrow<15, numpy<2).
 test-petastorm: $(PETASTORM_STAMP)
-	$(PETASTORM_VENV)/bin/python -m pytest -q tests/spark/test_data.py tests/spark/test_reader.py tests/spark/test_estimator_readers.py -m "petastorm or not petastorm"
+	$(PETASTORM_VENV)/bin/python -m pytest -q tests/spark/data/test_data.py tests/spark/data/test_reader.py tests/spark/torch/test_estimator_readers.py -m "petastorm or not petastorm"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

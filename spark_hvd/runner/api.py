@@ -11,10 +11,10 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from .errors import RankFailedError
 from .local import LocalJob
-from .payload import FUNCTION_FILE, read_sealed, result_file, write_sealed
+from .payload import FUNCTION_FILE, dumps_call, read_sealed, result_file, write_sealed
 from .processes import RankExit
 
-__all__ = ["run"]
+__all__ = ["run", "check_arguments"]
 
 
 
@@ -23,34 +23,31 @@ def _log_to_stderr(message: str) -> None:
     print(f"spark_hvd.runner: {message}", file=sys.stderr, flush=True)
 
 
-def _check_arguments(
-    fn: Callable[..., Any],
-    args: Sequence[Any],
-    kwargs: Optional[Mapping[str, Any]],
-    np: int,
-    env: Optional[Mapping[str, str]],
-    timeout: Optional[float],
-) -> None:
+def check_arguments(fn: Any, args: Any, kwargs: Any, *, count: Any, count_name: str, env: Optional[Mapping[str, str]],
+                    timeout: Optional[float], timeout_name: str) -> int:
+    """The checks every launcher makes of what it was asked to run: ``fn`` callable, ``args`` a
+    sequence, ``kwargs`` a mapping, ``count`` processes (named ``count_name`` in messages) at
+    least 1, ``env`` of strings, ``timeout`` (named ``timeout_name``) positive or None; returns
+    ``count``."""
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     if not isinstance(args, (tuple, list)):
         raise TypeError(f"args must be a tuple or list of positional arguments, got {type(args).__name__}")
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise TypeError(f"kwargs must be a mapping of keyword arguments, got {type(kwargs).__name__}")
-    if isinstance(np, bool) or not isinstance(np, int) or np < 1:
-        raise ValueError(f"np={np!r} is invalid: expected an int of at least 1 (the number of local processes)")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"{count_name}={count!r} is invalid: expected an int of at least 1 (the number of ranks)")
     for key, value in (env or {}).items():
         if not isinstance(key, str) or not isinstance(value, str):
-            raise ValueError(f"env[{key!r}]={value!r} is invalid: expected environment names and values as str")
-    if timeout is not None and timeout <= 0:
-        raise ValueError(f"timeout={timeout!r} is invalid: expected seconds > 0, or None to wait without limit")
+            raise ValueError(f"env[{key!r}]={value!r} is invalid: expected str names and str values; convert with str()")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
+        raise ValueError(f"{timeout_name}={timeout!r} is invalid: expected seconds > 0, or None for the default")
+    return count
 
 
 def _write_function(workdir: Path, secret: str, fn: Callable[..., Any], args: Sequence[Any],
                     kwargs: Mapping[str, Any]) -> None:
-    import cloudpickle
-
-    call = cloudpickle.dumps((fn, tuple(args), dict(kwargs)))
+    call = dumps_call(fn, args, kwargs)
     spec = {"sys_path": [p for p in sys.path if isinstance(p, str)], "call": call}
     write_sealed(workdir / FUNCTION_FILE, secret, pickle.dumps(spec))
 
@@ -125,7 +122,7 @@ def run(
     the ranks started outlives the call.
     """
     kwargs = {} if kwargs is None else kwargs
-    _check_arguments(fn, args, kwargs, np, env, timeout)
+    check_arguments(fn, args, kwargs, count=np, count_name="np", env=env, timeout=timeout, timeout_name="timeout")
     merged_settings = dict(settings or {})
     if start_timeout is not None:
         merged_settings["start_timeout"] = start_timeout

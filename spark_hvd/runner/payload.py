@@ -8,15 +8,16 @@ ever unpickled.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import io
 import os
+import types
+from collections import ChainMap
 from pathlib import Path
-from typing import Union
+from typing import Any, Callable, Mapping, Sequence, Union
 
-from spark_hvd.runtime.wire import secret_bytes
+from spark_hvd.runtime.seal import seal, unseal
 
-__all__ = ["write_sealed", "read_sealed", "TamperedPayloadError", "FUNCTION_FILE", "result_file"]
+__all__ = ["write_sealed", "read_sealed", "dumps_call", "FUNCTION_FILE", "result_file"]
 
 FUNCTION_FILE = "fn"
 """Name of the file that holds the function a launcher sends to its ranks."""
@@ -27,36 +28,38 @@ def result_file(rank: int) -> str:
     return f"result.{rank}"
 
 
-_TAG_BYTES = hashlib.sha256().digest_size
-_CONTEXT = b"spark-hvd/1 payload\0"
+_CONTEXT = b"spark-hvd/1 payload"
 
 
-class TamperedPayloadError(PermissionError):
-    """A payload file's tag does not match its contents under the job secret."""
+def dumps_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> bytes:
+    """``(fn, args, kwargs)`` pickled with cloudpickle for the ranks, keeping the file name of every
+    function pickled by value (cloudpickle writes "<dynamic-code>"), so a rank's traceback points
+    at the user's own file and line."""
+    import cloudpickle
 
+    def code_reduce(code: types.CodeType) -> Any:
+        rebuild, fields = cloudpickle.cloudpickle._code_reduce(code)
+        return rebuild, tuple(code.co_filename if field == "<dynamic-code>" else field for field in fields)
 
-def _tag(secret: str, name: str, data: bytes) -> bytes:
-    # The file name is part of the tag, so one rank's payload cannot stand in for another's.
-    return hmac.new(secret_bytes(secret), _CONTEXT + name.encode() + b"\0" + data, hashlib.sha256).digest()
+    class CallPickler(cloudpickle.Pickler):
+        dispatch_table = ChainMap({types.CodeType: code_reduce}, cloudpickle.Pickler.dispatch_table)
+
+    with io.BytesIO() as buffer:
+        CallPickler(buffer).dump((fn, tuple(args), dict(kwargs)))
+        return buffer.getvalue()
 
 
 def write_sealed(path: Union[str, os.PathLike], secret: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically, sealed with ``secret``."""
+    """Write ``data`` to ``path`` atomically, sealed with ``secret`` (the file name is sealed too, so
+    one rank's payload cannot stand in for another's)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
-        f.write(_tag(secret, path.name, data))
-        f.write(data)
+        f.write(seal(secret, _CONTEXT, path.name, data))
     os.replace(tmp, path)
 
 
 def read_sealed(path: Union[str, os.PathLike], secret: str) -> bytes:
-    """The bytes of a sealed payload; TamperedPayloadError when the seal does not match."""
+    """The bytes of a sealed payload; ``spark_hvd.runtime.errors.TamperedError`` when the seal does not match."""
     path = Path(path)
-    blob = path.read_bytes()
-    tag, data = blob[:_TAG_BYTES], blob[_TAG_BYTES:]
-    if len(tag) != _TAG_BYTES or not hmac.compare_digest(tag, _tag(secret, path.name, data)):
-        raise TamperedPayloadError(
-            f"payload {str(path)!r} is not sealed with this job's secret; refusing to read it"
-        )
-    return data
+    return unseal(secret, _CONTEXT, path.name, path.read_bytes())

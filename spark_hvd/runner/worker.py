@@ -70,6 +70,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (Exception, SystemExit) as exc:
         outcome = ("error", _error_details(exc))
         data = cloudpickle.dumps(outcome)
+    except KeyboardInterrupt:
+        # Ctrl-C reaches every process of the terminal's group: one line per rank says it, the
+        # caller (interrupted too) has the traceback that matters.
+        print(f"spark-hvd: rank {rank} interrupted (KeyboardInterrupt)", file=sys.stderr)
+        return 130
     write_sealed(workdir / result_file(rank), secret, data)
     return 0 if outcome[0] == "ok" else 1
 
@@ -95,4 +100,7 @@ def _exit_now(code: int) -> None:
 
 
 if __name__ == "__main__":
-    _exit_now(main())
+    try:
+        _exit_now(main())
+    except KeyboardInterrupt:  # a second Ctrl-C while leaving
+        os._exit(130)

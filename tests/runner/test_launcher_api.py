@@ -111,3 +111,26 @@ def test_invalid_np_is_rejected(np):
     """np must be an int of at least 1."""
     with pytest.raises(ValueError, match="np="):
         run(sleep_long, np=np)
+
+
+def _deep(levels):
+    if levels:
+        return _deep(levels - 1)
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C reaches every process of the terminal's group
+    time.sleep(30)
+
+
+def interrupted_on_rank_one():
+    if os.environ["SPARK_HVD_RANK"] == "1":
+        _deep(20)
+
+
+def test_an_interrupted_rank_says_so_in_one_line(capfd):
+    """A rank that gets Ctrl-C (SIGINT) prints one line saying it was interrupted, not a traceback of
+    its stack, and the caller hears which rank it was."""
+    with pytest.raises(RankFailedError) as info:
+        run(interrupted_on_rank_one, np=2, timeout=60)
+    assert info.value.rank == 1
+    _, err = capfd.readouterr()
+    lines = [line for line in err.splitlines() if line.startswith("[1]<stderr>:")]
+    assert lines == ["[1]<stderr>:spark-hvd: rank 1 interrupted (KeyboardInterrupt)"], lines

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from spark_hvd.runner.payload import TamperedPayloadError, read_sealed, write_sealed
+from spark_hvd.runtime.errors import TamperedError as TamperedPayloadError
+from spark_hvd.runner.payload import read_sealed, write_sealed
 from spark_hvd.runtime.config import new_secret
 
 

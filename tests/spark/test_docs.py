@@ -17,3 +17,10 @@ def test_generated_reference_is_up_to_date():
         assert path.read_text() == text, f"{path.name} is out of date: run .venv/bin/python docs/generate.py"
     params = (ROOT / "docs" / "params.md").read_text()
     assert "| `inference_batch_size` |" in params and "| `invalid_rows` |" in params
+
+
+def test_the_docs_agree_on_how_cuda_tensors_travel():
+    """Troubleshooting describes the NCCL path the README documents, not an older host-only one."""
+    troubleshooting = (ROOT / "docs" / "troubleshooting.md").read_text()
+    assert "NCCL is not used" not in troubleshooting
+    assert "NCCL" in troubleshooting and "SPARK_HVD_NCCL_LIBRARY" in troubleshooting

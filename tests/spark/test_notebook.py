@@ -46,5 +46,9 @@ def test_the_fraud_notebook_runs_headless_and_scores_registers_and_reloads(tmp_p
     assert "saved to" in printed and "reloaded" in printed
     history = next(c for c in notebook.cells if "history_frame()" in c.source)
     assert "val_loss" in _text(history)
+    # The fit shows a live widget bar per epoch (tqdm's notebook bar), not tqdm's text fallback.
+    outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in outputs)
+    assert "IProgress not found" not in "\n".join(str(o.get("text", "")) for o in outputs)
     plot = next(c for c in notebook.cells if "plot_history()" in c.source)
     assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {}) for o in plot.outputs)

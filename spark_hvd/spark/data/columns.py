@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
-__all__ = ["StoredColumn", "inspect_column", "plan_columns", "quote", "is_float", "valid_rows", "to_arrays",
-           "sample_batch"]
+__all__ = ["StoredColumn", "inspect_column", "is_vector", "is_vector_struct", "vector_as_array", "plan_columns", "quote", "is_float", "valid_rows", "to_arrays",
+           "stack_rows", "sample_batch"]
 
 _NUMPY_DTYPES = {
     "ByteType": "int8",
@@ -61,6 +61,8 @@ def inspect_column(name: str, dtype: Any, vector_dtype: str) -> StoredColumn:
                               "input_shapes")
         raise _type_error(name, text, "an array of non-numeric values",
                           "convert the elements to numbers before training")
+    if is_vector_struct(dtype):  # a Vector written where its type is not kept (ORC, JSON)
+        return StoredColumn(name, "vector", vector_dtype, text)
     if isinstance(dtype, T.StructType):
         raise _type_error(name, text, "a nested struct, which is not supported",
                           f"select its fields as separate columns (df.select('{name}.*')) or assemble "
@@ -139,27 +141,80 @@ def valid_rows(planned: Sequence[StoredColumn]) -> Any:
     return condition
 
 
-def to_arrays(df: Any, planned: Sequence[StoredColumn], vector_dtype: str) -> List[Any]:
-    """Select expressions writing ``planned`` columns as stored: Vectors as arrays (null stays null,
-    where Spark's own conversion would fail the job), decimals as doubles."""
+_VECTOR_FIELDS = (("type", "tinyint"), ("size", "int"), ("indices", "array<int>"), ("values", "array<double>"))
+
+
+def is_vector_struct(dtype: Any) -> bool:
+    """Whether ``dtype`` is the struct a Spark ML Vector is made of, as formats that do not keep the
+    Vector type (ORC, JSON) read it back."""
+    from pyspark.sql import types as T
+
+    return isinstance(dtype, T.StructType) and tuple(
+        (f.name, f.dataType.simpleString()) for f in dtype.fields) == _VECTOR_FIELDS
+
+
+def is_vector(dtype: Any) -> bool:
+    """Whether ``dtype`` is a Spark ML (or MLlib) Vector."""
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.mllib.linalg import VectorUDT as OldVectorUDT
+
+    return isinstance(dtype, (VectorUDT, OldVectorUDT))
+
+
+def vector_as_array(column: Any, dtype: Any, vector_dtype: str = "float64") -> Any:
+    """The array of a Vector column (a Vector, or its struct layout) of Spark type ``dtype``, in
+    ``vector_dtype``; a null Vector gives null, where Spark's own conversion would fail the job."""
     from pyspark.ml.functions import vector_to_array
     from pyspark.sql import functions as F
 
+    if is_vector(dtype):
+        converted = vector_to_array(column, dtype=vector_dtype)
+    else:  # type 1 is dense (values), 0 sparse (size, indices, values)
+        dense = column["values"]
+        sparse = F.transform(F.sequence(F.lit(0), column["size"] - 1), lambda i: F.coalesce(F.aggregate(
+            F.arrays_zip(column["indices"].alias("k"), column["values"].alias("v")), F.lit(None).cast("double"),
+            lambda acc, kv: F.coalesce(acc, F.when(kv["k"] == i, kv["v"]))), F.lit(0.0)))
+        converted = F.when(column["type"] == 1, dense).otherwise(F.when(column["size"] > 0, sparse)
+                                                                 .otherwise(F.array().cast("array<double>")))
+        converted = converted.cast("array<float>" if vector_dtype == "float32" else "array<double>")
+    return F.when(column.isNull(), F.lit(None)).otherwise(converted)
+
+
+def to_arrays(df: Any, planned: Sequence[StoredColumn], vector_dtype: str) -> List[Any]:
+    """Select expressions writing ``planned`` columns as stored: Vectors as arrays (null stays null,
+    where Spark's own conversion would fail the job), decimals as doubles."""
+    from pyspark.sql import functions as F
+
+    fields = {f.name: f.dataType for f in df.schema.fields}
     exprs = []
     for c in planned:
         col = F.col(quote(c.name))
         if c.kind == "vector":
-            col = F.when(col.isNull(), F.lit(None)).otherwise(vector_to_array(col, dtype=vector_dtype))
+            col = vector_as_array(col, fields[c.name], vector_dtype)
         elif c.cast:
             col = col.cast(c.cast)
         exprs.append(col.alias(c.name))
     return exprs
 
 
+def stack_rows(values: Any, column: str, dtype: Optional[str] = None) -> Any:
+    """Per-row arrays of ``column`` as one (rows, n) matrix; a ValueError naming the column and the
+    lengths when the rows differ."""
+    import numpy as np
+
+    if not len(values):
+        return np.zeros((0, 0), dtype=dtype)
+    rows = [np.asarray(v, dtype=dtype) for v in values]
+    lengths = {len(r) for r in rows}
+    if len(lengths) > 1:
+        raise ValueError(f"column {column!r} has rows of different lengths ({min(lengths)} to {max(lengths)}): "
+                         "expected the same length in every row; fix: pad or truncate the arrays")
+    return np.stack(rows)
+
+
 def sample_batch(df: Any, columns: Sequence[str], rows: int, vector_dtype: str = "float64") -> Dict[str, Any]:
     """Up to ``rows`` complete rows of ``columns`` as numpy arrays (one Spark job reading only as many
     rows as it needs); rows with a null are left out, as invalid values are reported elsewhere."""
-    import numpy as np
 
     fields = {f.name: f.dataType for f in df.schema.fields}
     planned = [inspect_column(c, fields[c], vector_dtype) for c in dict.fromkeys(columns)]
@@ -168,6 +223,6 @@ def sample_batch(df: Any, columns: Sequence[str], rows: int, vector_dtype: str =
     for c in planned:
         values = pdf[c.name].to_numpy()
         if c.kind != "scalar":
-            values = np.stack([np.asarray(v, dtype=c.dtype) for v in values]) if len(values) else np.zeros((0, 0))
+            values = stack_rows(values, c.name, c.dtype)
         batch[c.name] = values.astype(c.dtype, copy=False)
     return batch

@@ -13,9 +13,11 @@ import os
 import shutil
 import subprocess
 import sys
+import traceback
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 __all__ = [
+    "user_frame",
     "require",
     "resolve_shape",
     "schema_row_sizes",
@@ -29,6 +31,25 @@ __all__ = [
 log = logging.getLogger("spark_hvd.spark")
 
 _PROBE_TIMEOUT_S = 60.0
+
+
+def user_frame(exc: BaseException, libraries: Sequence[str]) -> Optional[Any]:
+    """The frame that raised ``exc`` when it is the user's own code (not in one of the
+    ``libraries``' packages nor in spark_hvd), else None: tells a bug in a user's function from
+    a library's refusal of the shapes it was given."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return None
+    last = frames[-1]
+    path = os.path.abspath(last.filename)
+    owned = []
+    for name in (*libraries, "spark_hvd", "spark_hvd.runtime"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "__file__", None):
+            owned.append(os.path.dirname(os.path.abspath(module.__file__)) + os.sep)
+    if last.filename.startswith("<") or any(path.startswith(d) for d in owned):
+        return None
+    return last
 
 
 def require(name: str, value: Any, expected: str, example: str) -> None:
@@ -97,24 +118,26 @@ def known_shapes(input_shapes: Optional[Sequence[Sequence[int]]], feature_cols: 
 
 
 def sizes_from_data(df: Any, cols: Sequence[str], sizes: Sequence[Optional[int]]) -> List[Optional[int]]:
-    """Values per row of array and Vector columns whose size the schema does not record (one row read)."""
-    from pyspark.ml.functions import vector_to_array
-    from pyspark.ml.linalg import VectorUDT
+    """Values per row of array and Vector columns whose size the schema does not record (one row
+    without nulls read)."""
     from pyspark.sql import functions as F
 
+    from spark_hvd.spark.data.columns import is_vector, is_vector_struct, quote, vector_as_array
+
     fields = {f.name: f.dataType for f in df.schema.fields}
-    exprs = []
+    exprs, unknown = [], []
     for i, (col, size) in enumerate(zip(cols, sizes)):
         if size is None:
-            column = F.col("`" + col.replace("`", "``") + "`")
-            if isinstance(fields[col], VectorUDT):
-                column = vector_to_array(column)
+            column = F.col(quote(col))
+            if is_vector(fields[col]) or is_vector_struct(fields[col]):
+                column = vector_as_array(column, fields[col])
             exprs.append(F.size(column).alias(f"s{i}"))
+            unknown.append(col)
     if not exprs:
         return list(sizes)
-    row = df.select(*exprs).first()
+    row = df.dropna(subset=unknown).select(*exprs).first()
     if row is None:
-        return [1 if s is None else s for s in sizes]  # an empty frame: any shape predicts nothing
+        return [1 if s is None else s for s in sizes]  # no complete row: any shape predicts nothing
     found = row.asDict()
     return [int(found[f"s{i}"]) if size is None else size for i, size in enumerate(sizes)]
 

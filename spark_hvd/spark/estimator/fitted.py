@@ -10,7 +10,8 @@ from pyspark.ml import Model
 from pyspark.ml.util import MLReadable, MLWritable
 
 from spark_hvd.spark.estimator import checks
-from spark_hvd.spark.estimator.inference import InferencePlan, Predictor, feature_args, output_is_scalar, prediction_udf
+from spark_hvd.spark.estimator.inference import (InferencePlan, Predictor, allow_vector_inputs, feature_args,
+                                                 output_is_scalar, prediction_udf)
 from spark_hvd.spark.estimator.outputs import check_task, column_kinds
 from spark_hvd.spark.estimator.params import ModelParams
 from spark_hvd.spark.estimator.persistence import ParamsReader, ParamsWriter
@@ -90,6 +91,7 @@ class FittedModel(Model, ModelParams, MLReadable, MLWritable):
             key=key, feature_cols=tuple(feature_cols), input_shapes=tuple(tuple(s) for s in shapes),
             output_cols=tuple(output_cols), scalar_outputs=scalar, batch_size=self.getInferenceBatchSize(),
             dtype=dtype, sys_path=tuple(p for p in sys.path if isinstance(p, str)), task=self.getTask())
+        allow_vector_inputs(session, dataset.schema, feature_cols)
         predicted = prediction_udf(plan, payload, self._predictor())(*feature_args(dataset.schema, feature_cols, dtype))
         return self._add_predictions(dataset, predicted, output_cols, scalar)
 
@@ -183,6 +185,7 @@ class FittedModel(Model, ModelParams, MLReadable, MLWritable):
         returns the Axes. ``metrics`` picks the training metrics (default: all of them)."""
         try:
             import matplotlib.pyplot as plt
+            from matplotlib.ticker import MaxNLocator
         except ImportError:
             raise ImportError("plot_history() needs matplotlib: pip install matplotlib") from None
         frame = self.history_frame()
@@ -191,13 +194,15 @@ class FittedModel(Model, ModelParams, MLReadable, MLWritable):
                              "history_frame() shows what there is")
         names = metrics or [c for c in frame.columns if not c.startswith("val_") and c not in ("rows_per_s", "seconds")]
         if ax is None:
-            _, ax = plt.subplots(figsize=(6, 3.5))
+            # Constrained layout keeps the axis labels inside the figure, also in savefig.
+            _, ax = plt.subplots(figsize=(6, 3.5), layout="constrained")
         for name in names:
             line, = ax.plot(frame.index, frame[name], marker="o", label=name)
             if f"val_{name}" in frame.columns:
                 ax.plot(frame.index, frame[f"val_{name}"], marker="o", linestyle="--", color=line.get_color(),
                         label=f"val_{name}")
         ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
         ax.set_title(f"run {self.getRunId()}" if self.getRunId() else "training history")
         ax.legend()
         return ax

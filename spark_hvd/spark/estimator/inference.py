@@ -13,6 +13,7 @@ is reused), then predicts ``batch_size`` rows per forward pass. What is framewor
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -22,9 +23,12 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from spark_hvd.spark.data.columns import inspect_column, is_vector, quote, stack_rows, vector_as_array
 from spark_hvd.spark.estimator.outputs import column_kinds, standard_columns
 
-__all__ = ["InferencePlan", "Predictor", "output_is_scalar", "prediction_udf", "feature_args"]
+__all__ = ["InferencePlan", "Predictor", "output_is_scalar", "prediction_udf", "feature_args", "allow_vector_inputs"]
+
+log = logging.getLogger("spark_hvd.spark")
 
 _CACHE_SIZE = 2
 _models: "OrderedDict[Tuple[str, str], Any]" = OrderedDict()
@@ -93,7 +97,7 @@ def _series_to_numpy(series: pd.Series, column: str) -> np.ndarray:
                          "them (DataFrame.fillna) or drop those rows before transform()")
     values = series.to_numpy()
     if values.dtype == object:  # array columns arrive as one ndarray per row
-        values = np.stack(values) if len(values) else np.zeros((0, 0))
+        values = stack_rows(values, column)
     return values
 
 
@@ -197,22 +201,40 @@ def prediction_udf(plan: InferencePlan, payload: Any, predictor: Predictor) -> A
     return arrow_udf(arrow_one if single else arrow_many, return_type)
 
 
+_COLUMNAR_INPUT = "spark.sql.execution.arrow.pythonUDF.columnarInput.enabled"
+"""Spark 4.1+: Arrow UDFs read a columnar scan's batches directly, which cannot carry a Vector (a
+UDT): over a Parquet table with a stored Vector column the UDF fails with UNSUPPORTED_DATATYPE."""
+
+
+def allow_vector_inputs(session: Any, schema: Any, feature_cols: Sequence[str]) -> None:
+    """Make the prediction UDF take Vector feature columns from any source: when one is a Vector,
+    turn off Spark's columnar UDF input for the session (rows then reach the UDF the way they do
+    from an in-memory frame; the Vector becomes an array first, see :func:`feature_args`)."""
+    fields = {f.name: f.dataType for f in schema.fields}
+    if not any(is_vector(fields[col]) for col in feature_cols):
+        return
+    try:
+        if str(session.conf.get(_COLUMNAR_INPUT, "true")).lower() != "false":
+            session.conf.set(_COLUMNAR_INPUT, "false")
+    except Exception as exc:  # a Spark without the setting reads rows already
+        log.debug("could not set %s: %s", _COLUMNAR_INPUT, exc)
+
+
 def feature_args(schema: Any, feature_cols: Sequence[str], dtype: str) -> List[Any]:
     """The UDF's arguments: each feature column, Spark ML Vectors as arrays of ``dtype`` (a
-    Vector would reach Python as a struct to decode row by row)."""
-    from pyspark.ml.functions import vector_to_array
-    from pyspark.ml.linalg import VectorUDT
-    from pyspark.mllib.linalg import VectorUDT as OldVectorUDT
+    Vector would reach Python as a struct to decode row by row) and decimals (scalars or arrays)
+    as doubles, the way ``fit`` stores them."""
     from pyspark.sql import functions as F
 
     fields = {f.name: f.dataType for f in schema.fields}
     args = []
     for col in feature_cols:
-        column = F.col("`" + col.replace("`", "``") + "`")
-        if isinstance(fields[col], (VectorUDT, OldVectorUDT)):
-            # Spark's conversion fails the job with a JVM error on a null Vector; a null array
-            # reaches the UDF, which names the column instead.
-            converted = vector_to_array(column, dtype="float64" if dtype == "float64" else "float32")
-            column = F.when(column.isNull(), F.lit(None)).otherwise(converted)
+        column = F.col(quote(col))
+        stored = inspect_column(col, fields[col], dtype)
+        if stored.kind == "vector":
+            # A null array reaches the UDF, which names the column.
+            column = vector_as_array(column, fields[col], "float64" if dtype == "float64" else "float32")
+        elif stored.cast:  # decimals become doubles, as fit() stores them
+            column = column.cast(stored.cast)
         args.append(column)
     return args

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import keras
 import numpy as np
 
-from spark_hvd.spark.estimator.checks import require, resolve_shape
+from spark_hvd.spark.estimator.checks import require, resolve_shape, user_frame
 from spark_hvd.spark.estimator.outputs import check_task
 
 __all__ = [
@@ -252,7 +252,7 @@ def call_model(model: Any, inputs: List[np.ndarray]) -> List[np.ndarray]:
         frame = traceback.extract_tb(exc.__traceback__)[-1]
         raise ValueError(f"the model raised {type(exc).__name__}: {text} (at {frame.filename}:{frame.lineno}) when "
                          f"called with inputs of shapes {described}; this is an error in the model, not in the data; "
-                         "fix the model and fit again") from None
+                         "fix the model and fit again") from exc
     outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     return [keras.ops.convert_to_numpy(o) for o in outputs]
 
@@ -306,6 +306,12 @@ def dry_run_batch(model: Any, losses: Sequence[Any], batch: Mapping[str, np.ndar
         try:
             value = keras.ops.convert_to_numpy(loss(lab, out))
         except Exception as exc:
+            frame = user_frame(exc, ("keras", "tensorflow", "torch", "jax", "numpy"))
+            if frame is not None:
+                raise ValueError(
+                    f"the loss {name} raised {type(exc).__name__}: {exc} (at {frame.filename}:{frame.lineno}, "
+                    f"'{(frame.line or '').strip()}') on a real batch, where {shapes_text}; this is an error in the "
+                    "loss, not in the data (its traceback is above); fix the loss and fit again") from exc
             raise ValueError(f"the loss failed on a real batch: {shapes_text}; it raised {type(exc).__name__}: "
                              f"{str(exc).strip().splitlines()[0] if str(exc) else ''}; fix the label column or "
                              "choose a loss for these shapes") from None

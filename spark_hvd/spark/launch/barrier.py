@@ -28,11 +28,14 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TextI
 
 import cloudpickle
 
+from spark_hvd.runner.api import check_arguments
 from spark_hvd.runner.errors import RankFailedError
+from spark_hvd.runner.payload import dumps_call
 from spark_hvd.runtime import config
 
 from spark_hvd.spark.launch.log_stream import LogCollector
-from spark_hvd.spark.launch.store_log import StoreLogCollector, unseal
+from spark_hvd.runtime.seal import unseal
+from spark_hvd.spark.launch.store_log import STORE_CONTEXT, StoreLogCollector
 from spark_hvd.spark.launch.task import FAILURE_MARKER, RESULT_SCHEMA, TaskSpec, result_name, run_task
 from spark_hvd.spark.session import SessionInfo, active_session, session_info
 from spark_hvd.spark.data.store import Store
@@ -268,30 +271,43 @@ class _JobGroup:
             self._sc.setLocalProperty(key, value)
 
 
+class _QuietTaskFailures:
+    """While the stage runs, a driver JVM in this process (a local master) logs nothing of the
+    executor's and scheduler's task failures: a failing rank's Python traceback and some 40 lines of
+    Java stack from each of them. The failure reaches the caller once, as the rank's own error."""
+
+    _LOGGERS = ("org.apache.spark.executor.Executor", "org.apache.spark.scheduler.TaskSetManager",
+                "org.apache.spark.scheduler.TaskSchedulerImpl")
+
+    def __init__(self, session: Any) -> None:
+        from pyspark import SparkContext
+
+        context = SparkContext._active_spark_context
+        self._jvm = getattr(context, "_jvm", None) if context is not None else None
+        self._saved: Dict[str, Any] = {}
+
+    def __enter__(self) -> "_QuietTaskFailures":
+        if self._jvm is None:
+            return self
+        try:
+            log4j = self._jvm.org.apache.logging.log4j
+            for name in self._LOGGERS:
+                self._saved[name] = log4j.LogManager.getLogger(name).getLevel()
+                log4j.core.config.Configurator.setLevel(name, log4j.Level.OFF)
+        except Exception:  # another logging backend: its messages stay as they are
+            self._saved.clear()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self._saved:
+            return
+        log4j = self._jvm.org.apache.logging.log4j
+        for name, level in self._saved.items():
+            log4j.core.config.Configurator.setLevel(name, level)
+
+
 # ----------------------------------------------------------------------------------------------
 # The public verb.
-
-
-def _validate(fn: Any, args: Any, kwargs: Any, num_proc: Optional[int], default: int,
-              start_timeout: Optional[float], env: Optional[Mapping[str, str]], verbose: int) -> int:
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    if not isinstance(args, (tuple, list)):
-        raise TypeError(f"args must be a tuple or list of positional arguments, got {type(args).__name__}")
-    if kwargs is not None and not isinstance(kwargs, Mapping):
-        raise TypeError(f"kwargs must be a mapping of keyword arguments, got {type(kwargs).__name__}")
-    if num_proc is None:
-        num_proc = default
-    if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
-        raise ValueError(f"num_proc={num_proc!r} is invalid: expected a positive int (the number of ranks)")
-    if start_timeout is not None and not start_timeout > 0:
-        raise ValueError(f"start_timeout={start_timeout!r} is invalid: expected seconds > 0, or None for the default")
-    for key, value in (env or {}).items():
-        if not isinstance(key, str) or not isinstance(value, str):
-            raise ValueError(f"env[{key!r}]={value!r} is invalid: expected str names and str values; convert with str()")
-    if not isinstance(verbose, int):
-        raise ValueError(f"verbose={verbose!r} is invalid: expected an int (0 silences rank output)")
-    return num_proc
 
 
 def _output_channel(session: Any, info: SessionInfo, store: Optional[Store], secret: str, out: TextIO,
@@ -392,14 +408,17 @@ def run(
     """
     session = spark if spark is not None else active_session("spark_hvd.spark.run()")
     info = session_info(session)
-    num_proc = _validate(fn, args, kwargs, num_proc, info.default_parallelism, start_timeout, env, verbose)
+    num_proc = check_arguments(fn, args, kwargs, count=info.default_parallelism if num_proc is None else num_proc,
+                               count_name="num_proc", env=env, timeout=start_timeout, timeout_name="start_timeout")
+    if not isinstance(verbose, int):
+        raise ValueError(f"verbose={verbose!r} is invalid: expected an int (0 silences rank output)")
     if store is not None and not isinstance(store, Store):
         raise TypeError(f"store must be a spark_hvd.spark.Store, got {type(store).__name__}; use Store.create(path)")
     info = wait_for_slots(session, num_proc)
     if info.client_is_local:
         check_executor_python(executor_python(session, info), info.master, config.environ_snapshot())
     try:
-        payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
+        payload = dumps_call(fn, args, kwargs or {})
     except Exception as exc:
         raise ValueError(f"fn, args or kwargs could not be pickled with cloudpickle: {exc}; pass picklable "
                          "values, or create unpicklable objects (sessions, sockets, locks) inside fn") from None
@@ -425,7 +444,7 @@ def run(
     cancel_scope = _JobTag(session) if info.connect else _JobGroup(session.sparkContext,
                                                                    f"spark_hvd.spark.run: {num_proc} ranks")
     try:
-        with cancel_scope:
+        with cancel_scope, _QuietTaskFailures(session):
             try:
                 rows = stage.collect()
             except KeyboardInterrupt:
@@ -442,4 +461,5 @@ def run(
     by_rank = {int(row["rank"]): bytes(row["result"]) for row in rows}
     # Each blob is the rank process's own ("ok", value) outcome, sealed by its task; unpickled
     # only once the seal proves it came from a holder of this job's secret.
-    return [cloudpickle.loads(unseal(secret, result_name(rank), by_rank[rank]))[1] for rank in range(num_proc)]
+    return [cloudpickle.loads(unseal(secret, STORE_CONTEXT, result_name(rank), by_rank[rank]))[1]
+            for rank in range(num_proc)]

@@ -23,7 +23,8 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, TextIO, Tup
 from spark_hvd.runtime import config
 from spark_hvd.runtime.elastic import StageHooks, WorldResizeRequested
 
-from spark_hvd.spark.launch.store_log import seal, unseal
+from spark_hvd.runtime.seal import seal, unseal
+from spark_hvd.spark.launch.store_log import STORE_CONTEXT
 from spark_hvd.spark.launch.retry import describe_failure, is_recoverable
 from spark_hvd.spark.launch.barrier import run
 from spark_hvd.spark.session import active_session, session_info
@@ -64,7 +65,7 @@ class _StoreHooks(StageHooks):
         if api.rank() != 0 or not stage.store.exists(stage.state_path):
             return
         # Sealed with this job's secret by an earlier stage's rank 0, so safe to unpickle.
-        snapshot = pickle.loads(unseal(stage.secret, _STATE_NAME, stage.store.read(stage.state_path)))
+        snapshot = pickle.loads(unseal(stage.secret, STORE_CONTEXT, _STATE_NAME, stage.store.read(stage.state_path)))
         state.load_snapshot(snapshot)
 
     def committed(self, state: Any) -> None:
@@ -72,7 +73,7 @@ class _StoreHooks(StageHooks):
 
         if api.rank() == 0:
             data = pickle.dumps(state.snapshot(), protocol=pickle.HIGHEST_PROTOCOL)
-            self.stage.store.write(self.stage.state_path, seal(self.stage.secret, _STATE_NAME, data))
+            self.stage.store.write(self.stage.state_path, seal(self.stage.secret, STORE_CONTEXT, _STATE_NAME, data))
 
     def resize_requested(self) -> bool:
         from spark_hvd.runtime import api

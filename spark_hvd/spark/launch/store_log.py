@@ -10,8 +10,6 @@ nothing: a later chunk has a later number.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import logging
 import posixpath
@@ -20,35 +18,20 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, TextIO
 
-from spark_hvd.runtime.wire import secret_bytes
+from spark_hvd.runtime.seal import seal, unseal
 
 from spark_hvd.spark.launch.log_stream import format_line
 
-__all__ = ["seal", "unseal", "StoreLogSender", "StoreLogCollector", "FLUSH_INTERVAL_S"]
+__all__ = ["STORE_CONTEXT", "StoreLogSender", "StoreLogCollector", "FLUSH_INTERVAL_S"]
 
 log = logging.getLogger("spark_hvd.spark")
 
 FLUSH_INTERVAL_S = 0.25
 """How often a task writes its buffered output, and the client looks for new chunks."""
 
-_CONTEXT = b"spark-hvd/1 store frames\0"
-_TAG_BYTES = hashlib.sha256().digest_size
+STORE_CONTEXT = b"spark-hvd/1 store frames"
+"""Seal context of what a job writes to its store: output chunks, results, elastic state."""
 _CHUNK = re.compile(r"^r(\d+)-(\d{8})\.json$")
-
-
-def seal(secret: str, name: str, data: bytes) -> bytes:
-    """``data`` preceded by an HMAC-SHA256 tag over ``name`` and ``data`` under the job secret."""
-    tag = hmac.new(secret_bytes(secret), _CONTEXT + name.encode() + b"\0" + data, hashlib.sha256).digest()
-    return tag + data
-
-
-def unseal(secret: str, name: str, blob: bytes) -> bytes:
-    """The data of a :func:`seal` ed blob; PermissionError when the tag does not match."""
-    tag, data = blob[:_TAG_BYTES], blob[_TAG_BYTES:]
-    expected = hmac.new(secret_bytes(secret), _CONTEXT + name.encode() + b"\0" + data, hashlib.sha256).digest()
-    if len(tag) != _TAG_BYTES or not hmac.compare_digest(tag, expected):
-        raise PermissionError(f"{name!r} is not sealed with this job's secret; refusing to read it")
-    return data
 
 
 class StoreLogSender:
@@ -84,7 +67,7 @@ class StoreLogSender:
             name = f"r{self.rank}-{self._seq:08d}.json"
             data = json.dumps(self._pending).encode()
             try:
-                self._store.write(posixpath.join(self._directory, name), seal(self._secret, name, data))
+                self._store.write(posixpath.join(self._directory, name), seal(self._secret, STORE_CONTEXT, name, data))
             except Exception as exc:  # any store error: keep output in the executor log instead
                 self.problem = f"cannot write output to the store at {self._directory}: {exc}"
                 return False
@@ -167,7 +150,7 @@ class StoreLogCollector:
 
     def _read_chunk(self, rank: int, name: str) -> None:
         try:
-            data = unseal(self._secret, name, self._store.read(posixpath.join(self._directory, name)))
+            data = unseal(self._secret, STORE_CONTEXT, name, self._store.read(posixpath.join(self._directory, name)))
             frames = json.loads(data)
         except (OSError, PermissionError, ValueError) as exc:
             log.warning("store log: ignored chunk %s: %s", name, exc)

@@ -28,7 +28,8 @@ from spark_hvd.runner.payload import FUNCTION_FILE, read_sealed, result_file, wr
 from spark_hvd.runner.processes import RankExit, RankProcesses, print_prefixed, rank_environment
 
 from spark_hvd.spark.launch.log_stream import LogSender
-from spark_hvd.spark.launch.store_log import StoreLogSender, seal
+from spark_hvd.runtime.seal import seal
+from spark_hvd.spark.launch.store_log import STORE_CONTEXT, StoreLogSender
 
 __all__ = ["TaskSpec", "Placement", "assign_ranks", "failure_summary", "run_task", "RESULT_SCHEMA",
            "result_name", "remove_stale_workdirs", "WORKDIR_PREFIX"]
@@ -330,7 +331,7 @@ def run_task(spec: TaskSpec, batches: Iterable[Any]) -> Iterator[Any]:
         sender.close()
         # Partition 0 serves the rendezvous until every rank is done with it.
         context.barrier()
-        sealed = seal(spec.secret, result_name(rank), outcome)
+        sealed = seal(spec.secret, STORE_CONTEXT, result_name(rank), outcome)
         yield pa.RecordBatch.from_pydict({"rank": [rank], "result": [sealed], "streamed": [streamed]},
                                          schema=pa.schema([("rank", pa.int64()), ("result", pa.binary()),
                                                            ("streamed", pa.bool_())]))

@@ -102,7 +102,7 @@ def configured_optimizer(model: pl.LightningModule) -> Optional[torch.optim.Opti
     except Exception as exc:
         if _needs_trainer(exc):
             return None
-        raise _user_code_error(model, "configure_optimizers", exc, "") from None
+        raise _user_code_error(model, "configure_optimizers", exc, "") from exc
     optimizer = first_optimizer(configured)
     if optimizer is None:
         raise ValueError(f"{type(model).__name__}.configure_optimizers returned {configured!r}: expected an "
@@ -138,7 +138,7 @@ def dry_run_training_step(model: pl.LightningModule, batch: Dict[str, torch.Tens
         except Exception as exc:
             if _needs_trainer(exc):
                 return  # it reads self.trainer: only the ranks can run it
-            raise _user_code_error(model, "training_step", exc, context) from None
+            raise _user_code_error(model, "training_step", exc, context) from exc
     loss = result.get("loss") if isinstance(result, dict) else result
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
         raise ValueError(f"{type(model).__name__}.training_step returned {type(result).__name__} "

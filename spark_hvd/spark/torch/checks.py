@@ -15,7 +15,7 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from spark_hvd.spark.estimator.checks import require
+from spark_hvd.spark.estimator.checks import require, user_frame
 from spark_hvd.spark.estimator.outputs import check_task
 from spark_hvd.spark.torch.batches import outputs_list
 
@@ -112,7 +112,7 @@ def call_forward(model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> Any:
         raise ValueError(
             f"the model's forward() raised {type(exc).__name__}: {text} (at {frame.filename}:{frame.lineno}, "
             f"'{(frame.line or '').strip()}') when called with inputs of shapes {described}; this is an error in "
-            f"{type(model).__name__}.forward, not in the data; fix forward() and fit again") from None
+            f"{type(model).__name__}.forward, not in the data; fix forward() and fit again") from exc
     finally:
         model.train(was_training)
 
@@ -173,6 +173,12 @@ def dry_run_batch(model: torch.nn.Module, loss_fn: Any, batch: Mapping[str, Any]
                 with torch.no_grad():
                     fn(out, lab)
             except Exception as exc:
+                frame = user_frame(exc, ("torch",))
+                if frame is not None:
+                    raise ValueError(
+                        f"the loss {name} raised {type(exc).__name__}: {exc} (at {frame.filename}:{frame.lineno}, "
+                        f"'{(frame.line or '').strip()}') on a real batch, where {shapes_text}; this is an error in "
+                        "the loss, not in the data (its traceback is above); fix the loss and fit again") from exc
                 raise ValueError(f"the loss failed on a real batch: {shapes_text}; it raised {type(exc).__name__}: "
                                  f"{exc}; {fix}, or choose a loss for these shapes") from None
         broadcast = [w for w in caught if "size" in str(w.message).lower() and "target" in str(w.message).lower()]

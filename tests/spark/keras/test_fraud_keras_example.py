@@ -13,7 +13,7 @@ import pytest
 
 from spark_hvd.spark.session import LOCAL_ENVIRONMENT
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fraud_detection_keras.py"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "fraud_detection_keras.py"
 
 
 @pytest.mark.timeout(900)

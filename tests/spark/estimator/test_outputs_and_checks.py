@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from spark_hvd.spark.launch.store_log import StoreLogCollector, StoreLogSender, seal, unseal
+from spark_hvd.runtime.seal import seal, unseal
+from spark_hvd.spark.launch.store_log import STORE_CONTEXT, StoreLogCollector, StoreLogSender
 from spark_hvd.spark.estimator.outputs import check_task, column_kinds, infer_task, standard_columns
 from spark_hvd.spark.session import slots_from_conf
 from spark_hvd.spark.data.store import LocalStore, Store, VolumeStore
@@ -186,7 +187,7 @@ def test_output_through_a_store_arrives_in_order_and_rejects_forgeries(tmp_path)
     for i in range(5):
         sender.line("stdout", f"line {i}")
     sender.line("stderr", "careful")
-    store.write(store.join("jobs", "j1", "r0-00000000.json"), seal("cd" * 32, "r0-00000000.json", b'[{"stream": '
+    store.write(store.join("jobs", "j1", "r0-00000000.json"), seal("cd" * 32, STORE_CONTEXT, "r0-00000000.json", b'[{"stream": '
                                                                    b'"stdout", "text": "forged"}]'))
     sender.failure({"type": "ValueError", "message": "bad"})
     sender.finished()
@@ -198,7 +199,7 @@ def test_output_through_a_store_arrives_in_order_and_rejects_forgeries(tmp_path)
     assert err.getvalue() == "[1]<stderr>:careful\n"
     assert not store.exists(directory)
     with pytest.raises(PermissionError):
-        unseal("ab" * 32, "other-name", seal("ab" * 32, "name", b"x"))
+        unseal("ab" * 32, STORE_CONTEXT, "other-name", seal("ab" * 32, STORE_CONTEXT, "name", b"x"))
     silent = StoreLogCollector(store, store.join("jobs", "none"), "ab" * 32, out, err)
     assert silent.wait_closed(1, 0.3) is False and silent.wait_failure(0.3) is None
     silent.close()
@@ -234,3 +235,24 @@ def test_transform_runs_on_the_gpu_spark_assigned_to_the_task(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     context["now"] = Context({"gpu": Gpus(["0"])})
     assert predictor.device() == "cpu"
+
+
+def test_plot_history_saves_whole_labels_and_whole_epochs(tmp_path):
+    """A saved history plot keeps its x-axis label inside the figure, and its ticks are whole epochs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from spark_hvd.spark.torch import TorchModel
+
+    model = TorchModel(model=torch.nn.Linear(1, 1), history=[{"epoch": 1, "loss": 0.9, "val_loss": 1.0},
+                                                              {"epoch": 2, "loss": 0.5, "val_loss": 0.7},
+                                                              {"epoch": 3, "loss": 0.4, "val_loss": 0.6}])
+    ax = model.plot_history()
+    figure = ax.figure
+    figure.savefig(tmp_path / "history.png")
+    renderer = figure.canvas.get_renderer()
+    label = ax.xaxis.label.get_window_extent(renderer)
+    whole = figure.bbox
+    assert label.y0 >= whole.y0 and label.x0 >= whole.x0 and label.x1 <= whole.x1
+    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
