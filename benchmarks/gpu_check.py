@@ -79,7 +79,7 @@ def _checks(hvd: Any, torch: Any, dev: Any) -> List[str]:
             want = ((torch.arange(10) % 7) * size + sum(range(size))).to(dtype)
             assert got.is_cuda and torch.equal(got.cpu(), want), (dtype, got, want)
         passed.append("allreduce Sum of 8 dtypes on the device")
-        device = api._state.session.engine._device
+        device = api._state.session.engine.executor.device
         assert device is not None and device.plane.comms, "no NCCL communicator was made: the tensors were staged"
         passed.append(f"NCCL communicator made ({len(device.plane.comms)}), no host staging")
         handles = [hvd.allreduce_async(torch.full((1000 + i,), float(rank + i), device=dev), op=hvd.Average,

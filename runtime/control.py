@@ -7,12 +7,14 @@ socket (TCP, or a Unix socket on one host); the MPI backend has its own link ove
 
 from __future__ import annotations
 
+import pickle
 import socket
-from typing import Deque, Optional, Protocol
+from typing import Deque, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple
 
+from .errors import CollectiveError
 from .wire import FrameReader, send_frame
 
-__all__ = ["ControlLink", "SocketLink"]
+__all__ = ["ControlLink", "SocketLink", "ControlLinks", "REQUESTS", "RESPONSES", "ABORT", "BYE"]
 
 
 class ControlLink(Protocol):
@@ -77,3 +79,80 @@ class SocketLink:
             self.sock.close()
         except OSError:
             pass
+
+
+# Control frame types (first byte).
+REQUESTS = b"R"
+RESPONSES = b"S"
+ABORT = b"A"
+BYE = b"X"
+
+
+class ControlLinks:
+    """This rank's control links by peer, and what it knows of the peers that left."""
+
+    def __init__(self, links: Dict[int, ControlLink]) -> None:
+        self.links = dict(links)
+        self.left: Dict[int, str] = {}
+        """Peers that said goodbye (and why), by rank."""
+        self.polled = any(link.fileno() is None for link in self.links.values())
+        """Some links have no descriptor to wait on (MPI): they are polled."""
+
+    def items(self) -> Iterable[Tuple[int, ControlLink]]:
+        return self.links.items()
+
+    def __getitem__(self, peer: int) -> ControlLink:
+        return self.links[peer]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.links)
+
+    def pump(self) -> None:
+        """Read what has arrived on every link."""
+        for link in self.links.values():
+            link.pump()
+
+    def has_frames(self) -> bool:
+        return any(link.frames for link in self.links.values())
+
+    def filenos(self) -> List[int]:
+        return [fd for fd in (link.fileno() for link in self.links.values()) if fd is not None]
+
+    def lost(self, peer: int) -> CollectiveError:
+        """The error for collectives that needed ``peer``, saying how it went."""
+        if self.left.get(peer) == "shut down":
+            return CollectiveError(f"rank {peer} has shut down; collectives that need it cannot complete",
+                                   lost_rank=peer)
+        link = self.links.get(peer)
+        if link is not None and link.error:
+            return CollectiveError(f"rank {peer} was lost: {link.error}", lost_rank=peer)
+        return CollectiveError(
+            f"rank {peer} was lost: its connection closed (the process exited or was killed)", lost_rank=peer)
+
+    def send(self, peer: int, frame: bytes) -> None:
+        """Send ``frame`` to ``peer``; a CollectiveError when the peer is gone without a goodbye."""
+        link = self.links[peer]
+        try:
+            link.send(frame)
+        except OSError as exc:
+            # A peer that said goodbye and closed its end in the moment since the links were last
+            # read has shut down cleanly: it needs nothing more (its goodbye is handled as usual).
+            link.pump()
+            if peer in self.left or any(f[:1] == BYE for f in link.frames):
+                self.left.setdefault(peer, "shut down")
+                return
+            raise CollectiveError(f"rank {peer} was lost: sending to it failed ({exc})", lost_rank=peer) from None
+
+    def send_quietly(self, frame: bytes, skip: Optional[int] = None) -> None:
+        """Best effort, bounded, to every peer still there but ``skip``: the peer may already be gone or stuck."""
+        for peer, link in list(self.links.items()):
+            if peer not in self.left and peer != skip:
+                link.send_quietly(frame)
+
+    def raise_abort(self, frame: bytes) -> None:
+        """Raise the CollectiveError another rank's abort frame carries."""
+        message, lost = pickle.loads(frame[1:])
+        raise CollectiveError(message, lost_rank=lost)
+
+    def abort_frame(self, error: CollectiveError) -> bytes:
+        return ABORT + pickle.dumps((str(error), error.lost_rank), protocol=5)

@@ -1,37 +1,176 @@
-"""Execution of agreed responses: each collective kind over the transport, fused allreduces included."""
+"""Execution of agreed responses: each collective kind over the data plane, fused allreduces included.
+
+:class:`CollectiveExecutor` takes one response every rank agreed on, finds this rank's requests in
+the :class:`~spark_hvd.runtime.handles.RequestBook`, and runs the step of the response's kind: one
+method per kind, chosen from a table keyed by the kinds of :mod:`spark_hvd.runtime.kinds`. CUDA
+tensors go to the device executor (NCCL) made on first use.
+"""
 
 from __future__ import annotations
 
 import time
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import algorithms as alg
-from .handles import Entry
-from .messages import Meta
-from .ops import ReduceOp, average_inplace, scale_inplace, storage_dtype
-from .timeline import COMMUNICATE, MEMCPY_IN, MEMCPY_OUT, REDUCE, Timeline
 from .dataplane import DataPlane
+from .device import DeviceExecutor, NcclDataPlane, device_ops, nccl_status
+from .errors import CollectiveError, RankMismatchError
+from .handles import Entry, RequestBook
+from .kinds import (ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLREDUCE_EAGER, ALLTOALL, BARRIER, BROADCAST, ERROR, JOIN,
+                    REDUCESCATTER)
+from .messages import Meta, Response
+from .ops import ReduceOp, average_inplace, scale_inplace, storage_dtype
+from .timeline import COMMUNICATE, MEMCPY_IN, MEMCPY_OUT, NEGOTIATE, QUEUE, REDUCE, TimelineSlot
 
-__all__ = ["Executor"]
+__all__ = ["CollectiveExecutor"]
+
+Step = Callable[[Response, List[Optional[Entry]], Mapping[int, Meta], Tuple[int, ...]], None]
 
 
-class Executor:
-    """The per-kind collective steps the engine runs once every rank has agreed on a response."""
+class CollectiveExecutor:
+    """Runs agreed responses on this rank: the per-kind collective steps over the data plane."""
 
-    config: Any
-    data: DataPlane
-    _timeline: Optional[Timeline]
-    _fusion: Optional[np.ndarray]
+    def __init__(self, rank: int, data: DataPlane, config: Any, book: RequestBook, timeline: TimelineSlot,
+                 process_sets: Dict[int, Tuple[int, ...]], coordinator: Any = None) -> None:
+        self.rank = rank
+        self.data = data
+        self.config = config
+        self.book = book
+        self.timeline = timeline
+        self.process_sets = process_sets
+        """Members of each process set this rank knows, by id."""
+        self._coordinator = coordinator
+        self._fusion: Optional[np.ndarray] = None
+        self.device: Optional[DeviceExecutor] = None
+        """The device (NCCL) executor, made when the first device response arrives."""
+        self.executing: Optional[Tuple[str, Tuple[str, ...]]] = None
+        """(kind, names) of the response in its data phase, for stall messages."""
+        self._steps: Dict[str, Step] = {
+            ALLREDUCE: self._allreduce_response, ALLREDUCE_EAGER: self._eager_response,
+            REDUCESCATTER: self._reducescatter_response, ALLGATHER: self._allgather_response,
+            ALLTOALL: self._alltoall_response, BROADCAST: self._broadcast_response,
+            BARRIER: self._barrier_response, ADD_PROCESS_SET: self._add_process_set_response,
+        }
 
-    def _complete(self, entry: Entry, value: Any) -> None:  # pragma: no cover - provided by the engine
-        raise NotImplementedError
+    # -- the front door -----------------------------------------------------------------------------
+    def execute(self, response: Response, metas: Mapping[int, Meta], arrived: float) -> None:
+        """Run one agreed response: complete (or fail) this rank's requests it names."""
+        book = self.book
+        kind, names, ps = response.kind, response.names, response.ps
+        if kind == JOIN:
+            for key in [k for k, e in book.local.items() if e.meta.kind == JOIN]:
+                book.complete(book.local.pop(key), response.value)
+            return
+        members = self.process_sets.get(ps)
+        if members is None or self.rank not in members:
+            return
+        entries = [book.local.pop((ps, name), None) for name in names]
+        if kind == ERROR:
+            for entry in entries:
+                if entry is not None:
+                    book.fail(entry, RankMismatchError(response.error))
+            return
+        timeline = self.timeline.current
+        if timeline is not None:
+            for entry in entries:
+                if entry is not None:
+                    timeline.span(entry.name, NEGOTIATE, entry.submitted * 1e6, arrived * 1e6)
+                    timeline.span(entry.name, QUEUE, arrived * 1e6, time.perf_counter() * 1e6)
+        self.executing = (kind, names)
+        try:
+            first = metas[response.sids[0]] if response.sids else \
+                (metas[response.rank_sids[0][0]] if response.rank_sids else None)
+            if first is not None and first.device != "cpu":
+                self._device_executor().execute(response, entries, metas, members)
+            else:
+                step = self._steps.get(kind)
+                if step is None:
+                    raise CollectiveError(f"unknown response kind {kind!r}")
+                step(response, entries, metas, members)
+        except BaseException:
+            for entry in entries:
+                if entry is not None and not entry.handle.done():
+                    book.local[(ps, entry.name)] = entry  # failed with everything else when the job aborts
+            raise
+        finally:
+            self.executing = None
 
+    def close(self) -> None:
+        if self.device is not None:
+            self.device.plane.close()
+
+    def _device_executor(self) -> DeviceExecutor:
+        if self.device is None:
+            lib, problem = nccl_status()
+            if lib is None:
+                raise CollectiveError(f"collectives on CUDA tensors need NCCL: {problem}")
+            plane = NcclDataPlane(lib, self.data.size, self.data.rank, self.data.broadcast,
+                                  hierarchy=getattr(self.data, "hierarchy", None), chunk_bytes=self.config.chunk_bytes)
+            self.device = DeviceExecutor(plane, device_ops("cuda"), self.book.complete)
+        return self.device
+
+    # -- one step per response kind --------------------------------------------------------------------
+    def _allreduce_response(self, response: Response, entries: List[Optional[Entry]], metas: Mapping[int, Meta],
+                            members: Tuple[int, ...]) -> None:
+        self._allreduce(response.ps, response.names, entries, [metas[s] for s in response.sids])
+
+    def _eager_response(self, response: Response, entries: List[Optional[Entry]], metas: Mapping[int, Meta],
+                        members: Tuple[int, ...]) -> None:
+        """Allreduces whose results the coordinator computed and sent with the response."""
+        start = time.perf_counter()
+        for entry, sid, result in zip(entries, response.sids, response.results):
+            if entry is None:
+                continue
+            out = np.frombuffer(result, dtype=storage_dtype(metas[sid].dtype))
+            np.copyto(entry.out.reshape(-1), out)
+            self.book.complete(entry, entry.out)
+            self._span(entry.name, MEMCPY_OUT, start)
+
+    def _reducescatter_response(self, response: Response, entries: List[Optional[Entry]],
+                                metas: Mapping[int, Meta], members: Tuple[int, ...]) -> None:
+        for name, entry, sid in zip(response.names, entries, response.sids):
+            self._reducescatter(response.ps, name, entry, metas[sid])
+
+    def _allgather_response(self, response: Response, entries: List[Optional[Entry]], metas: Mapping[int, Meta],
+                            members: Tuple[int, ...]) -> None:
+        for name, entry, sids in zip(response.names, entries, response.rank_sids):
+            self._allgather(response.ps, name, entry, [metas[s] for s in sids])
+
+    def _alltoall_response(self, response: Response, entries: List[Optional[Entry]], metas: Mapping[int, Meta],
+                           members: Tuple[int, ...]) -> None:
+        for name, entry, sids in zip(response.names, entries, response.rank_sids):
+            self._alltoall(response.ps, name, entry, [metas[s] for s in sids])
+
+    def _broadcast_response(self, response: Response, entries: List[Optional[Entry]], metas: Mapping[int, Meta],
+                            members: Tuple[int, ...]) -> None:
+        for name, entry, sid in zip(response.names, entries, response.sids):
+            self._broadcast(response.ps, name, entry, metas[sid], members)
+
+    def _barrier_response(self, response: Response, entries: List[Optional[Entry]], metas: Mapping[int, Meta],
+                          members: Tuple[int, ...]) -> None:
+        for entry in entries:
+            if entry is not None:
+                self.book.complete(entry, None)
+
+    def _add_process_set_response(self, response: Response, entries: List[Optional[Entry]],
+                                  metas: Mapping[int, Meta], members: Tuple[int, ...]) -> None:
+        ranks = tuple(metas[response.sids[0]].ranks or ())
+        self.process_sets[response.value] = ranks
+        if self._coordinator is not None:
+            self._coordinator.process_sets[response.value] = ranks
+        self.data.add_process_set(response.value, ranks)
+        for entry in entries:
+            if entry is not None:
+                self.book.complete(entry, response.value)
+
+    # -- the collectives -------------------------------------------------------------------------------
     def _span(self, name: str, phase: str, start: float) -> float:
         now = time.perf_counter()
-        if self._timeline is not None:
-            self._timeline.span(name, phase, start * 1e6, now * 1e6)
+        timeline = self.timeline.current
+        if timeline is not None:
+            timeline.span(name, phase, start * 1e6, now * 1e6)
         return now
 
     def _finish_scale(self, buf: np.ndarray, meta: Meta, count: int) -> None:
@@ -64,7 +203,7 @@ class Executor:
             t1 = self._span(entry.name, REDUCE, t0)
             self._finish_scale(buf, meta0, size)
             self._span(entry.name, MEMCPY_OUT, t1)
-            self._complete(entry, entry.out)
+            self.book.complete(entry, entry.out)
             return
         counts = [m.count() for m in metas]
         total = sum(counts)
@@ -96,13 +235,14 @@ class Executor:
                 out.reshape(-1)[...] = fused[lo:hi]
             else:
                 np.multiply(fused[lo:hi], dtype.type(factor), out=out.reshape(-1))
-            self._complete(entry, out)
+            self.book.complete(entry, out)
         t2 = time.perf_counter()
-        if self._timeline is not None:
+        timeline = self.timeline.current
+        if timeline is not None:
             for name in names:
-                self._timeline.span(name, MEMCPY_IN, start * 1e6, t0 * 1e6, {"fused": len(names)})
-                self._timeline.span(name, REDUCE, t0 * 1e6, t1 * 1e6)
-                self._timeline.span(name, MEMCPY_OUT, t1 * 1e6, t2 * 1e6)
+                timeline.span(name, MEMCPY_IN, start * 1e6, t0 * 1e6, {"fused": len(names)})
+                timeline.span(name, REDUCE, t0 * 1e6, t1 * 1e6)
+                timeline.span(name, MEMCPY_OUT, t1 * 1e6, t2 * 1e6)
 
     def _fusion_view(self, dtype: np.dtype, count: int) -> np.ndarray:
         nbytes = count * dtype.itemsize
@@ -133,7 +273,7 @@ class Executor:
         if entry is not None:
             result = mine.reshape((row_counts[me],) + tuple(meta.shape[1:]))
             self._span(name, MEMCPY_OUT, t1)
-            self._complete(entry, result)
+            self.book.complete(entry, result)
 
     def _allgather(self, ps: int, name: str, entry: Optional[Entry], metas: List[Meta]) -> None:
         dtype = storage_dtype(metas[0].dtype)
@@ -154,7 +294,7 @@ class Executor:
         if entry is not None:
             if not metas[me].shape:
                 out = out.reshape(-1)
-            self._complete(entry, out)
+            self.book.complete(entry, out)
 
     def _broadcast(self, ps: int, name: str, entry: Optional[Entry], meta: Meta,
                    members: Tuple[int, ...]) -> None:
@@ -170,7 +310,7 @@ class Executor:
         self.data.broadcast(ps, buf.reshape(-1), root)
         self._span(name, COMMUNICATE, start)
         if entry is not None:
-            self._complete(entry, buf)
+            self.book.complete(entry, buf)
 
     def _alltoall(self, ps: int, name: str, entry: Optional[Entry], metas: List[Meta]) -> None:
         dtype = storage_dtype(metas[0].dtype)
@@ -186,4 +326,4 @@ class Executor:
                            out.reshape(-1), [s * row for s in recv_splits])
         self._span(name, COMMUNICATE, start)
         if entry is not None:
-            self._complete(entry, (out, np.asarray(recv_splits, dtype=np.int64)))
+            self.book.complete(entry, (out, np.asarray(recv_splits, dtype=np.int64)))

@@ -1,11 +1,13 @@
-"""Handles and entries: what a caller holds for an asynchronous request, and the engine's record of it."""
+"""Handles and entries: what a caller holds for an asynchronous request, the engine's record of it, and
+the book of a rank's requests between submission and answer."""
 
 from __future__ import annotations
 
 import copy
 import threading
 import time
-from typing import TYPE_CHECKING, Any, List, Optional
+from collections import deque
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -14,7 +16,7 @@ from .messages import Meta
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Engine
 
-__all__ = ["Handle", "Entry"]
+__all__ = ["Handle", "Entry", "RequestBook"]
 
 
 class Handle:
@@ -93,3 +95,44 @@ class Entry:
         self.index = index
         self.submitted = 0.0
         self.responded = 0.0
+
+
+class RequestBook:
+    """This rank's requests between submission and answer.
+
+    ``queue`` holds requests submitted and not yet announced, ``local`` those announced and not yet
+    answered (by (process set, name)), ``in_flight`` every one not finished, which callers read
+    to refuse a second request of the same name. Only single dict and deque operations touch
+    ``in_flight`` and ``queue`` (atomic in CPython), so callers and the engine thread never wait on
+    each other for them.
+    """
+
+    def __init__(self) -> None:
+        self.queue: Deque[Entry] = deque()
+        self.local: Dict[Tuple[int, str], Entry] = {}
+        self.in_flight: Dict[Tuple[int, str], Entry] = {}
+
+    def take_new(self) -> List[Entry]:
+        """The queued requests, now announced: they move to ``local``."""
+        new = []
+        while self.queue:
+            entry = self.queue.popleft()
+            self.local[(entry.meta.ps, entry.name)] = entry
+            new.append(entry)
+        return new
+
+    def complete(self, entry: Entry, value: Any) -> None:
+        self.in_flight.pop((entry.meta.ps, entry.name), None)  # before the caller can see the result
+        entry.handle._set(entry.index, value)
+
+    def fail(self, entry: Entry, error: BaseException) -> None:
+        self.in_flight.pop((entry.meta.ps, entry.name), None)
+        entry.handle._fail(error)
+
+    def fail_all(self, error: BaseException) -> None:
+        """Fail every request not yet answered."""
+        while self.queue:
+            self.fail(self.queue.popleft(), error)
+        for entry in list(self.local.values()):
+            self.fail(entry, error)
+        self.local.clear()

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .engine import Engine
+from .engine import build_engine
 from .handles import Entry, Handle
 from .messages import Meta
 from .ops import check_op, storage_dtype, wire_dtype
@@ -56,7 +56,7 @@ class Session:
     def __init__(self, world: Any, config: Any) -> None:
         self.world = world
         self.config = config
-        self.engine = Engine(world, config)
+        self.engine = build_engine(world, config)
         self._counters: Dict[Tuple[str, int], itertools.count] = {}
 
     @property

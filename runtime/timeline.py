@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Dict, IO, List, Optional
 
-__all__ = ["Timeline", "NEGOTIATE", "QUEUE", "MEMCPY_IN", "REDUCE", "MEMCPY_OUT", "COMMUNICATE"]
+__all__ = ["Timeline", "TimelineSlot", "NEGOTIATE", "QUEUE", "MEMCPY_IN", "REDUCE", "MEMCPY_OUT", "COMMUNICATE"]
 
 NEGOTIATE = "NEGOTIATE"
 QUEUE = "QUEUE"
@@ -95,3 +95,24 @@ class Timeline:
             self._file.write("\n]\n")
             self._file.close()
             self._file = None
+
+
+class TimelineSlot:
+    """The timeline a rank writes now, if any: started and stopped while collectives run."""
+
+    def __init__(self) -> None:
+        self.current: Optional[Timeline] = None
+        self._lock = threading.Lock()
+
+    def start(self, path: str, mark_cycles: bool = False) -> None:
+        """Write a new timeline to ``path`` (closing the one before)."""
+        with self._lock:
+            if self.current is not None:
+                self.current.close()
+            self.current = Timeline(path, mark_cycles)
+
+    def stop(self) -> None:
+        with self._lock:
+            if self.current is not None:
+                self.current.close()
+                self.current = None
