@@ -1,4 +1,4 @@
-"""Write docs/params.md and docs/api.md from the code, so the reference cannot drift from it.
+"""Write docs/params.md, docs/api.md and docs/architecture.md from the code, so they cannot drift from it.
 
     .venv/bin/python docs/generate.py          # rewrite both files
     .venv/bin/python docs/generate.py --check  # exit 1 when a file differs from the code
@@ -98,9 +98,42 @@ def api_markdown() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _first_line(path: Path) -> str:
+    import ast
+
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    return doc.strip().splitlines()[0] if doc.strip() else ""
+
+
+def architecture_markdown() -> str:
+    """docs/architecture.md: the hand-written parts of architecture.in.md with the layer tables of
+    import_graph.py and every module's one-line docstring filled in."""
+    sys.path.insert(0, str(HERE))
+    try:
+        import import_graph as graph
+    finally:
+        sys.path.remove(str(HERE))
+    root = HERE.parent
+
+    def table(rows: Any) -> str:
+        lines = ["| layer | package | what it is |", "|---|---|---|"]
+        lines += [f"| {layer} | `{name}` | {what} |" for name, layer, what in sorted(rows, key=lambda r: (r[1], r[0]))]
+        return "\n".join(lines)
+
+    modules = ["| module | file | what it is |", "|---|---|---|"]
+    for name, path in sorted(graph.modules().items()):
+        modules.append(f"| `{name}` | `{path.relative_to(root)}` | {_first_line(path).replace('|', '/')} |")
+    template = (HERE / "architecture.in.md").read_text()
+    return template.format(
+        layers=table(graph.LAYERS), spark_parts=table(graph.SPARK_PARTS),
+        separate="; ".join(f"`{a}` and `{b}`" for a, b in graph.SEPARATE),
+        aliases="; ".join(f"`{a}` importing `{b}`" for a, b in graph.ALIASES), modules="\n".join(modules))
+
+
 def generated() -> Dict[Path, str]:
     """Each generated file and its content."""
-    return {HERE / "params.md": params_markdown(), HERE / "api.md": api_markdown()}
+    return {HERE / "params.md": params_markdown(), HERE / "api.md": api_markdown(),
+            HERE / "architecture.md": architecture_markdown()}
 
 
 def main(argv: List[str]) -> int:

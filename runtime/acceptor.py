@@ -115,6 +115,11 @@ class Acceptor:
             listener.setblocking(False)
             self._selector.register(listener, selectors.EVENT_READ, self._on_listener)
 
+    @property
+    def waiting(self) -> int:
+        """Connections accepted by the socket and not yet authenticated (or refused)."""
+        return len(self._pending) + len(self._greeting)
+
     # -- driving ----------------------------------------------------------------------------------
     def poll(self, timeout: float) -> List[Accepted]:
         """Run the acceptor's own selector until a connection is ready or ``timeout`` passes."""
@@ -319,6 +324,11 @@ class ServerLoop:
     def rejected(self) -> int:
         """Connections turned away because they did not authenticate (in time)."""
         return self._acceptor.rejected
+
+    @property
+    def waiting(self) -> int:
+        """Connections that have not authenticated yet (idle strangers among them)."""
+        return self._acceptor.waiting
 
     def close(self) -> None:
         """Stop the thread: :meth:`_shut_down` runs on it, then every socket of the loop is closed."""

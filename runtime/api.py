@@ -21,6 +21,7 @@ from .ops import Average
 from .rendezvous import RendezvousClient
 from .session import Session
 from .world import World, connect_world, single_world
+from .kinds import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN, REDUCESCATTER
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
@@ -272,7 +273,7 @@ def allreduce_async(array: np.ndarray, op: int = Average, name: Optional[str] = 
                     dtype: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> Handle:
     """Start an allreduce. Afterwards the result is the same on all ranks: op over every rank's
     ``array`` (scaled by prescale before and postscale after). ``out=array`` reduces in place."""
-    return _reduce("allreduce", [array], op, name, prescale_factor, postscale_factor, [out], dtype,
+    return _reduce(ALLREDUCE, [array], op, name, prescale_factor, postscale_factor, [out], dtype,
                    process_set, grouped=False)
 
 
@@ -280,7 +281,7 @@ def allreduce(array: np.ndarray, op: int = Average, name: Optional[str] = None, 
               postscale_factor: float = 1.0, out: Optional[np.ndarray] = None, dtype: Optional[str] = None,
               process_set: Optional[ProcessSet] = None) -> np.ndarray:
     """Blocking :func:`allreduce_async`."""
-    return _reduce("allreduce", [array], op, name, prescale_factor, postscale_factor, [out], dtype,
+    return _reduce(ALLREDUCE, [array], op, name, prescale_factor, postscale_factor, [out], dtype,
                    process_set, grouped=False, will_wait=True).wait()
 
 
@@ -289,7 +290,7 @@ def grouped_allreduce_async(arrays: Sequence[np.ndarray], op: int = Average, nam
                             outs: Optional[Sequence[Optional[np.ndarray]]] = None, dtype: Optional[str] = None,
                             process_set: Optional[ProcessSet] = None) -> Handle:
     """Allreduce a list of arrays as one unit: they are negotiated and fused together."""
-    return _reduce("allreduce", list(arrays), op, name, prescale_factor, postscale_factor, outs, dtype,
+    return _reduce(ALLREDUCE, list(arrays), op, name, prescale_factor, postscale_factor, outs, dtype,
                    process_set, grouped=True)
 
 
@@ -298,7 +299,7 @@ def grouped_allreduce(arrays: Sequence[np.ndarray], op: int = Average, name: Opt
                       outs: Optional[Sequence[Optional[np.ndarray]]] = None, dtype: Optional[str] = None,
                       process_set: Optional[ProcessSet] = None) -> List[np.ndarray]:
     """Blocking :func:`grouped_allreduce_async`."""
-    return _reduce("allreduce", list(arrays), op, name, prescale_factor, postscale_factor, outs, dtype,
+    return _reduce(ALLREDUCE, list(arrays), op, name, prescale_factor, postscale_factor, outs, dtype,
                    process_set, grouped=True, will_wait=True).wait()
 
 
@@ -306,7 +307,7 @@ def reducescatter_async(array: np.ndarray, op: int = Average, name: Optional[str
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0, dtype: Optional[str] = None,
                         process_set: Optional[ProcessSet] = None) -> Handle:
     """Start a reducescatter: rank r receives block r (numpy.array_split of dim 0) of the reduction."""
-    return _reduce("reducescatter", [array], op, name, prescale_factor, postscale_factor, None, dtype,
+    return _reduce(REDUCESCATTER, [array], op, name, prescale_factor, postscale_factor, None, dtype,
                    process_set, grouped=False)
 
 
@@ -314,7 +315,7 @@ def reducescatter(array: np.ndarray, op: int = Average, name: Optional[str] = No
                   postscale_factor: float = 1.0, dtype: Optional[str] = None,
                   process_set: Optional[ProcessSet] = None) -> np.ndarray:
     """Blocking :func:`reducescatter_async`."""
-    return _reduce("reducescatter", [array], op, name, prescale_factor, postscale_factor, None, dtype,
+    return _reduce(REDUCESCATTER, [array], op, name, prescale_factor, postscale_factor, None, dtype,
                    process_set, grouped=False, will_wait=True).wait()
 
 
@@ -322,7 +323,7 @@ def grouped_reducescatter_async(arrays: Sequence[np.ndarray], op: int = Average,
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                                 dtype: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> Handle:
     """Reducescatter a list of arrays as one unit."""
-    return _reduce("reducescatter", list(arrays), op, name, prescale_factor, postscale_factor, None, dtype,
+    return _reduce(REDUCESCATTER, list(arrays), op, name, prescale_factor, postscale_factor, None, dtype,
                    process_set, grouped=True)
 
 
@@ -330,13 +331,13 @@ def grouped_reducescatter(arrays: Sequence[np.ndarray], op: int = Average, name:
                           prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                           dtype: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> List[np.ndarray]:
     """Blocking :func:`grouped_reducescatter_async`."""
-    return _reduce("reducescatter", list(arrays), op, name, prescale_factor, postscale_factor, None, dtype,
+    return _reduce(REDUCESCATTER, list(arrays), op, name, prescale_factor, postscale_factor, None, dtype,
                    process_set, grouped=True, will_wait=True).wait()
 
 
 def _allgather(arrays: Sequence[np.ndarray], name: Optional[str], dtype: Optional[str],
                process_set: Optional[ProcessSet], grouped: bool, will_wait: bool = False) -> Handle:
-    session = _session("allgather")
+    session = _session(ALLGATHER)
     return session.allgather(arrays, name=name, dtype=dtype, ps=_ps_id(process_set), grouped=grouped,
                              will_wait=will_wait)
 
@@ -370,14 +371,14 @@ def broadcast_async(array: np.ndarray, root_rank: int, name: Optional[str] = Non
                     dtype: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> Handle:
     """Start a broadcast: afterwards the result equals ``root_rank``'s array on every rank.
     ``out=array`` overwrites the array in place."""
-    session = _session("broadcast")
+    session = _session(BROADCAST)
     return session.broadcast(array, root_rank, name=name, out=out, dtype=dtype, ps=_ps_id(process_set))
 
 
 def broadcast(array: np.ndarray, root_rank: int, name: Optional[str] = None, out: Optional[np.ndarray] = None,
               dtype: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> np.ndarray:
     """Blocking :func:`broadcast_async`."""
-    session = _session("broadcast")
+    session = _session(BROADCAST)
     return session.broadcast(array, root_rank, name=name, out=out, dtype=dtype, ps=_ps_id(process_set),
                              will_wait=True).wait()
 
@@ -386,14 +387,14 @@ def alltoall_async(array: np.ndarray, splits: Optional[Sequence[int]] = None, na
                    dtype: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> Handle:
     """Start an alltoall: block j of ``array`` (``splits[j]`` rows of dim 0) goes to rank j. The result
     is (received rows concatenated in rank order, the number of rows received from each rank)."""
-    session = _session("alltoall")
+    session = _session(ALLTOALL)
     return session.alltoall(array, splits, name=name, dtype=dtype, ps=_ps_id(process_set))
 
 
 def alltoall(array: np.ndarray, splits: Optional[Sequence[int]] = None, name: Optional[str] = None,
              dtype: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> Tuple[np.ndarray, np.ndarray]:
     """Blocking :func:`alltoall_async`."""
-    session = _session("alltoall")
+    session = _session(ALLTOALL)
     return session.alltoall(array, splits, name=name, dtype=dtype, ps=_ps_id(process_set), will_wait=True).wait()
 
 
@@ -410,24 +411,24 @@ def device_async(kind: str, tensors: Sequence[Any], outs: Sequence[Any], *, wire
 
 def barrier_async(process_set: Optional[ProcessSet] = None, name: Optional[str] = None) -> Handle:
     """Start a barrier: its handle completes once every rank of the process set has started it."""
-    return _session("barrier").barrier(ps=_ps_id(process_set), name=name)
+    return _session(BARRIER).barrier(ps=_ps_id(process_set), name=name)
 
 
 def barrier(process_set: Optional[ProcessSet] = None, timeout: Optional[float] = None) -> None:
     """Return once every rank of the process set has called barrier()."""
-    _session("barrier").barrier(ps=_ps_id(process_set), will_wait=True).wait(timeout)
+    _session(BARRIER).barrier(ps=_ps_id(process_set), will_wait=True).wait(timeout)
 
 
 def join_async() -> Handle:
     """Start a join (see :func:`join`)."""
-    return _session("join").join()
+    return _session(JOIN).join()
 
 
 def join(timeout: Optional[float] = None) -> int:
     """Declare that this rank has no more data. Until every rank has joined, the allreduces and
     barriers of the others proceed, joined ranks contributing zeros; other collectives fail while a
     rank has joined. Returns the rank that joined last."""
-    session = _session("join")
+    session = _session(JOIN)
     last = session.join().wait(timeout)
     # Ranks may have run different numbers of unnamed operations before joining; start the
     # counters afresh everywhere so the names of later unnamed operations agree again.

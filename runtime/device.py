@@ -22,6 +22,7 @@ from .dataplane import Hierarchy
 from .messages import Meta
 from .nccl import UNIQUE_ID_BYTES, NcclComm, NcclLibrary, NcclUnavailable, load_nccl
 from .ops import ReduceOp, reduce_into, storage_dtype
+from .kinds import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER
 
 __all__ = ["DeviceOps", "NcclDataPlane", "register_device_ops", "device_ops", "nccl_status", "DeviceExecutor"]
 
@@ -172,20 +173,20 @@ class DeviceExecutor:
         first = next((e for e in entries if e is not None), None)
         if first is not None:
             self.ops.activate(first.array)
-        if kind == "allreduce":
+        if kind == ALLREDUCE:
             self.allreduce(ps, entries, [metas[s] for s in response.sids])
             return
         for i, entry in enumerate(entries):
             if entry is None:
                 raise RuntimeError(f"{kind} on device tensors needs this rank's tensor; none was submitted")
-            if kind == "broadcast":
+            if kind == BROADCAST:
                 meta = metas[response.sids[i]]
                 self.broadcast(ps, entry, meta, members.index(meta.root))
-            elif kind == "allgather":
+            elif kind == ALLGATHER:
                 self.allgather(ps, entry, [metas[s] for s in response.rank_sids[i]])
-            elif kind == "alltoall":
+            elif kind == ALLTOALL:
                 self.alltoall(ps, entry, [metas[s] for s in response.rank_sids[i]])
-            elif kind == "reducescatter":
+            elif kind == REDUCESCATTER:
                 meta = metas[response.sids[i]]
                 rows = meta.shape[0] if meta.shape else 1
                 self.reducescatter(ps, entry, meta, split_counts(rows, self.plane._size(ps)))

@@ -16,6 +16,7 @@ from .handles import Entry
 from .messages import Meta, Response
 from .ops import ReduceOp, average_inplace, reduce_into, scale_inplace, storage_dtype
 from .timeline import REDUCE, Timeline
+from .kinds import ALLREDUCE, ALLREDUCE_EAGER
 
 __all__ = ["EagerAnswers"]
 
@@ -38,7 +39,7 @@ class EagerAnswers:
         out: List[Optional[bytes]] = []
         for entry in entries:
             meta = entry.meta
-            payload = self.payload(entry) if meta.kind == "allreduce" and meta.nbytes() <= budget else None
+            payload = self.payload(entry) if meta.kind == ALLREDUCE and meta.nbytes() <= budget else None
             if payload is not None:
                 budget -= len(payload)
             out.append(payload)
@@ -47,7 +48,7 @@ class EagerAnswers:
     def payload(self, entry: Entry) -> Optional[bytes]:
         """What a worker sends along with the announcement of ``entry``: its prescaled input, if small."""
         meta = entry.meta
-        if meta.kind != "allreduce" or meta.device != "cpu" or entry.array is None or meta.nbytes() > self.threshold:
+        if meta.kind != ALLREDUCE or meta.device != "cpu" or entry.array is None or meta.nbytes() > self.threshold:
             return None
         if meta.prescale == 1.0:
             return entry.array.tobytes()
@@ -59,7 +60,7 @@ class EagerAnswers:
         """A worker announced request ``name``, with its payload or None. A small allreduce
         announced without one is remembered as such: that rank must not be taken for a joined
         one, which contributes zeros."""
-        if meta.kind == "allreduce" and (payload is not None or meta.nbytes() <= self.threshold):
+        if meta.kind == ALLREDUCE and (payload is not None or meta.nbytes() <= self.threshold):
             self._payloads.setdefault((meta.ps, name), {})[rank] = payload
 
     def answer(self, responses: Tuple[Response, ...], resolve: Callable[[int], Meta],
@@ -73,7 +74,7 @@ class EagerAnswers:
             return responses
         out = []
         for response in responses:
-            if response.kind != "allreduce":
+            if response.kind != ALLREDUCE:
                 out.append(response)
                 continue
             first = resolve(response.sids[0])
@@ -84,7 +85,7 @@ class EagerAnswers:
             members = process_sets.get(response.ps, ())
             results = self._reduce(response.names, response.ps, metas, members, local,
                                    joined if response.ps == 0 else (), timeline)
-            out.append(response if results is None else response._replace(kind="allreduce_eager", results=results))
+            out.append(response if results is None else response._replace(kind=ALLREDUCE_EAGER, results=results))
         for response in responses:
             for name in response.names:
                 self._payloads.pop((response.ps, name), None)

@@ -8,10 +8,9 @@ from typing import NamedTuple, Optional, Tuple, Union
 
 from .ops import storage_dtype
 
-__all__ = ["Meta", "Announce", "RequestBatch", "Response", "ResponseBatch", "KINDS", "dump_requests",
+__all__ = ["Meta", "Announce", "RequestBatch", "Response", "ResponseBatch", "dump_requests",
            "load_requests", "dump_responses", "load_responses"]
 
-KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier", "join", "add_process_set")
 
 
 class Meta(NamedTuple):
@@ -21,7 +20,7 @@ class Meta(NamedTuple):
     """
 
     kind: str
-    """One of :data:`KINDS`."""
+    """One of :data:`~spark_hvd.runtime.kinds.REQUEST_KINDS`."""
     dtype: str
     """Wire dtype name (``""`` for requests without data)."""
     shape: Tuple[int, ...]

@@ -26,26 +26,18 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from .messages import Meta, Response, ResponseBatch
 from .ops import ReduceOp
+from .kinds import ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, ERROR, JOIN, KINDS
 
 __all__ = ["Coordinator", "SignatureTable", "WorkerSignatures"]
 
 
-_COMPARED = {
-    "allreduce": ("device", "dtype", "shape", "op", "prescale", "postscale", "group"),
-    "reducescatter": ("device", "dtype", "shape", "op", "prescale", "postscale", "group"),
-    "broadcast": ("device", "dtype", "shape", "root"),
-    "allgather": ("device", "dtype", "trailing", "group"),
-    "alltoall": ("device", "dtype", "trailing", "splits_len"),
-    "barrier": (),
-    "join": (),
-    "add_process_set": ("ranks",),
-}
+_COMPARED = {name: info.compared for name, info in KINDS.items()}
 _LABELS = {"trailing": "shapes after the first dimension", "shape": "shapes", "dtype": "dtypes",
            "op": "reduction ops", "root": "root ranks", "group": "groups", "splits_len": "numbers of splits",
            "ranks": "process set ranks", "prescale": "prescale factors", "postscale": "postscale factors",
            "device": "devices (CPU tensors on some ranks, GPU tensors on others)"}
 # Kinds that cannot stand in for a joined rank: it has no rows to give and may be the root.
-_NOT_WITH_JOINED = ("allgather", "broadcast", "alltoall", "reducescatter")
+_NOT_WITH_JOINED = tuple(name for name, info in KINDS.items() if not info.with_joined)
 
 
 def _attr(meta: Meta, name: str):
@@ -211,7 +203,7 @@ class Coordinator:
         self._add(rank, name, sid, self.sigs.resolve(sid))
 
     def _add(self, rank: int, name: str, sid: int, meta: Meta) -> None:
-        if meta.kind == "join":
+        if meta.kind == JOIN:
             if rank not in self.joined:
                 self.joined.append(rank)
             self._recheck_all()
@@ -263,7 +255,7 @@ class Coordinator:
             ps, name = key
             error, sample = self._check(name, entry)
             if error is not None:
-                responses.append(Response(kind="error", names=(name,), ps=ps, error=error))
+                responses.append(Response(kind=ERROR, names=(name,), ps=ps, error=error))
                 finished.append(self.pending.pop(key))
                 continue
             if sample.group is not None:
@@ -277,7 +269,7 @@ class Coordinator:
                 continue
             finished.append(self.pending.pop(key))
             sid = next(iter(entry.ids.values()))
-            if sample.kind == "allreduce" and self.fusion_threshold > 0:
+            if sample.kind == ALLREDUCE and self.fusion_threshold > 0:
                 size = sample.nbytes()
                 # Small requests that can travel inside the messages are fused only among themselves.
                 eager = size <= self.eager_threshold and sample.device == "cpu"
@@ -297,9 +289,9 @@ class Coordinator:
         self.ready = [(ps, name) for (ps, _), members in groups.items() for name, _, _ in members]
         self._ready_set = set(self.ready)
         responses = [r if isinstance(r, Response) else
-                     Response(kind="allreduce", names=tuple(r[0]), ps=r[2], sids=tuple(r[1])) for r in responses]
+                     Response(kind=ALLREDUCE, names=tuple(r[0]), ps=r[2], sids=tuple(r[1])) for r in responses]
         if self.joined and len(self.joined) == self.size:
-            responses.append(Response(kind="join", names=(), ps=0, value=self.joined[-1]))
+            responses.append(Response(kind=JOIN, names=(), ps=0, value=self.joined[-1]))
             self.joined = []
         self.seq += 1
         used = _used_ids(responses)
@@ -314,7 +306,7 @@ class Coordinator:
     def _check(self, name: str, entry: _Pending) -> Tuple[Optional[str], Meta]:
         """An error message if the ranks disagree (or the request cannot run now), and a sample meta."""
         ids = set(entry.ids.values())
-        if len(ids) == 1 and entry.kind not in ("broadcast", "alltoall"):
+        if len(ids) == 1 and entry.kind not in (BROADCAST, ALLTOALL):
             sample = self.sigs.resolve(next(iter(ids)))  # one signature on every rank: nothing can disagree
             error = None
         else:
@@ -330,21 +322,21 @@ class Coordinator:
 
     def _single_response(self, name: str, entry: _Pending, sample: Meta) -> Response:
         ps = entry.ps
-        if sample.kind in ("allgather", "alltoall"):
+        if sample.kind in (ALLGATHER, ALLTOALL):
             per_rank = tuple(entry.ids[r] for r in self.process_sets[ps])
             return Response(kind=sample.kind, names=(name,), ps=ps, rank_sids=(per_rank,))
         sid = next(iter(entry.ids.values()))
-        if sample.kind == "add_process_set":
+        if sample.kind == ADD_PROCESS_SET:
             new_id = self.next_ps
             self.next_ps += 1
             self.process_sets[new_id] = tuple(sample.ranks or ())
-            return Response(kind="add_process_set", names=(name,), ps=ps, sids=(sid,), value=new_id)
+            return Response(kind=ADD_PROCESS_SET, names=(name,), ps=ps, sids=(sid,), value=new_id)
         return Response(kind=sample.kind, names=(name,), ps=ps, sids=(sid,))
 
     def _group_response(self, ps: int, members: list) -> Response:
         kind = members[0][2].kind
         names = tuple(m[0] for m in members)
-        if kind in ("allgather", "alltoall"):
+        if kind in (ALLGATHER, ALLTOALL):
             order = self.process_sets[ps]
             return Response(kind=kind, names=names, ps=ps,
                             rank_sids=tuple(tuple(e.ids[r] for r in order) for _, e, _ in members))
@@ -366,11 +358,11 @@ class Coordinator:
                 return (f"mismatched {kind} {name!r}: {label} differ across ranks: {listing}. "
                         f"Every rank must pass the same {label} for the same named operation.")
         members = self.process_sets[entry.ps]
-        if kind == "broadcast":
+        if kind == BROADCAST:
             root = next(iter(metas.values())).root
             if root not in members:
                 return f"broadcast {name!r}: root_rank={root} is not a member of the process set {members}"
-        if kind == "alltoall":
+        if kind == ALLTOALL:
             for r, m in metas.items():
                 if len(m.splits or ()) != len(members):
                     return (f"alltoall {name!r}: rank {r} gave {len(m.splits or ())} splits; expected one per rank "

@@ -84,6 +84,11 @@ class RendezvousServer(ServerLoop):
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def parked(self) -> int:
+        """Gets waiting for keys that are not there yet."""
+        return len(self._parked)
+
     def values(self) -> Dict[str, str]:
         with self._lock:
             return dict(self._values)

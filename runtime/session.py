@@ -16,6 +16,7 @@ from .engine import build_engine
 from .handles import Entry, Handle
 from .messages import Meta
 from .ops import check_op, storage_dtype, wire_dtype
+from .kinds import ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN, REDUCESCATTER
 
 __all__ = ["Session", "prepare_array"]
 
@@ -122,10 +123,10 @@ class Session:
             reduce_op = check_op(op, wire)
             if (pre != 1.0 or post != 1.0) and wire == "bool":
                 raise ValueError("prescale_factor/postscale_factor are not defined for bool arrays")
-            if kind == "reducescatter" and array.ndim == 0:
+            if kind == REDUCESCATTER and array.ndim == 0:
                 raise ValueError("reducescatter needs an array with at least one dimension to split across ranks")
             out = None
-            if kind == "allreduce":
+            if kind == ALLREDUCE:
                 out = _target(raw, array, outs[i] if outs is not None else None, kind)
             meta = Meta(kind=kind, dtype=wire, shape=tuple(array.shape), op=int(reduce_op), prescale=pre,
                         postscale=post, ps=ps)
@@ -137,8 +138,8 @@ class Session:
         parts = []
         for raw in arrays:
             array, wire = prepare_array(raw, dtype)
-            parts.append((Meta(kind="allgather", dtype=wire, shape=tuple(array.shape), ps=ps), array, None))
-        return self._submit("allgather", name, parts, grouped, will_wait, ps)
+            parts.append((Meta(kind=ALLGATHER, dtype=wire, shape=tuple(array.shape), ps=ps), array, None))
+        return self._submit(ALLGATHER, name, parts, grouped, will_wait, ps)
 
     def broadcast(self, array: np.ndarray, root_rank: int, *, name: Optional[str], out: Optional[np.ndarray],
                   dtype: Optional[str], ps: int, will_wait: bool = False) -> Handle:
@@ -146,9 +147,9 @@ class Session:
         if root_rank not in members:
             raise ValueError(f"root_rank={root_rank} is not a rank of the job (expected one of {list(members)})")
         array_c, wire = prepare_array(array, dtype)
-        target = _target(array, array_c, out, "broadcast")
-        meta = Meta(kind="broadcast", dtype=wire, shape=tuple(array_c.shape), root=int(root_rank), ps=ps)
-        return self._submit("broadcast", name, [(meta, array_c, target)], False, will_wait, ps)
+        target = _target(array, array_c, out, BROADCAST)
+        meta = Meta(kind=BROADCAST, dtype=wire, shape=tuple(array_c.shape), root=int(root_rank), ps=ps)
+        return self._submit(BROADCAST, name, [(meta, array_c, target)], False, will_wait, ps)
 
     def alltoall(self, array: np.ndarray, splits: Optional[Sequence[int]], *, name: Optional[str],
                  dtype: Optional[str], ps: int, will_wait: bool = False) -> Handle:
@@ -170,27 +171,27 @@ class Session:
                     f"alltoall splits={split_list} must give one non-negative row count per rank ({n}) adding up "
                     f"to dim 0 of the array ({array_c.shape[0]})"
                 )
-        meta = Meta(kind="alltoall", dtype=wire, shape=tuple(array_c.shape), ps=ps, splits=tuple(split_list))
-        return self._submit("alltoall", name, [(meta, array_c, None)], False, will_wait, ps)
+        meta = Meta(kind=ALLTOALL, dtype=wire, shape=tuple(array_c.shape), ps=ps, splits=tuple(split_list))
+        return self._submit(ALLTOALL, name, [(meta, array_c, None)], False, will_wait, ps)
 
     def device(self, kind: str, tensors: Sequence[Any], outs: Sequence[Any], *, wire: str, name: Optional[str],
                ps: int, grouped: bool, op: int = 0, prescale: float = 1.0, postscale: float = 1.0,
                root_rank: int = -1, splits: Optional[Sequence[int]] = None, device: str = "cuda") -> Handle:
         """Start a collective on device tensors (a framework's, moved by NCCL): ``tensors`` expose
         ``shape``; ``outs`` receive allreduce and broadcast results (the tensors themselves in place)."""
-        if kind not in ("allreduce", "broadcast", "allgather", "alltoall", "reducescatter"):
+        if kind not in (ALLREDUCE, BROADCAST, ALLGATHER, ALLTOALL, REDUCESCATTER):
             raise ValueError(f"kind={kind!r} is not a collective on device tensors")
-        if kind in ("allreduce", "reducescatter"):
+        if kind in (ALLREDUCE, REDUCESCATTER):
             reduce_op = int(check_op(op, wire))
         else:
             reduce_op = 0
         members = self.members(ps)
-        if kind == "broadcast" and root_rank not in members:
+        if kind == BROADCAST and root_rank not in members:
             raise ValueError(f"root_rank={root_rank} is not a rank of the job (expected one of {list(members)})")
         parts = []
         for tensor, out in zip(tensors, outs):
             shape = tuple(int(d) for d in tensor.shape)
-            if kind in ("alltoall", "reducescatter") and not shape:
+            if kind in (ALLTOALL, REDUCESCATTER) and not shape:
                 raise ValueError(f"{kind} needs a tensor with at least one dimension")
             meta = Meta(kind=kind, dtype=wire, shape=shape, op=reduce_op, root=int(root_rank), prescale=float(prescale),
                         postscale=float(postscale), ps=ps, splits=tuple(splits) if splits is not None else None,
@@ -199,16 +200,16 @@ class Session:
         return self._submit(kind, name, parts, grouped, False, ps)
 
     def barrier(self, *, ps: int, name: Optional[str] = None, will_wait: bool = False) -> Handle:
-        return self._submit("barrier", name, [(Meta(kind="barrier", dtype="", shape=(), ps=ps), None, None)],
+        return self._submit(BARRIER, name, [(Meta(kind=BARRIER, dtype="", shape=(), ps=ps), None, None)],
                             False, will_wait, ps)
 
     def join(self) -> Handle:
-        return self._submit("join", f"join.{self.rank}", [(Meta(kind="join", dtype="", shape=()), None, None)],
+        return self._submit(JOIN, f"join.{self.rank}", [(Meta(kind=JOIN, dtype="", shape=()), None, None)],
                             False, False)
 
     def add_process_set(self, ranks: Tuple[int, ...]) -> Handle:
         for r in ranks:
             if not 0 <= r < self.size:
                 raise ValueError(f"process set rank {r} is outside the job of size {self.size}")
-        meta = Meta(kind="add_process_set", dtype="", shape=(), ranks=tuple(ranks))
-        return self._submit("add_process_set", None, [(meta, None, None)], False, False)
+        meta = Meta(kind=ADD_PROCESS_SET, dtype="", shape=(), ranks=tuple(ranks))
+        return self._submit(ADD_PROCESS_SET, None, [(meta, None, None)], False, False)

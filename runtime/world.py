@@ -87,6 +87,9 @@ def connect_world(cfg: RuntimeConfig, generation: int = 1) -> World:
 
     ``generation`` counts this process's init() calls: every rendezvous key and ring of one
     world carries it, so a world formed after shutdown() never meets the previous one's leftovers.
+    The phases: announce this rank's addresses and learn everyone's, map shared memory with the
+    ranks of this host, dial and accept the TCP and control connections, and wait until every rank
+    is connected.
     """
     cfg = cfg.require_worker()
     assert cfg.rank is not None and cfg.size is not None and cfg.secret is not None
@@ -107,52 +110,15 @@ def connect_world(cfg: RuntimeConfig, generation: int = 1) -> World:
         host_key = cfg.host_key or socket.gethostname()
         me = {"host": cfg.hostname, "port": listener.getsockname()[1], "host_key": host_key, "unix": unix_name,
               **_local_identity()}
-        if rank == 0 and generation > 2:
-            # Every rank is past generation - 2 once anyone has reached this one; its keys can go.
-            client.delete(f"g{generation - 2}/")
-        client.put(f"{gen}addr/{rank}", json.dumps(me))
-        peers = [json.loads(v) for v in client.get([f"{gen}addr/{r}" for r in range(size)],
-                                                   timeout=_left(deadline), what="ranks")]
-        use_shm = cfg.shm and shm_available()
-        local = [r for r in range(size) if r != rank and use_shm and _same_machine_view(me, peers[r])]
-        for peer in local:
-            rings[peer] = ShmRing.create(_SHM_SLOTS, cfg.chunk_bytes, ring_tag(key, generation, rank, peer))
-        if local:
-            client.put(f"{gen}shm/{rank}", json.dumps({str(p): ring.fd for p, ring in rings.items()}))
-            fds = [json.loads(v) for v in client.get([f"{gen}shm/{r}" for r in local], timeout=_left(deadline),
-                                                     what="local ranks")]
-            for peer, theirs in zip(local, fds):
-                incoming = _open_ring(peers[peer]["pid"], theirs[str(rank)], cfg, ring_tag(key, generation, peer, rank))
-                channels[peer] = ShmChannel(peer, rings[peer], incoming, peers[peer]["pid"])
-
-        # Dial: workers dial rank 0 for control; the higher rank of a TCP pair dials the lower.
-        dials = [(0, "control")] if rank != 0 else []
-        dials += [(p, "data") for p in range(rank) if p not in local]
-        for peer, purpose in dials:
-            same_host = peers[peer]["host_key"] == host_key
-            if purpose == "control" and same_host and peers[peer].get("unix"):
-                address = "\0" + peers[peer]["unix"]
-            else:
-                address = (peers[peer]["host"], peers[peer]["port"])
-            sock = connect(address, key, _left(deadline), f"rank {peer}")
-            tune_socket(sock, cfg.peer_timeout)
-            send_frame(sock, json.dumps({"rank": rank, "purpose": purpose}).encode())
-            if purpose == "control":
-                control[peer] = sock
-            else:
-                channels[peer] = TcpChannel(peer, sock, cfg.chunk_bytes)
+        peers = _announce(client, gen, generation, rank, size, me, deadline)
+        local = _map_shared_memory(client, cfg, gen, key, generation, me, peers, rings, channels, deadline)
+        _dial(cfg, key, peers, local, host_key, control, channels, deadline)
         expected = {(p, "data") for p in range(rank + 1, size) if p not in local}
         if rank == 0:
             expected |= {(p, "control") for p in range(1, size)}
         listeners = [listener] + ([unix_listener] if unix_listener is not None else [])
         rejected = _accept(listeners, key, expected, control, channels, cfg, deadline)
-
-        # Once everyone has connected, every ring has been mapped by its reader: nobody needs to
-        # reach the files any more.
-        client.put(f"{gen}connected/{rank}", "1")
-        client.get([f"{gen}connected/{r}" for r in range(size)], timeout=_left(deadline), what="ranks")
-        for ring in rings.values():
-            ring.release_fd()
+        _meet_connected(client, gen, rank, size, rings, deadline)
         per_host: Dict[str, int] = {}
         for peer in peers:
             per_host[peer["host_key"]] = per_host.get(peer["host_key"], 0) + 1
@@ -173,6 +139,69 @@ def connect_world(cfg: RuntimeConfig, generation: int = 1) -> World:
         listener.close()
         if unix_listener is not None:
             unix_listener.close()
+
+
+def _announce(client: RendezvousClient, gen: str, generation: int, rank: int, size: int, me: Dict[str, Any],
+              deadline: float) -> List[Dict[str, Any]]:
+    """Publish this rank's addresses at the rendezvous; every rank's, in rank order."""
+    if rank == 0 and generation > 2:
+        # Every rank is past generation - 2 once anyone has reached this one; its keys can go.
+        client.delete(f"g{generation - 2}/")
+    client.put(f"{gen}addr/{rank}", json.dumps(me))
+    return [json.loads(v) for v in client.get([f"{gen}addr/{r}" for r in range(size)], timeout=_left(deadline),
+                                              what="ranks")]
+
+
+def _map_shared_memory(client: RendezvousClient, cfg: RuntimeConfig, gen: str, key: bytes, generation: int,
+                       me: Dict[str, Any], peers: List[Dict[str, Any]], rings: Dict[int, ShmRing],
+                       channels: Dict[int, Channel], deadline: float) -> List[int]:
+    """Rings with every rank of this host that can map this process's memory; those ranks."""
+    rank, size = cfg.rank, cfg.size
+    assert rank is not None and size is not None
+    use_shm = cfg.shm and shm_available()
+    local = [r for r in range(size) if r != rank and use_shm and _same_machine_view(me, peers[r])]
+    for peer in local:
+        rings[peer] = ShmRing.create(_SHM_SLOTS, cfg.chunk_bytes, ring_tag(key, generation, rank, peer))
+    if local:
+        client.put(f"{gen}shm/{rank}", json.dumps({str(p): ring.fd for p, ring in rings.items()}))
+        fds = [json.loads(v) for v in client.get([f"{gen}shm/{r}" for r in local], timeout=_left(deadline),
+                                                 what="local ranks")]
+        for peer, theirs in zip(local, fds):
+            incoming = _open_ring(peers[peer]["pid"], theirs[str(rank)], cfg, ring_tag(key, generation, peer, rank))
+            channels[peer] = ShmChannel(peer, rings[peer], incoming, peers[peer]["pid"])
+    return local
+
+
+def _dial(cfg: RuntimeConfig, key: bytes, peers: List[Dict[str, Any]], local: List[int], host_key: str,
+          control: Dict[int, socket.socket], channels: Dict[int, Channel], deadline: float) -> None:
+    """Workers dial rank 0 for control; the higher rank of a TCP pair dials the lower."""
+    rank = cfg.rank
+    assert rank is not None
+    dials = [(0, "control")] if rank != 0 else []
+    dials += [(p, "data") for p in range(rank) if p not in local]
+    for peer, purpose in dials:
+        same_host = peers[peer]["host_key"] == host_key
+        if purpose == "control" and same_host and peers[peer].get("unix"):
+            address: Any = "\0" + peers[peer]["unix"]
+        else:
+            address = (peers[peer]["host"], peers[peer]["port"])
+        sock = connect(address, key, _left(deadline), f"rank {peer}")
+        tune_socket(sock, cfg.peer_timeout)
+        send_frame(sock, json.dumps({"rank": rank, "purpose": purpose}).encode())
+        if purpose == "control":
+            control[peer] = sock
+        else:
+            channels[peer] = TcpChannel(peer, sock, cfg.chunk_bytes)
+
+
+def _meet_connected(client: RendezvousClient, gen: str, rank: int, size: int, rings: Dict[int, ShmRing],
+                    deadline: float) -> None:
+    """Wait until every rank has connected: then every ring has been mapped by its reader, and
+    nobody needs to reach the memory files any more."""
+    client.put(f"{gen}connected/{rank}", "1")
+    client.get([f"{gen}connected/{r}" for r in range(size)], timeout=_left(deadline), what="ranks")
+    for ring in rings.values():
+        ring.release_fd()
 
 
 def _open_ring(pid: int, fd: int, cfg: RuntimeConfig, tag: bytes) -> ShmRing:

@@ -16,7 +16,7 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-__all__ = ["SIZES", "Check", "run_checks", "launch", "assert_passed"]
+__all__ = ["SIZES", "Check", "run_checks", "launch", "assert_passed", "is_alive", "wait_until"]
 
 SIZES = (1, 2, 3)
 
@@ -89,3 +89,22 @@ def assert_passed(results: List[Dict[str, Dict[str, Any]]], check: Check) -> Lis
         if outcomes[name]["error"] is not None:
             raise AssertionError(f"{name} failed on rank {rank}:\n{outcomes[name]['error']}")
     return [outcomes[name]["value"] for outcomes in results]
+
+
+def is_alive(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie waiting to be reaped counts as gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
+
+
+def wait_until(condition: Callable[[], Any], timeout: float, interval: float = 0.02) -> bool:
+    """Poll ``condition`` until it holds or ``timeout`` seconds pass; whether it held at the end."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= deadline:
+            return bool(condition())
+        time.sleep(interval)
+    return True

@@ -13,6 +13,7 @@ import numpy as np
 import spark_hvd.runtime as _rt
 from spark_hvd.keras.compression import Compression, Compressor
 from spark_hvd.runtime.ops import Average, Sum
+from spark_hvd.runtime.kinds import ALLGATHER, ALLREDUCE, BROADCAST
 
 __all__ = ["allreduce", "allgather", "broadcast", "broadcast_object", "allgather_object",
            "broadcast_global_variables", "broadcast_variables", "to_numpy", "resolve_op"]
@@ -59,7 +60,7 @@ def allreduce(value: Any, name: Optional[str] = None, average: Optional[bool] = 
     """
     array = to_numpy(value)
     staged, wire = _staged(array.reshape(1) if array.ndim == 0 else array)
-    out = _rt.allreduce(staged, op=resolve_op(op, average), name=_named("allreduce", name),
+    out = _rt.allreduce(staged, op=resolve_op(op, average), name=_named(ALLREDUCE, name),
                         prescale_factor=prescale_factor, postscale_factor=postscale_factor, dtype=wire,
                         process_set=process_set)
     return out.view(array.dtype).reshape(array.shape)
@@ -69,7 +70,7 @@ def allgather(value: Any, name: Optional[str] = None, process_set: Any = _rt.glo
     """Concatenate every rank's ``value`` along dimension 0, in rank order; a numpy array, the same on all ranks."""
     array = to_numpy(value)
     staged, wire = _staged(array.reshape(1) if array.ndim == 0 else array)
-    return _rt.allgather(staged, name=_named("allgather", name), dtype=wire, process_set=process_set).view(array.dtype)
+    return _rt.allgather(staged, name=_named(ALLGATHER, name), dtype=wire, process_set=process_set).view(array.dtype)
 
 
 def broadcast(value: Any, root_rank: int, name: Optional[str] = None,
@@ -77,7 +78,7 @@ def broadcast(value: Any, root_rank: int, name: Optional[str] = None,
     """Return ``root_rank``'s ``value`` on every rank, as a numpy array of its shape and dtype."""
     array = to_numpy(value)
     staged, wire = _staged(array.reshape(1) if array.ndim == 0 else array)
-    out = _rt.broadcast(staged, root_rank, name=_named("broadcast", name), dtype=wire, process_set=process_set)
+    out = _rt.broadcast(staged, root_rank, name=_named(BROADCAST, name), dtype=wire, process_set=process_set)
     return out.view(array.dtype).reshape(array.shape)
 
 

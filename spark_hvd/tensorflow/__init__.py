@@ -4,6 +4,8 @@ Every collective works eagerly and inside ``tf.function`` (Keras 3 compiles ``tr
 ``tf.Tensor``, ``tf.Variable`` and ``tf.IndexedSlices``, with Horovod's gradients.
 """
 
+from typing import Any
+
 from spark_hvd.tensorflow import elastic
 from spark_hvd.tensorflow.basics import (
     Adasum,
@@ -71,7 +73,6 @@ from spark_hvd.tensorflow.mpi_ops import (
     join,
 )
 from spark_hvd.tensorflow.reductions import allreduce, grouped_allreduce, grouped_reducescatter, reducescatter
-from spark_hvd.keras.layers import SyncBatchNormalization
 
 __all__ = [
     # lifecycle and topology
@@ -94,3 +95,13 @@ __all__ = [
     "allgather_object", "DistributedGradientTape", "PartialDistributedGradientTape", "elastic",
     "SyncBatchNormalization",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # Horovod has hvd.SyncBatchNormalization here; the layer is the Keras binding's (a layer above
+    # this one), so it is looked up on first use instead of imported with this package.
+    if name == "SyncBatchNormalization":
+        from spark_hvd.keras.layers import SyncBatchNormalization
+
+        return SyncBatchNormalization
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

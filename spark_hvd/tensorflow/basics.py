@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Union
 
 import tensorflow as tf
 
 import spark_hvd.runtime as _rt
+from spark_hvd.runtime.build import (ccl_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled,
+                                     mpi_threads_supported, rocm_built)
 from spark_hvd.runtime.errors import CollectiveError, NotInitializedError
 from spark_hvd.runtime.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 
@@ -146,39 +147,7 @@ def _process_set_ranks(process_set_id: int) -> Sequence[int]:
     raise ValueError(f"process_set_id={process_set_id} is not a registered process set; call add_process_set() first")
 
 
-# --- build probes -------------------------------------------------------------------------------
-
-
-def _module_available(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def mpi_built() -> bool:
-    """Whether the MPI backend can be used here (mpi4py is installed)."""
-    return _module_available("mpi4py")
-
-
-def mpi_enabled() -> bool:
-    """Whether the running job moves data through MPI."""
-    return bool(getattr(_rt, "mpi_enabled", lambda: False)())
-
-
-def mpi_threads_supported() -> bool:
-    """Whether MPI is in use with multi-threading support (False when MPI is not in use)."""
-    return mpi_enabled()
-
-
-def gloo_built() -> bool:
-    """Always False: spark-hvd has its own ring transport and does not include Gloo."""
-    return False
-
-
-def gloo_enabled() -> bool:
-    """Always False: see :func:`gloo_built`."""
-    return False
+# --- build probes of TensorFlow tensors (the rest are the runtime's: spark_hvd.runtime.build) ---------
 
 
 def nccl_built() -> bool:
@@ -186,21 +155,7 @@ def nccl_built() -> bool:
     return False
 
 
-def ddl_built() -> bool:
-    """Always False: IBM DDL is not supported."""
-    return False
-
-
-def ccl_built() -> bool:
-    """Always False: oneCCL is not supported."""
-    return False
-
-
 def cuda_built() -> bool:
     """Always False: collectives on GPU tensors run on copies in host memory."""
     return False
 
-
-def rocm_built() -> bool:
-    """Always False: ROCm is not supported."""
-    return False

@@ -26,11 +26,12 @@ from tensorflow.python.ops import control_flow_util
 import spark_hvd.runtime as _rt
 from spark_hvd.runtime.errors import RankMismatchError
 from spark_hvd.tensorflow.basics import Average, global_process_set, on_new_world
+from spark_hvd.runtime.kinds import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN, REDUCESCATTER
 
 __all__ = ["collective", "executing_eagerly", "MismatchError", "InvalidArgument", "KINDS"]
 
-KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier", "join")
-_REDUCTIONS = frozenset({"allreduce", "reducescatter"})
+KINDS = (ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN)
+_REDUCTIONS = frozenset({ALLREDUCE, REDUCESCATTER})
 
 # TensorFlow dtype -> (the numpy dtype the runtime reads, the wire name the runtime is told).
 _REDUCIBLE: Dict[tf.dtypes.DType, Tuple[np.dtype, Optional[str]]] = {
@@ -181,11 +182,11 @@ def _execute(call: _Call, name: Optional[str], arrays: Sequence[np.ndarray]) -> 
 
 def _execute_unchecked(call: _Call, name: Optional[str], arrays: Sequence[np.ndarray]) -> List[np.ndarray]:
     kind, ps = call.kind, call.process_set
-    if kind == "join":
+    if kind == JOIN:
         last = _rt.join()
         _forget_runs()  # ranks ran different numbers of operations before joining: number them afresh
         return [np.asarray(last, dtype=np.int32)]
-    if kind == "barrier":
+    if kind == BARRIER:
         _rt.barrier(process_set=ps)
         return [np.zeros((), np.int32)]
     splits = None
@@ -198,18 +199,18 @@ def _execute_unchecked(call: _Call, name: Optional[str], arrays: Sequence[np.nda
     common: Dict[str, Any] = dict(name=name, dtype=wire, process_set=ps)
     if kind in _REDUCTIONS:
         common.update(op=call.op, prescale_factor=call.prescale_factor, postscale_factor=call.postscale_factor)
-    if kind == "allreduce":
+    if kind == ALLREDUCE:
         results = _rt.grouped_allreduce(staged, **common) if call.grouped else [_rt.allreduce(staged[0], **common)]
-    elif kind == "reducescatter":
+    elif kind == REDUCESCATTER:
         results = (_rt.grouped_reducescatter(staged, **common) if call.grouped
                    else [_rt.reducescatter(staged[0], **common)])
         scalars = [False] * len(staged)
-    elif kind == "allgather":
+    elif kind == ALLGATHER:
         results = _rt.grouped_allgather(staged, **common) if call.grouped else [_rt.allgather(staged[0], **common)]
         scalars = [False] * len(staged)
-    elif kind == "broadcast":
+    elif kind == BROADCAST:
         results = [_rt.broadcast(staged[0], call.root_rank, **common)]
-    elif kind == "alltoall":
+    elif kind == ALLTOALL:
         received, received_splits = _rt.alltoall(staged[0], splits=splits, **common)
         return [_from_runtime(received, call.dtypes[0], False),
                 np.asarray(received_splits, dtype=np.int32).reshape(-1)]
@@ -230,14 +231,14 @@ def _set_size(process_set: Any) -> Optional[int]:
 
 def _static_shapes(call: _Call, tensors: Sequence[tf.Tensor]) -> List[tf.TensorShape]:
     shapes = [t.shape for t in tensors[: len(call.dtypes)]]
-    if call.kind in ("allreduce", "broadcast"):
+    if call.kind in (ALLREDUCE, BROADCAST):
         return shapes
-    if call.kind in ("join", "barrier"):
+    if call.kind in (JOIN, BARRIER):
         return [tf.TensorShape([])]
     rows = [tf.TensorShape([None]).concatenate(s[1:]) if s.rank else tf.TensorShape(None) for s in shapes]
-    if call.kind == "alltoall":
+    if call.kind == ALLTOALL:
         return rows + [tf.TensorShape([_set_size(call.process_set)])]
-    if call.kind == "reducescatter":
+    if call.kind == REDUCESCATTER:
         n = _set_size(call.process_set)
         for i, s in enumerate(shapes):
             if n and s.rank and s[0] is not None:
@@ -247,9 +248,9 @@ def _static_shapes(call: _Call, tensors: Sequence[tf.Tensor]) -> List[tf.TensorS
 
 
 def _out_dtypes(call: _Call) -> List[tf.dtypes.DType]:
-    if call.kind in ("join", "barrier"):
+    if call.kind in (JOIN, BARRIER):
         return [tf.int32]
-    if call.kind == "alltoall":
+    if call.kind == ALLTOALL:
         return [call.dtypes[0], tf.int32]
     return list(call.dtypes)
 
@@ -273,7 +274,7 @@ def collective(kind: str, tensors: Sequence[Any], *, grouped: bool = False, name
         raise InvalidArgument(f"grouped_{kind} got an empty list of tensors; expected at least one tensor")
     for i, t in enumerate(tensors):
         _check_dtype(t.dtype, kind in _REDUCTIONS, f"tensors[{i}]" if grouped else "tensor")
-        if kind == "reducescatter" and t.shape.rank == 0:
+        if kind == REDUCESCATTER and t.shape.rank == 0:
             what = f"tensors[{i}]" if grouped else "tensor"
             raise InvalidArgument(
                 f"{what} is 0-dimensional (shape ()), but reducescatter splits dimension 0 across ranks and "

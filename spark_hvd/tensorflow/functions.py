@@ -9,6 +9,7 @@ import tensorflow as tf
 import spark_hvd.runtime as _rt
 from spark_hvd.tensorflow.basics import global_process_set
 from spark_hvd.tensorflow.bridge import collective
+from spark_hvd.runtime.kinds import BROADCAST
 
 __all__ = ["broadcast_variables", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
            "allgather_object"]
@@ -29,7 +30,7 @@ def broadcast_variables(variables: Iterable[tf.Variable], root_rank: int, proces
                          "broadcast_variables overwrites variables (use broadcast() for tensors)")
     assigns = []
     for var in variables:
-        value = collective("broadcast", [var.read_value()], root_rank=root_rank, process_set=process_set)[0]
+        value = collective(BROADCAST, [var.read_value()], root_rank=root_rank, process_set=process_set)[0]
         assigns.append(var.assign(value))
     if tf.executing_eagerly():
         return None

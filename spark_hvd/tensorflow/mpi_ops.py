@@ -22,6 +22,7 @@ import tensorflow as tf
 import spark_hvd.runtime as _rt
 from spark_hvd.tensorflow.basics import Average, Sum, global_process_set
 from spark_hvd.tensorflow.bridge import collective
+from spark_hvd.runtime.kinds import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN, REDUCESCATTER
 
 __all__ = [
     "_allreduce", "_grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_",
@@ -50,7 +51,7 @@ def _allreduce(tensor: Any, name: Optional[str] = None, op: int = Sum, prescale_
     reduction of the output gradients. ``ignore_name_scope`` is accepted for Horovod compatibility.
     """
     def forward(x: tf.Tensor) -> Tuple[tf.Tensor, Any]:
-        out = collective("allreduce", [x], name=name, op=op, prescale_factor=prescale_factor,
+        out = collective(ALLREDUCE, [x], name=name, op=op, prescale_factor=prescale_factor,
                          postscale_factor=postscale_factor, process_set=process_set)[0]
 
         def grad(dy: tf.Tensor) -> tf.Tensor:
@@ -70,7 +71,7 @@ def _grouped_allreduce(tensors: Sequence[Any], name: Optional[str] = None, op: i
     Afterwards each result is identical on all ranks. Differentiable, like :func:`_allreduce`.
     """
     def forward(*xs: tf.Tensor) -> Tuple[List[tf.Tensor], Any]:
-        outs = collective("allreduce", xs, grouped=True, name=name, op=op, prescale_factor=prescale_factor,
+        outs = collective(ALLREDUCE, xs, grouped=True, name=name, op=op, prescale_factor=prescale_factor,
                           postscale_factor=postscale_factor, process_set=process_set)
 
         def grad(*dys: tf.Tensor) -> List[tf.Tensor]:
@@ -101,7 +102,7 @@ def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None, ignore
     Differentiable, like :func:`allgather`.
     """
     def forward(*xs: tf.Tensor) -> Tuple[List[tf.Tensor], Any]:
-        outs = collective("allgather", xs, grouped=_grouped, name=name, process_set=process_set)
+        outs = collective(ALLGATHER, xs, grouped=_grouped, name=name, process_set=process_set)
 
         def grad(*dys: tf.Tensor) -> List[tf.Tensor]:
             reduced = _grouped_allreduce(dys, op=Average, process_set=process_set)
@@ -126,7 +127,7 @@ def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None, ignore_na
     output gradient on the root rank and zeros elsewhere.
     """
     def forward(x: tf.Tensor) -> Tuple[tf.Tensor, Any]:
-        out = collective("broadcast", [x], name=name, root_rank=root_rank, process_set=process_set)[0]
+        out = collective(BROADCAST, [x], name=name, root_rank=root_rank, process_set=process_set)[0]
 
         def grad(dy: tf.Tensor) -> tf.Tensor:
             reduced = _allreduce(dy, op=Average, process_set=process_set)
@@ -156,7 +157,7 @@ def broadcast_(variables: Union[tf.Variable, Sequence[tf.Variable]], root_rank: 
                          f"{type(variables[bad[0]]).__name__}; pass tf.Variable objects, or use broadcast()")
     values = []
     for i, var in enumerate(variables):
-        values.append(collective("broadcast", [var.read_value()], root_rank=root_rank, process_set=process_set,
+        values.append(collective(BROADCAST, [var.read_value()], root_rank=root_rank, process_set=process_set,
                                  name=None if not name else f"{name}.{i}")[0])
     return [_assigned(var, value) for var, value in zip(variables, values)]
 
@@ -176,7 +177,7 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None, ignore
     gradients travel back along the received splits.
     """
     def forward(x: tf.Tensor) -> Tuple[List[tf.Tensor], Any]:
-        out, received_splits = collective("alltoall", [x], splits=splits, name=name, process_set=process_set)
+        out, received_splits = collective(ALLTOALL, [x], splits=splits, name=name, process_set=process_set)
 
         def grad(dy: tf.Tensor, unused: Any = None) -> tf.Tensor:
             return alltoall(dy, splits=received_splits, process_set=process_set)[0]
@@ -214,7 +215,7 @@ def _grouped_reducescatter(tensors: Sequence[Any], name: Optional[str] = None, o
                            _grouped: bool = True) -> List[tf.Tensor]:
     """Reducescatter each tensor of ``tensors`` as one operation; differentiable like :func:`_reducescatter`."""
     def forward(*xs: tf.Tensor) -> Tuple[List[tf.Tensor], Any]:
-        outs = collective("reducescatter", xs, grouped=_grouped, name=name, op=op, prescale_factor=prescale_factor,
+        outs = collective(REDUCESCATTER, xs, grouped=_grouped, name=name, op=op, prescale_factor=prescale_factor,
                           postscale_factor=postscale_factor, process_set=process_set)
 
         def grad(*dys: tf.Tensor) -> List[tf.Tensor]:
@@ -231,9 +232,9 @@ def join() -> tf.Tensor:
     Until every rank has joined, the ranks that have not keep running allreduces, and this rank
     takes part with zeros. Afterwards every rank has joined and gets the same value.
     """
-    return collective("join", [])[0]
+    return collective(JOIN, [])[0]
 
 
 def barrier(process_set: Any = global_process_set) -> None:
     """Block until every rank of ``process_set`` has reached this call; afterwards all have."""
-    collective("barrier", [], process_set=process_set)
+    collective(BARRIER, [], process_set=process_set)

@@ -20,6 +20,7 @@ import torch
 from spark_hvd.torch.basics import Average, Sum, global_process_set, rank, size
 from spark_hvd.torch.compression import Compression, Compressor
 from spark_hvd.torch.handles import enqueue, resolve_op
+from spark_hvd.runtime.kinds import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER
 
 __all__ = [
     "allreduce",
@@ -51,7 +52,7 @@ def _set_size(process_set: Any) -> int:
 
 def _row_offset(rows: int, process_set: Any) -> int:
     """Where this rank's rows start in an allgather result: the rows of the ranks before it."""
-    counts = enqueue("allgather", [torch.tensor([rows], dtype=torch.int64)], process_set=process_set).wait()
+    counts = enqueue(ALLGATHER, [torch.tensor([rows], dtype=torch.int64)], process_set=process_set).wait()
     return int(counts[: _set_rank(process_set)].sum())
 
 
@@ -63,7 +64,7 @@ class HorovodAllreduce(torch.autograd.Function):
                 postscale_factor: float, process_set: Any) -> torch.Tensor:
         ctx.op, ctx.process_set = op, process_set
         ctx.prescale_factor, ctx.postscale_factor = prescale_factor, postscale_factor
-        return enqueue("allreduce", [tensor], name=name, op=op, prescale_factor=prescale_factor,
+        return enqueue(ALLREDUCE, [tensor], name=name, op=op, prescale_factor=prescale_factor,
                        postscale_factor=postscale_factor, process_set=process_set).wait()
 
     @staticmethod
@@ -81,7 +82,7 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
                 process_set: Any, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         ctx.op, ctx.process_set = op, process_set
         ctx.prescale_factor, ctx.postscale_factor = prescale_factor, postscale_factor
-        return tuple(enqueue("allreduce", tensors, grouped=True, name=name, op=op,
+        return tuple(enqueue(ALLREDUCE, tensors, grouped=True, name=name, op=op,
                              prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                              process_set=process_set).wait())
 
@@ -98,7 +99,7 @@ class HorovodAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str], process_set: Any) -> torch.Tensor:
         ctx.shape, ctx.process_set = tensor.shape, process_set
-        return enqueue("allgather", [tensor], name=name, process_set=process_set).wait()
+        return enqueue(ALLGATHER, [tensor], name=name, process_set=process_set).wait()
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
@@ -114,13 +115,13 @@ class HorovodGroupedAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: Optional[str], process_set: Any, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         ctx.shapes, ctx.process_set = [t.shape for t in tensors], process_set
-        return tuple(enqueue("allgather", tensors, grouped=True, name=name, process_set=process_set).wait())
+        return tuple(enqueue(ALLGATHER, tensors, grouped=True, name=name, process_set=process_set).wait())
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         reduced = grouped_allreduce(list(grad_outputs), op=Average, process_set=ctx.process_set)
         rows = [s[0] if len(s) > 0 else 1 for s in ctx.shapes]
-        counts = enqueue("allgather", [torch.tensor([rows], dtype=torch.int64)],
+        counts = enqueue(ALLGATHER, [torch.tensor([rows], dtype=torch.int64)],
                          process_set=ctx.process_set).wait()
         offsets = counts[: _set_rank(ctx.process_set)].sum(dim=0).tolist()
         grads = [g.narrow(0, int(o), r).reshape(s) for g, o, r, s in zip(reduced, offsets, rows, ctx.shapes)]
@@ -133,7 +134,7 @@ class HorovodBroadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: Optional[str], process_set: Any) -> torch.Tensor:
         ctx.root_rank, ctx.process_set = root_rank, process_set
-        return enqueue("broadcast", [tensor], root_rank=root_rank, name=name, process_set=process_set).wait()
+        return enqueue(BROADCAST, [tensor], root_rank=root_rank, name=name, process_set=process_set).wait()
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
@@ -149,7 +150,7 @@ class HorovodAlltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Optional[str],
                 process_set: Any) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-        output, received_splits = enqueue("alltoall", [tensor], splits=splits, name=name,
+        output, received_splits = enqueue(ALLTOALL, [tensor], splits=splits, name=name,
                                           process_set=process_set).wait()
         ctx.received_splits, ctx.process_set = received_splits, process_set
         if splits is None:
@@ -171,7 +172,7 @@ class HorovodReducescatter(torch.autograd.Function):
                 prescale_factor: float, postscale_factor: float) -> torch.Tensor:
         ctx.scale = _scatter_grad_scale(op, process_set, prescale_factor, postscale_factor)
         ctx.process_set = process_set
-        return enqueue("reducescatter", [tensor], name=name, op=op, prescale_factor=prescale_factor,
+        return enqueue(REDUCESCATTER, [tensor], name=name, op=op, prescale_factor=prescale_factor,
                        postscale_factor=postscale_factor, process_set=process_set).wait()
 
     @staticmethod
@@ -188,7 +189,7 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
                 postscale_factor: float, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         ctx.scale = _scatter_grad_scale(op, process_set, prescale_factor, postscale_factor)
         ctx.process_set = process_set
-        return tuple(enqueue("reducescatter", tensors, grouped=True, name=name, op=op,
+        return tuple(enqueue(REDUCESCATTER, tensors, grouped=True, name=name, op=op,
                              prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                              process_set=process_set).wait())
 

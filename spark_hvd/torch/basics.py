@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import spark_hvd.runtime as _rt
+from spark_hvd.runtime.build import (ccl_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled,
+                                     mpi_threads_supported, rocm_built)
 from spark_hvd.runtime.errors import CollectiveError, NotInitializedError
 from spark_hvd.runtime.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 
@@ -117,38 +118,6 @@ def is_homogeneous() -> bool:
     return bool(_rt.is_homogeneous())
 
 
-def _module_available(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def mpi_built() -> bool:
-    """Whether the MPI backend can be used here (mpi4py is installed)."""
-    return _module_available("mpi4py")
-
-
-def mpi_enabled() -> bool:
-    """Whether the running job moves data through MPI."""
-    return bool(getattr(_rt, "mpi_enabled", lambda: False)())
-
-
-def mpi_threads_supported() -> bool:
-    """Whether MPI is in use with multi-threading support (False when MPI is not in use)."""
-    return mpi_enabled()
-
-
-def gloo_built() -> bool:
-    """Always False: spark-hvd has its own ring transport and does not include Gloo."""
-    return False
-
-
-def gloo_enabled() -> bool:
-    """Always False: see :func:`gloo_built`."""
-    return False
-
-
 def nccl_built() -> bool:
     """Whether CUDA tensors are reduced with NCCL: true only when libnccl loads and torch sees a GPU
     (otherwise CUDA tensors are staged through host memory; see :func:`nccl_problem`)."""
@@ -162,21 +131,7 @@ def nccl_problem() -> Optional[str]:
     return device_problem()
 
 
-def ddl_built() -> bool:
-    """Always False: IBM DDL is not supported."""
-    return False
-
-
-def ccl_built() -> bool:
-    """Always False: oneCCL is not supported."""
-    return False
-
-
 def cuda_built() -> bool:
     """Whether collectives run on CUDA devices without a host copy (NCCL usable, a GPU visible)."""
     return nccl_built()
 
-
-def rocm_built() -> bool:
-    """Always False: ROCm is not supported."""
-    return False

@@ -17,6 +17,7 @@ import torch
 import spark_hvd.runtime as _rt
 from spark_hvd.runtime.device import nccl_status, register_device_ops
 from spark_hvd.runtime.ops import storage_dtype
+from spark_hvd.runtime.kinds import ALLREDUCE, ALLTOALL, BROADCAST
 
 __all__ = ["TorchCudaOps", "device_problem", "use_device", "enqueue_device"]
 
@@ -124,12 +125,12 @@ def enqueue_device(kind: str, tensors: List[torch.Tensor], *, grouped: bool, inp
     wire = wires.pop()
     sources = [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors]
     _order_after_caller(sources[0].device)
-    if kind in ("allreduce", "broadcast"):
+    if kind in (ALLREDUCE, BROADCAST):
         outs = [s if inplace else torch.empty_like(s) for s in sources]
     else:
         outs = [None] * len(sources)
     split_list = None
-    if kind == "alltoall":
+    if kind == ALLTOALL:
         n = process_set.size() if process_set is not None else _rt.size()
         rows = sources[0].shape[0]
         split_list = [rows // n] * n if splits is None else \
@@ -143,7 +144,7 @@ def enqueue_device(kind: str, tensors: List[torch.Tensor], *, grouped: bool, inp
 
     def finish(raw: List[Any]) -> Any:
         value = raw[0]  # one tensor, or a list for grouped requests
-        if kind == "alltoall":
+        if kind == ALLTOALL:
             received, received_splits = value
             dtype = splits.dtype if isinstance(splits, torch.Tensor) else torch.int32
             return received, torch.from_numpy(np.asarray(received_splits, dtype=np.int64)).to(dtype)

@@ -11,6 +11,7 @@ import spark_hvd.runtime as _rt
 from spark_hvd.torch.basics import global_process_set, rank
 from spark_hvd.torch.handles import Handle, enqueue
 from spark_hvd.torch.optimizer import _DistributedOptimizer
+from spark_hvd.runtime.kinds import BROADCAST
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]
 
@@ -47,7 +48,7 @@ def broadcast_parameters(params: Params, root_rank: int, prefix: str = "Paramete
     handles = []
     for name, tensor in _named_tensors(params):
         op_name = None if name is None else f"{prefix}{name}"
-        handles.append(enqueue("broadcast", [tensor], inplace=True, root_rank=root_rank, name=op_name,
+        handles.append(enqueue(BROADCAST, [tensor], inplace=True, root_rank=root_rank, name=op_name,
                                process_set=process_set))
     for handle in handles:
         handle.wait()
@@ -162,7 +163,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
         for slot in sorted(slots, key=lambda s: s.index):
             tensors.append(torch.empty(slot.shape, dtype=slot.dtype))
     handles: List[Handle] = [
-        enqueue("broadcast", [t], inplace=True, root_rank=root_rank, process_set=process_set) for t in tensors
+        enqueue(BROADCAST, [t], inplace=True, root_rank=root_rank, process_set=process_set) for t in tensors
     ]
     for handle in handles:
         handle.wait()

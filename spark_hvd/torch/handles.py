@@ -17,6 +17,7 @@ import spark_hvd.runtime as _rt
 from spark_hvd.torch.basics import Average, Sum, global_process_set
 from spark_hvd.torch.device import enqueue_device, use_device
 from spark_hvd.torch.tensor_bridge import Staged, stage
+from spark_hvd.runtime.kinds import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER
 
 __all__ = ["Handle", "poll", "synchronize", "enqueue", "resolve_op"]
 
@@ -103,7 +104,7 @@ def resolve_op(op: Optional[int], average: Optional[bool]) -> int:
     return Average if op is None else op
 
 
-_REDUCTIONS = frozenset({"allreduce", "reducescatter"})
+_REDUCTIONS = frozenset({ALLREDUCE, REDUCESCATTER})
 
 
 def _common_wire(staged: Sequence[Staged], kind: str) -> Optional[str]:
@@ -173,7 +174,7 @@ def enqueue(
         tensors = list(tensors)
         if not tensors:
             raise ValueError(f"grouped_{kind} got an empty list of tensors; expected at least one tensor")
-    if kind == "reducescatter":
+    if kind == REDUCESCATTER:
         _refuse_scalars(tensors, grouped)
     if tensors and tensors[0].is_cuda and use_device(tensors):
         inner, finish_device = enqueue_device(kind, list(tensors), grouped=grouped, inplace=inplace, name=name, op=op,
@@ -185,14 +186,14 @@ def enqueue(
     wire = _common_wire(staged, kind)
     arrays = [s.array for s in staged]
 
-    if kind in ("allreduce", "broadcast"):
+    if kind in (ALLREDUCE, BROADCAST):
         if inplace:
             outs = arrays
             hosts: List[torch.Tensor] = []
         else:
             hosts, outs = map(list, zip(*(s.empty_like() for s in staged)))
         common: Dict[str, Any] = dict(name=name, dtype=wire, process_set=process_set)
-        if kind == "allreduce":
+        if kind == ALLREDUCE:
             common.update(op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor)
             if grouped:
                 inner = _rt.grouped_allreduce_async(arrays, outs=outs, **common)
@@ -210,18 +211,20 @@ def enqueue(
                 results = [s.finish_out(h) for s, h in zip(staged, hosts)]
             return results if grouped else results[0]
 
-    elif kind in ("allgather", "reducescatter"):
+    elif kind in (ALLGATHER, REDUCESCATTER):
         common = dict(name=name, dtype=wire, process_set=process_set)
-        if kind == "reducescatter":
+        if kind == REDUCESCATTER:
             common.update(op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor)
-        start = getattr(_rt, ("grouped_" if grouped else "") + kind + "_async")
+        start = {(ALLGATHER, False): _rt.allgather_async, (ALLGATHER, True): _rt.grouped_allgather_async,
+                 (REDUCESCATTER, False): _rt.reducescatter_async,
+                 (REDUCESCATTER, True): _rt.grouped_reducescatter_async}[(kind, grouped)]
         inner = start(arrays if grouped else arrays[0], **common)
 
         def finish(raw: List[Any]) -> Any:
             results = [s.result(a) for s, a in zip(staged, raw[0] if grouped else raw)]
             return results if grouped else results[0]
 
-    elif kind == "alltoall":
+    elif kind == ALLTOALL:
         if grouped:
             raise ValueError("alltoall has no grouped form; call alltoall_async once per tensor")
         splits_dtype = splits.dtype if isinstance(splits, torch.Tensor) else torch.int32

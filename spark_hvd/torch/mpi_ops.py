@@ -15,6 +15,7 @@ import torch
 import spark_hvd.runtime as _rt
 from spark_hvd.torch.basics import Average, Sum, global_process_set
 from spark_hvd.torch.handles import Handle, enqueue, poll, resolve_op, synchronize
+from spark_hvd.runtime.kinds import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER
 
 __all__ = [
     "Handle",
@@ -61,7 +62,7 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
         postscale_factor: Multiplies the result after the reduction.
         process_set: The ranks taking part (default: all ranks).
     """
-    return enqueue("allreduce", (tensor,), name=name, op=resolve_op(op, average), prescale_factor=prescale_factor,
+    return enqueue(ALLREDUCE, (tensor,), name=name, op=resolve_op(op, average), prescale_factor=prescale_factor,
                    postscale_factor=postscale_factor, process_set=process_set)
 
 
@@ -82,7 +83,7 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
         postscale_factor: Multiplies the result after the reduction.
         process_set: The ranks taking part (default: all ranks).
     """
-    return enqueue("allreduce", (tensor,), inplace=True, name=name, op=resolve_op(op, average),
+    return enqueue(ALLREDUCE, (tensor,), inplace=True, name=name, op=resolve_op(op, average),
                    prescale_factor=prescale_factor, postscale_factor=postscale_factor, process_set=process_set)
 
 
@@ -102,7 +103,7 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
         postscale_factor: Multiplies the result after the reduction.
         process_set: The ranks taking part (default: all ranks).
     """
-    return enqueue("allreduce", (tensor,), inplace=True, name=name, op=resolve_op(op, average),
+    return enqueue(ALLREDUCE, (tensor,), inplace=True, name=name, op=resolve_op(op, average),
                    prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                    process_set=process_set).wait()
 
@@ -124,7 +125,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
         postscale_factor: Multiplies each result after the reduction.
         process_set: The ranks taking part (default: all ranks).
     """
-    return enqueue("allreduce", tensors, grouped=True, name=name, op=resolve_op(op, average),
+    return enqueue(ALLREDUCE, tensors, grouped=True, name=name, op=resolve_op(op, average),
                    prescale_factor=prescale_factor, postscale_factor=postscale_factor, process_set=process_set)
 
 
@@ -145,7 +146,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[
         postscale_factor: Multiplies each result after the reduction.
         process_set: The ranks taking part (default: all ranks).
     """
-    return enqueue("allreduce", tensors, grouped=True, inplace=True, name=name, op=resolve_op(op, average),
+    return enqueue(ALLREDUCE, tensors, grouped=True, inplace=True, name=name, op=resolve_op(op, average),
                    prescale_factor=prescale_factor, postscale_factor=postscale_factor, process_set=process_set)
 
 
@@ -165,7 +166,7 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] 
         postscale_factor: Multiplies each result after the reduction.
         process_set: The ranks taking part (default: all ranks).
     """
-    return enqueue("allreduce", tensors, grouped=True, inplace=True, name=name, op=resolve_op(op, average),
+    return enqueue(ALLREDUCE, tensors, grouped=True, inplace=True, name=name, op=resolve_op(op, average),
                    prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                    process_set=process_set).wait()
 
@@ -196,9 +197,9 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str], op: int,
     sparse = tensor.detach().coalesce()
     base = None if name is None or name == "" else str(name)
     # Indices are transposed so that allgather concatenates entries, not coordinates.
-    indices = enqueue("allgather", (sparse.indices().t().contiguous(),),
+    indices = enqueue(ALLGATHER, (sparse.indices().t().contiguous(),),
                       name=None if base is None else base + ".indices", process_set=process_set)
-    values = enqueue("allgather", (sparse.values().contiguous(),),
+    values = enqueue(ALLGATHER, (sparse.values().contiguous(),),
                      name=None if base is None else base + ".values", process_set=process_set)
     count = process_set.size() if process_set is not None else _rt.size()
 
@@ -228,7 +229,7 @@ def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
         name: Matches this operation across ranks; None draws a name from a per-kind counter.
         process_set: The ranks taking part (default: all ranks).
     """
-    return enqueue("allgather", (tensor,), name=name, process_set=process_set)
+    return enqueue(ALLGATHER, (tensor,), name=name, process_set=process_set)
 
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
@@ -243,7 +244,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str]
         name: Matches this operation across ranks; None draws a name from a per-kind counter.
         process_set: The ranks taking part (default: all ranks).
     """
-    return enqueue("allgather", tensors, grouped=True, name=name, process_set=process_set)
+    return enqueue(ALLGATHER, tensors, grouped=True, name=name, process_set=process_set)
 
 
 # --- broadcast ---------------------------------------------------------------------------------
@@ -262,7 +263,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = 
         name: Matches this operation across ranks; None draws a name from a per-kind counter.
         process_set: The ranks taking part (default: all ranks).
     """
-    return enqueue("broadcast", (tensor,), root_rank=root_rank, name=name, process_set=process_set)
+    return enqueue(BROADCAST, (tensor,), root_rank=root_rank, name=name, process_set=process_set)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
@@ -278,7 +279,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
         name: Matches this operation across ranks; None draws a name from a per-kind counter.
         process_set: The ranks taking part (default: all ranks).
     """
-    return enqueue("broadcast", (tensor,), inplace=True, root_rank=root_rank, name=name, process_set=process_set)
+    return enqueue(BROADCAST, (tensor,), inplace=True, root_rank=root_rank, name=name, process_set=process_set)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
@@ -293,7 +294,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
         name: Matches this operation across ranks; None draws a name from a per-kind counter.
         process_set: The ranks taking part (default: all ranks).
     """
-    return enqueue("broadcast", (tensor,), inplace=True, root_rank=root_rank, name=name,
+    return enqueue(BROADCAST, (tensor,), inplace=True, root_rank=root_rank, name=name,
                    process_set=process_set).wait()
 
 
@@ -315,7 +316,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
         name: Matches this operation across ranks; None draws a name from a per-kind counter.
         process_set: The ranks taking part (default: all ranks).
     """
-    return enqueue("alltoall", (tensor,), splits=splits, name=name, process_set=process_set)
+    return enqueue(ALLTOALL, (tensor,), splits=splits, name=name, process_set=process_set)
 
 
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: int = Average,
@@ -335,7 +336,7 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: in
         prescale_factor: Multiplies the input before the reduction.
         postscale_factor: Multiplies the result after the reduction.
     """
-    return enqueue("reducescatter", (tensor,), name=name, op=op, prescale_factor=prescale_factor,
+    return enqueue(REDUCESCATTER, (tensor,), name=name, op=op, prescale_factor=prescale_factor,
                    postscale_factor=postscale_factor, process_set=process_set)
 
 
@@ -355,7 +356,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[
         prescale_factor: Multiplies each input before the reduction.
         postscale_factor: Multiplies each result after the reduction.
     """
-    return enqueue("reducescatter", tensors, grouped=True, name=name, op=op, prescale_factor=prescale_factor,
+    return enqueue(REDUCESCATTER, tensors, grouped=True, name=name, op=op, prescale_factor=prescale_factor,
                    postscale_factor=postscale_factor, process_set=process_set)
 
 

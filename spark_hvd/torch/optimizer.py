@@ -22,8 +22,9 @@ from spark_hvd.torch.basics import Adasum, Average, Max, global_process_set
 from spark_hvd.torch.compression import Compression, Compressor
 from spark_hvd.torch.handles import Handle, enqueue
 from spark_hvd.torch.mpi_ops import sparse_allreduce_async
+from spark_hvd.runtime.kinds import ALLREDUCE
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "_DistributedOptimizer"]  # the latter: Horovod's base class name, for isinstance
 
 _TOO_MANY_PASSES = (
     "Gradients were computed more than backward_passes_per_step times before call to step(). "
@@ -290,7 +291,7 @@ class _DistributedOptimizer:
         if tuner.in_sample < tuner.steps_per_sample:
             return
         seconds = (time.perf_counter() - tuner.mark) / tuner.steps_per_sample
-        handle = enqueue("allreduce", [torch.tensor([seconds], dtype=torch.float64)], name=
+        handle = enqueue(ALLREDUCE, [torch.tensor([seconds], dtype=torch.float64)], name=
                          f"spark_hvd.bucket_autotune.{len(tuner.trials)}", op=Max, process_set=self.process_set)
         worst = handle.wait()
         tuner.trials.append((tuner.current, float(worst[0])))
@@ -407,7 +408,7 @@ class _DistributedOptimizer:
             return sparse_allreduce_async(grad, name=name, op=self.op, process_set=self.process_set), "sparse"
         sent, ctx = self._compression.compress(grad)
         pre, post = self._scales()
-        handle = enqueue("allreduce", [sent], inplace=True, name=name, op=self.op, prescale_factor=pre,
+        handle = enqueue(ALLREDUCE, [sent], inplace=True, name=name, op=self.op, prescale_factor=pre,
                          postscale_factor=post, process_set=self.process_set)
         return handle, (sent, ctx)
 
@@ -423,7 +424,7 @@ class _DistributedOptimizer:
             # and reduce them as one grouped request.
             packed = [self._compression.compress(g) for g in grads]
             pre, post = self._scales()
-            handle = enqueue("allreduce", [s for s, _ in packed], grouped=True, inplace=True,
+            handle = enqueue(ALLREDUCE, [s for s, _ in packed], grouped=True, inplace=True,
                              name=self._parameter_names[group[0]], op=self.op, prescale_factor=pre,
                              postscale_factor=post, process_set=self.process_set)
             return handle, packed
@@ -468,7 +469,7 @@ class _DistributedOptimizer:
             handle: Any = _rt.allreduce_async(buffer.array, op=self.op, name=name, prescale_factor=pre,
                                               postscale_factor=post, out=buffer.array, process_set=self.process_set)
         else:
-            handle = enqueue("allreduce", [sent], inplace=True, name=name, op=self.op, prescale_factor=pre,
+            handle = enqueue(ALLREDUCE, [sent], inplace=True, name=name, op=self.op, prescale_factor=pre,
                              postscale_factor=post, process_set=self.process_set)
         views = buffer.views if sent is buffer.flat else None
         return handle, _Flat(sent, ctx, grads, views, direct)

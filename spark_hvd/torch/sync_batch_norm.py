@@ -10,6 +10,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from spark_hvd.torch.basics import Sum, global_process_set
 from spark_hvd.torch.handles import enqueue
+from spark_hvd.runtime.kinds import ALLREDUCE
 
 __all__ = ["SyncBatchNorm"]
 
@@ -24,11 +25,11 @@ class _SumOverRanks(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, process_set: Any) -> torch.Tensor:
         ctx.process_set = process_set
-        return enqueue("allreduce", [tensor], op=Sum, process_set=process_set).wait()
+        return enqueue(ALLREDUCE, [tensor], op=Sum, process_set=process_set).wait()
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> Tuple[Optional[torch.Tensor], None]:
-        grad = enqueue("allreduce", [grad_output.contiguous()], op=Sum, process_set=ctx.process_set).wait()
+        grad = enqueue(ALLREDUCE, [grad_output.contiguous()], op=Sum, process_set=ctx.process_set).wait()
         return grad, None
 
 

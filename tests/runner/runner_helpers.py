@@ -6,8 +6,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from typing import List, Sequence
+
+_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _TESTS not in sys.path:  # rank scripts import this module with only its own folder on the path
+    sys.path.insert(0, _TESTS)
+
+from harness import is_alive, wait_until  # noqa: E402,F401  (shared by every test folder)
 
 LAUNCHER = [sys.executable, "-m", "spark_hvd.runner.cli"]
 
@@ -20,26 +25,6 @@ def launch(args: Sequence[str], timeout: float = 60.0) -> subprocess.CompletedPr
 def launcher_messages(stderr: str) -> List[str]:
     """The launcher's own lines (not the ranks' output), in order."""
     return [line for line in stderr.splitlines() if line.startswith("spark-hvd-run:")]
-
-
-def is_alive(pid: int) -> bool:
-    """True while ``pid`` runs; a zombie waiting to be reaped counts as dead."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state not in ("Z", "X")
-
-
-def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
-    """Poll ``predicate`` until it holds or ``timeout`` seconds pass; return whether it held."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 # A process that sleeps until something ends it, after writing its pid to argv[1] (atomically).

@@ -297,22 +297,36 @@ def duplicate_names(rt, rank: int, size: int) -> None:
 def unwaited_async_is_announced(rt, rank: int, size: int) -> None:
     """A rank that submits an asynchronous allreduce and then does other work, neither waiting for
     it nor polling it, still has it announced (its engine thread looks at the queue every few
-    milliseconds): the ranks blocked on that allreduce finish long before the busy rank comes back.
-    Tried with the coordinator (rank 0) and with the last rank as the busy one."""
-    for busy in sorted({0, size - 1}):
-        name = f"unwaited.{busy}"
-        buf = np.full(3, float(rank + 1))
-        if rank == busy:
-            handle = rt.allreduce_async(buf, op=rt.Sum, name=name)
-            time.sleep(0.6)
-            result = rt.synchronize(handle)
-        else:
-            start = time.perf_counter()
-            result = rt.allreduce(buf, op=rt.Sum, name=name)
-            waited = time.perf_counter() - start
-            assert waited < 0.4, f"rank {rank} waited {waited:.3f} s for rank {busy}'s unwaited request"
-        assert result.tolist() == [float(size * (size + 1) // 2)] * 3
+    milliseconds): the ranks blocked on that allreduce finish while the busy rank is still away,
+    which it learns from files they leave in a directory of this host (the ranks of these checks
+    share one), not from the runtime. Tried with the coordinator (rank 0) and with the last rank."""
+    import os
+    import shutil
+    import tempfile
+
+    from harness import wait_until
+
+    folder = rt.broadcast_object(tempfile.mkdtemp(prefix="spark-hvd-unwaited-") if rank == 0 else None, root_rank=0,
+                                 name="unwaited.folder")
+    try:
+        for busy in sorted({0, size - 1}):
+            name = f"unwaited.{busy}"
+            buf = np.full(3, float(rank + 1))
+            if rank == busy:
+                handle = rt.allreduce_async(buf, op=rt.Sum, name=name)
+                others = [os.path.join(folder, f"{busy}.{r}") for r in range(size) if r != busy]
+                assert wait_until(lambda: all(os.path.exists(p) for p in others), 60.0), \
+                    f"ranks {[r for r in range(size) if r != busy]} never finished rank {busy}'s unwaited allreduce"
+                result = rt.synchronize(handle)
+            else:
+                result = rt.allreduce(buf, op=rt.Sum, name=name)
+                open(os.path.join(folder, f"{busy}.{rank}"), "w").close()
+            assert result.tolist() == [float(size * (size + 1) // 2)] * 3
+            rt.barrier()
+    finally:
         rt.barrier()
+        if rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def repeated_small_allreduces(rt, rank: int, size: int) -> int:

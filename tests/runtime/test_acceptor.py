@@ -11,6 +11,7 @@ from spark_hvd.runtime.acceptor import Acceptor
 from spark_hvd.runtime.config import new_secret
 from spark_hvd.runtime.errors import AuthenticationError
 from spark_hvd.runtime.wire import HANDSHAKE_ATTEMPTS, connect, listen, recv_frame, secret_bytes, send_frame
+from harness import wait_until
 
 
 class Driver:
@@ -58,14 +59,6 @@ def _closed_by_server(sock, timeout):
         return False
 
 
-def _eventually(condition, timeout=5.0):
-    """The server counts a rejection just after closing the socket: allow it that moment."""
-    deadline = time.monotonic() + timeout
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return condition()
-
-
 @pytest.fixture
 def secret():
     return new_secret()
@@ -99,7 +92,7 @@ def test_oldest_stranger_is_dropped_when_too_many_wait(secret):
         strangers = [_stranger(listener.getsockname()[1]) for _ in range(8)]
         assert [_closed_by_server(s, 5.0) for s in strangers[:3]] == [True] * 3
         assert [_closed_by_server(s, 0.2) for s in strangers[3:]] == [False] * 5
-        assert _eventually(lambda: driver.acceptor.rejected == 3)
+        assert wait_until(lambda: driver.acceptor.rejected == 3, 5.0)
     finally:
         for s in strangers:
             s.close()
@@ -118,7 +111,7 @@ def test_strangers_are_closed_at_their_deadline(secret):
         garbage.sendall(b"\x80\x05 not a proof " * 8)
         assert _closed_by_server(garbage, 10.0)
         assert _closed_by_server(idle, 10.0)
-        assert _eventually(lambda: driver.acceptor.rejected == 2)
+        assert wait_until(lambda: driver.acceptor.rejected == 2, 5.0)
         idle.close()
         garbage.close()
     finally:
@@ -158,7 +151,7 @@ def test_hello_is_handed_over_exactly(secret):
         big = connect(listener.getsockname(), secret_bytes(secret), 10.0, "the test acceptor")
         big.sendall((1 << 30).to_bytes(8, "big"))
         assert _closed_by_server(big, 10.0)
-        assert _eventually(lambda: driver.acceptor.rejected == 1)
+        assert wait_until(lambda: driver.acceptor.rejected == 1, 5.0)
         good.close()
         big.close()
     finally:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from harness import is_alive, wait_until
 from spark_hvd.runner import RankFailedError, run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -134,14 +135,6 @@ def _shm_entries():
     return {name for name in os.listdir("/dev/shm") if "spark-hvd" in name}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return False
-
-
 def test_nothing_in_dev_shm_during_start_up_or_after_a_killed_launcher(tmp_path):
     """While a 3-rank job starts and runs, no file of it appears in /dev/shm; after its launcher is
     SIGKILLed, its ranks are gone and /dev/shm holds nothing of it either."""
@@ -166,10 +159,8 @@ def test_nothing_in_dev_shm_during_start_up_or_after_a_killed_launcher(tmp_path)
     finally:
         launcher.kill()
         launcher.wait()
-    deadline = time.monotonic() + 20
-    while any(_alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(_alive(pid) for pid in pids.values()), f"ranks outlived the launcher: {pids}"
+    assert wait_until(lambda: not any(is_alive(pid) for pid in pids.values()), 20), \
+        f"ranks outlived the launcher: {pids}"
     assert _shm_entries() - before == set()
 
 

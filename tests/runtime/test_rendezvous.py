@@ -14,6 +14,7 @@ from spark_hvd.runtime.config import new_secret
 from spark_hvd.runtime.errors import RendezvousTimeout
 from spark_hvd.runtime.rendezvous import REPLY_LIMIT, REQUEST_LIMIT, RendezvousClient, RendezvousServer
 from spark_hvd.runtime.wire import authenticate_client, recv_frame, secret_bytes, send_frame
+from harness import wait_until
 
 
 @pytest.fixture
@@ -89,7 +90,7 @@ def test_close_answers_parked_gets(served):
 
     waiter = threading.Thread(target=wait)
     waiter.start()
-    time.sleep(0.5)
+    assert wait_until(lambda: server.parked == 1, 10.0), "the get never reached the server"
     server.close()
     waiter.join(20)
     assert not waiter.is_alive()
@@ -106,7 +107,7 @@ def test_idle_connections_cost_no_threads(served):
     try:
         for _ in range(300):
             strangers.append(socket.create_connection(("127.0.0.1", server.port), timeout=10))
-        time.sleep(0.5)
+        assert wait_until(lambda: server.waiting + server.rejected == len(strangers), 20.0), server.waiting
         assert threading.active_count() <= before
         client = RendezvousClient(server.address, secret, 20.0)
         client.put("k", "v")

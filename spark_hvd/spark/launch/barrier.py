@@ -198,10 +198,14 @@ def _root_cause(error: BaseException, failure: Optional[Mapping[str, Any]],
     it, is the root cause: named first, with their failure as the reaction."""
     if failure is None or not isinstance(error, RankFailedError) or not error.lost_a_peer():
         return error
-    early = [(at, rank) for rank, at in finished.items() if at <= failure["received"] and rank != error.rank]
-    if not early:
-        return error
-    _, rank = min(early)
+    named = _shut_down_peer(failure)
+    if named is not None and named in finished:
+        rank = named  # the peer it names returned: its report may have reached the driver second
+    else:
+        early = [(at, rank) for rank, at in finished.items() if at <= failure["received"] and rank != error.rank]
+        if not early:
+            return error
+        _, rank = min(early)
     return RankFailedError(rank, f"rank {rank} returned while the other ranks were still running; then "
                                  f"{error.summary}", reaction=error)
 
@@ -214,14 +218,26 @@ def _first_cause(collector: Any, spark_error: BaseException, num_proc: int) -> O
     if failure is None or not _lost_a_peer(failure, spark_error):
         return failure
     deadline = time.monotonic() + _CAUSE_REPORT_WAIT_S
+    named = _shut_down_peer(failure)
     while True:
         causes = [f for f in list(collector.failures) if not _lost_a_peer(f, spark_error)]
         if causes:
             return min(causes, key=lambda f: f["received"])
+        if named is not None and named in collector.finished:
+            return failure  # the peer it lost returned: _root_cause names that rank
         if len(collector.failures) >= num_proc or time.monotonic() >= deadline:
             return failure
         time.sleep(0.1)
         collector.wait_failure(0.0)  # lets a store-based collector read new reports
+
+
+_SHUT_DOWN_RE = re.compile(r"rank (\d+) has shut down")
+
+
+def _shut_down_peer(failure: Mapping[str, Any]) -> Optional[int]:
+    """The rank a failure says had shut down (returned) while it was needed, if it names one."""
+    found = _SHUT_DOWN_RE.search(str(failure.get("message", "")))
+    return int(found.group(1)) if found else None
 
 
 def _lost_a_peer(failure: Mapping[str, Any], spark_error: BaseException) -> bool:

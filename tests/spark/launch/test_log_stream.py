@@ -4,11 +4,11 @@ import io
 import json
 import socket
 import threading
-import time
 
 from spark_hvd.runtime.config import new_secret
 from spark_hvd.runtime.wire import authenticate_client, secret_bytes
 from spark_hvd.spark.launch.log_stream import _FIELD_CHARS, FRAME_LIMIT, LogCollector, LogSender, _shortened
+from harness import wait_until
 
 
 def _rss_mib():
@@ -17,13 +17,6 @@ def _rss_mib():
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     raise AssertionError("no VmRSS in /proc/self/status")
-
-
-def _eventually(condition, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return condition()
 
 
 def test_idle_strangers_neither_delay_output_nor_cost_threads():
@@ -37,7 +30,7 @@ def test_idle_strangers_neither_delay_output_nor_cost_threads():
     try:
         host, port = collector.address.rsplit(":", 1)
         strangers = [socket.create_connection((host, int(port)), timeout=10) for _ in range(200)]
-        time.sleep(0.3)
+        assert wait_until(lambda: collector.waiting + collector.rejected == len(strangers), 20.0), collector.waiting
         assert threading.active_count() <= before + 1  # the collector's own thread
         sender = LogSender(collector.address, secret, rank=1, timeout=20.0)
         assert sender.connected, sender.problem
@@ -87,7 +80,7 @@ def test_strangers_are_rejected_and_counted():
         raw.sendall(json.dumps({"rank": 0, "error": {"message": "forged"}}).encode().ljust(64))
         assert raw.recv(1) == b""
         raw.close()
-        assert _eventually(lambda: collector.rejected == 1)
+        assert wait_until(lambda: collector.rejected == 1, 10.0)
         assert collector.failures == [] and not collector.wait_closed(1, 0.2)
     finally:
         collector.close()

@@ -11,6 +11,7 @@ from typing import Any, Dict
 import pytest
 
 from spark_hvd.runner.errors import RankFailedError
+from harness import is_alive, wait_until
 from spark_hvd.spark.launch import barrier as runner
 from spark_hvd.spark.launch import task as _task
 from spark_hvd.spark.launch.barrier import run
@@ -22,16 +23,6 @@ CONTRACT = (
     "SPARK_HVD_CROSS_RANK", "SPARK_HVD_CROSS_SIZE", "SPARK_HVD_RENDEZVOUS_ADDR", "SPARK_HVD_SECRET",
     "SPARK_HVD_HOSTNAME", "SPARK_HVD_START_TIMEOUT", "HOROVOD_RANK", "EXTRA_FOR_TEST",
 )
-
-
-def _is_alive(pid: int) -> bool:
-    """True while ``pid`` runs; a zombie waiting to be reaped counts as gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state not in ("Z", "X")
 
 
 # -- Pure checks: placement, slot and Python checks, error translation -------------------------
@@ -209,11 +200,8 @@ def test_exception_on_rank_1_is_raised_on_the_driver_and_stops_rank_0(spark, tmp
     assert isinstance(error.original, ValueError) and str(error.original) == "boom on rank 1"
 
     rank0_pid = int(open(pid_file).read())
-    deadline = time.monotonic() + 60
-    while _is_alive(rank0_pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    assert wait_until(lambda: not is_alive(rank0_pid), 60.0), "rank 0's process outlived the failed job"
     print(f"rank 0's process was gone {time.monotonic() - started:.1f} s after the call began")
-    assert not _is_alive(rank0_pid), "rank 0's process outlived the failed job"
 
 
 def _crash_on_rank_1() -> int:
@@ -276,27 +264,29 @@ def test_ranks_started_by_run_can_allreduce(spark):
     assert [r.tolist() for r in results] == [[3.0], [3.0]]
 
 
-def _return_early_on_rank_1() -> int:
-    import time
+def _return_early_on_rank_1(marker: str) -> int:
+    import os
 
     import numpy as np
 
     import spark_hvd.runtime as rt
+    from harness import wait_until
 
     rt.init()
     if rt.rank() == 1:
         rt.shutdown()
+        open(marker, "w").close()
         return 1
-    time.sleep(2.0)
+    assert wait_until(lambda: os.path.exists(marker), 60.0), "rank 1 never left"
     rt.allreduce(np.ones(1), name="needs.rank.1")  # rank 1 has left: this fails
     return 0
 
 
-def test_a_rank_that_returned_early_is_named_before_the_rank_that_lost_it(spark):
+def test_a_rank_that_returned_early_is_named_before_the_rank_that_lost_it(spark, tmp_path):
     """Rank 1 returns at once while rank 0 still needs it; rank 0 then fails for want of it. The
     driver names rank 1 first and gives rank 0's error as the reaction, as spark-hvd-run does."""
     with pytest.raises(RankFailedError) as info:
-        run(_return_early_on_rank_1, num_proc=2)
+        run(_return_early_on_rank_1, args=(str(tmp_path / "rank1.left"),), num_proc=2)
     error = info.value
     assert error.rank == 1, error
     assert "rank 1 returned while the other ranks were still running" in str(error)
