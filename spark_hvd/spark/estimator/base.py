@@ -144,6 +144,8 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
     """Variables every rank process starts with."""
     model_word: ClassVar[str] = "model"
     """What the user calls the model in messages ('module' for a LightningModule)."""
+    fitted_class: ClassVar[type]
+    """The FittedModel class fit returns."""
     dry_run_loss_on_zeros: ClassVar[bool] = False
     """Also put rows of zeros through the loss before any Spark job, when the schema tells the
     labels' sizes too."""
@@ -211,9 +213,18 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
         """Load rank 0's result (trained weights) into ``fit.model``."""
         raise NotImplementedError
 
+    def _fitted_params(self, fit: Fit) -> Dict[str, Any]:
+        """Params of the fitted model besides the shared ones (e.g. Keras's custom objects)."""
+        return {}
+
     def _fitted(self, fit: Fit, history: List[Dict[str, Any]]) -> Any:
-        """The fitted model (a FittedModel) around ``fit.model``."""
-        raise NotImplementedError
+        """The fitted model (of ``fitted_class``) around ``fit.model``."""
+        assert fit.shapes is not None
+        return self.fitted_class(
+            model=fit.model, feature_cols=fit.feature_cols, label_cols=fit.label_cols,
+            input_shapes=[list(s) for s in fit.shapes], run_id=fit.run_id, history=history, task=fit.task,
+            prediction_col=self.getOrDefault("prediction_col"), probability_col=self.getOrDefault("probability_col"),
+            raw_prediction_col=self.getOrDefault("raw_prediction_col"), **self._fitted_params(fit))
 
     def _mlflow_params(self, fit: Fit) -> Tuple[Dict[str, Any], Optional[float]]:
         """The objects to describe among the logged Params (model, optimizer, loss) and the learning rate."""

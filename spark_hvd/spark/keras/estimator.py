@@ -94,6 +94,7 @@ class KerasEstimator(DistributedEstimator, KerasEstimatorParams):
     """
 
     framework = "keras"
+    fitted_class = KerasModel
     worker_modules = WORKER_MODULES
     rank_environment = RANK_ENVIRONMENT
 
@@ -181,15 +182,9 @@ class KerasEstimator(DistributedEstimator, KerasEstimatorParams):
     def _load_result(self, fit: Fit, result: Dict[str, Any]) -> None:
         fit.model.set_weights(result["weights"])
 
-    def _fitted(self, fit: Fit, history: List[Dict[str, Any]]) -> KerasModel:
-        assert fit.shapes is not None
-        model = KerasModel(model=fit.model, feature_cols=fit.feature_cols, label_cols=fit.label_cols,
-                           input_shapes=[list(s) for s in fit.shapes], run_id=fit.run_id, history=history, task=fit.task,
-                           prediction_col=self.getPredictionCol(), probability_col=self.getProbabilityCol(),
-                           raw_prediction_col=self.getRawPredictionCol())
-        if self.getCustomObjects() is not None:
-            model.setCustomObjects(self.getCustomObjects())
-        return model
+    def _fitted_params(self, fit: Fit) -> Dict[str, Any]:
+        custom = self.getCustomObjects()
+        return {} if custom is None else {"custom_objects": custom}
 
     # ---- MLflow ---------------------------------------------------------------------------------
     def _mlflow_params(self, fit: Fit) -> Tuple[Dict[str, Any], Optional[float]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import io
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -20,7 +19,7 @@ from spark_hvd.spark.lightning.training import (CHECKPOINT_FORMAT, CHECKPOINT_KE
                                                 fit_on_rank, module_batch)
 from spark_hvd.spark.torch import checks as torch_checks
 from spark_hvd.spark.torch.batches import model_dtype, outputs_list
-from spark_hvd.spark.torch.estimator import log_torch_model
+from spark_hvd.spark.torch.estimator import TorchModuleHooks
 from spark_hvd.spark.torch.fingerprint import run_fingerprint
 from spark_hvd.spark.torch.training import OptimizerSpec
 
@@ -49,7 +48,7 @@ def _optimizer_spec(model: pl.LightningModule) -> OptimizerSpec:
     return OptimizerSpec(type(None), {}, [])
 
 
-class LightningEstimator(DistributedEstimator, LightningEstimatorParams):
+class LightningEstimator(TorchModuleHooks, DistributedEstimator, LightningEstimatorParams):
     """Trains a pytorch_lightning.LightningModule on a Spark DataFrame with data-parallel ranks.
 
     Construct with keyword arguments (``LightningEstimator(model=module, feature_cols=[...],
@@ -79,6 +78,7 @@ class LightningEstimator(DistributedEstimator, LightningEstimatorParams):
     """
 
     framework = "lightning"
+    fitted_class = LightningModel
     worker_modules = ("torch", "pytorch_lightning")
     model_word = "module"
 
@@ -96,17 +96,7 @@ class LightningEstimator(DistributedEstimator, LightningEstimatorParams):
         torch_checks.check_feature_count(own.model, feature_cols)
         own.optimizer = _optimizer_spec(own.model)
 
-    def _model_dtype(self, own: _Lightning) -> str:
-        return "float64" if model_dtype(own.model) == torch.float64 else "float32"
-
-    def _working_copy(self, own: _Lightning) -> pl.LightningModule:
-        return copy.deepcopy(own.model).cpu()
-
     # ---- dry runs -------------------------------------------------------------------------------
-    def _try_model(self, fit: Fit, sizes: List[int]) -> None:
-        fit.shapes = common.known_shapes(self.getInputShapes(), fit.feature_cols, sizes)
-        check_task(fit.task, torch_checks.dry_run(fit.model, fit.shapes, len(fit.label_cols), model_dtype(fit.model)))
-
     def _try_batch(self, fit: Fit, batch: Dict[str, Any], sizes: List[int]) -> None:
         """forward on the batch's features, then training_step on the batch, as a rank will run them."""
         fit.shapes = common.known_shapes(self.getInputShapes(), fit.feature_cols, sizes)
@@ -143,21 +133,8 @@ class LightningEstimator(DistributedEstimator, LightningEstimatorParams):
     def _rank_function(self) -> Callable[[Any], Any]:
         return fit_on_rank
 
-    def _load_result(self, fit: Fit, result: Dict[str, Any]) -> None:
-        fit.model.load_state_dict(result["model"])
-
-    def _fitted(self, fit: Fit, history: List[Dict[str, Any]]) -> LightningModel:
-        assert fit.shapes is not None
-        return LightningModel(model=fit.model, feature_cols=fit.feature_cols, label_cols=fit.label_cols,
-                              input_shapes=[list(s) for s in fit.shapes], run_id=fit.run_id, history=history,
-                              task=fit.task, prediction_col=self.getPredictionCol(),
-                              probability_col=self.getProbabilityCol(), raw_prediction_col=self.getRawPredictionCol())
-
     # ---- MLflow ---------------------------------------------------------------------------------
     def _mlflow_params(self, fit: Fit) -> Tuple[Dict[str, Any], Optional[float]]:
         own: _Lightning = fit.own
         return ({"model": own.model, "optimizer": own.optimizer.cls.__name__},
                 own.optimizer.defaults.get("lr"))
-
-    def _log_model(self, mlflow: Any, fitted: Any) -> None:
-        log_torch_model(mlflow, fitted.getModel(), [tuple(s) for s in fitted.getInputShapes() or []])

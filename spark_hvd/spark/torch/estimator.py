@@ -19,7 +19,7 @@ from spark_hvd.spark.torch.fingerprint import run_fingerprint
 from spark_hvd.spark.torch.model import TorchModel
 from spark_hvd.spark.torch.training import OptimizerSpec, TorchTrainingSpec, load_checkpoint, train_on_rank
 
-__all__ = ["TorchEstimator"]
+__all__ = ["TorchEstimator", "TorchModuleHooks", "log_torch_model"]
 
 
 @dataclass
@@ -34,7 +34,28 @@ class _Torch:
     metrics: List[Any]
 
 
-class TorchEstimator(DistributedEstimator, EstimatorParams):
+class TorchModuleHooks:
+    """The hooks of an estimator whose model is a torch.nn.Module (TorchEstimator, LightningEstimator):
+    the dtype it takes, the driver's working copy, its dry run on zeros, and loading its result."""
+
+    def _model_dtype(self, own: Any) -> str:
+        return "float64" if model_dtype(own.model) == torch.float64 else "float32"
+
+    def _working_copy(self, own: Any) -> torch.nn.Module:
+        return copy.deepcopy(own.model).cpu()
+
+    def _try_model(self, fit: Fit, sizes: List[int]) -> None:
+        fit.shapes = common.known_shapes(self.getInputShapes(), fit.feature_cols, sizes)  # type: ignore[attr-defined]
+        check_task(fit.task, checks.dry_run(fit.model, fit.shapes, len(fit.label_cols), model_dtype(fit.model)))
+
+    def _load_result(self, fit: Fit, result: Dict[str, Any]) -> None:
+        fit.model.load_state_dict(result["model"])
+
+    def _log_model(self, mlflow: Any, fitted: Any) -> None:
+        log_torch_model(mlflow, fitted.getModel(), [tuple(s) for s in fitted.getInputShapes() or []])
+
+
+class TorchEstimator(TorchModuleHooks, DistributedEstimator, EstimatorParams):
     """Trains a torch model on a Spark DataFrame with data-parallel ranks on barrier tasks.
 
     Construct with keyword arguments (``TorchEstimator(model=..., optimizer=..., loss=...,
@@ -68,6 +89,7 @@ class TorchEstimator(DistributedEstimator, EstimatorParams):
     """
 
     framework = "torch"
+    fitted_class = TorchModel
     worker_modules = ("torch",)
     dry_run_loss_on_zeros = True
 
@@ -89,20 +111,10 @@ class TorchEstimator(DistributedEstimator, EstimatorParams):
         checks.check_compression(self.getGradientCompression())
         checks.check_feature_count(own.model, feature_cols)
 
-    def _model_dtype(self, own: _Torch) -> str:
-        return "float64" if model_dtype(own.model) == torch.float64 else "float32"
-
     def _infer_task(self, own: _Torch, label_cols: List[str]) -> str:
         return infer_task(self.getTask(), own.losses, label_cols)
 
-    def _working_copy(self, own: _Torch) -> torch.nn.Module:
-        return copy.deepcopy(own.model).cpu()
-
     # ---- dry runs -------------------------------------------------------------------------------
-    def _try_model(self, fit: Fit, sizes: List[int]) -> None:
-        fit.shapes = common.known_shapes(self.getInputShapes(), fit.feature_cols, sizes)
-        check_task(fit.task, checks.dry_run(fit.model, fit.shapes, len(fit.label_cols), model_dtype(fit.model)))
-
     def _try_batch(self, fit: Fit, batch: Dict[str, Any], sizes: List[int]) -> None:
         fit.shapes = common.known_shapes(self.getInputShapes(), fit.feature_cols, sizes)
         own: _Torch = fit.own
@@ -142,24 +154,12 @@ class TorchEstimator(DistributedEstimator, EstimatorParams):
     def _rank_function(self) -> Callable[[Any], Any]:
         return train_on_rank
 
-    def _load_result(self, fit: Fit, result: Dict[str, Any]) -> None:
-        fit.model.load_state_dict(result["model"])
-
-    def _fitted(self, fit: Fit, history: List[Dict[str, Any]]) -> TorchModel:
-        assert fit.shapes is not None
-        return TorchModel(model=fit.model, feature_cols=fit.feature_cols, label_cols=fit.label_cols,
-                          input_shapes=[list(s) for s in fit.shapes], run_id=fit.run_id, history=history, task=fit.task,
-                          prediction_col=self.getPredictionCol(), probability_col=self.getProbabilityCol(),
-                          raw_prediction_col=self.getRawPredictionCol())
-
     # ---- MLflow ---------------------------------------------------------------------------------
     def _mlflow_params(self, fit: Fit) -> Tuple[Dict[str, Any], Optional[float]]:
         own: _Torch = fit.own
         return ({"model": own.model, "optimizer": own.optimizer.cls.__name__, "loss": own.losses},
                 own.optimizer.defaults.get("lr"))
 
-    def _log_model(self, mlflow: Any, fitted: Any) -> None:
-        log_torch_model(mlflow, fitted.getModel(), [tuple(s) for s in fitted.getInputShapes() or []])
 
 
 def log_torch_model(mlflow: Any, model: torch.nn.Module, shapes: List[Tuple[int, ...]]) -> None:

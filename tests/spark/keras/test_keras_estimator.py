@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import uuid
 
 import keras
 import numpy as np
@@ -19,6 +18,7 @@ from pyspark.ml.feature import VectorAssembler
 from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
 from pyspark.sql import functions as F
 
+from spark_helpers import nothing_materialized, spark_jobs
 from spark_hvd.spark import Store
 from spark_hvd.spark.keras import KerasEstimator, KerasModel
 from spark_hvd.spark.keras.checkpoint import read_checkpoint
@@ -53,26 +53,6 @@ def make_estimator(tmp_path, **overrides):
                   random_seed=3, verbose=0)
     params.update(overrides)
     return KerasEstimator(**params)
-
-
-def spark_jobs(spark, call):
-    """Run ``call()``; the ids of the Spark jobs it started."""
-    sc = spark.sparkContext
-    group = f"probe-{uuid.uuid4().hex[:8]}"
-    sc.setJobGroup(group, "fit checks")
-    try:
-        call()
-    finally:
-        sc.setLocalProperty("spark.jobGroup.id", None)
-    return list(sc.statusTracker().getJobIdsForGroup(group))
-
-
-def nothing_materialized(est):
-    store = est.getStore()
-    try:
-        return not any(n.startswith("intermediate_") for n in store.listdir(store.prefix))
-    except OSError:
-        return True
 
 
 # -- checks before any Spark job ---------------------------------------------------------------

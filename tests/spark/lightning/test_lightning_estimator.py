@@ -23,7 +23,7 @@ from pyspark.sql import functions as F_sql
 from spark_hvd.spark import Store
 from spark_hvd.spark.lightning import LightningEstimator, LightningModel, checks
 from spark_hvd.spark.lightning.training import history_entry
-from test_estimator_fit import nothing_materialized, spark_jobs
+from spark_helpers import nothing_materialized, spark_jobs
 
 ROWS = 96
 

@@ -6,7 +6,6 @@ Pipeline persistence and CrossValidator."""
 from __future__ import annotations
 
 import json
-import uuid
 
 import numpy as np
 import pandas as pd
@@ -18,8 +17,8 @@ from pyspark.ml.feature import StandardScaler, VectorAssembler
 from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
 from pyspark.sql import functions as F
 
+from spark_helpers import nothing_materialized, spark_jobs
 from spark_hvd.spark import Store
-from spark_hvd.spark.session import is_connect
 from spark_hvd.spark.torch import TorchEstimator, TorchModel
 from spark_hvd.spark.torch.training import load_checkpoint
 
@@ -97,30 +96,6 @@ class Broken(torch.nn.Module):
 
     def forward(self, x):
         return {"a": self.linear(x)}["oops"]
-
-
-def spark_jobs(spark, call):
-    """Run ``call()``; the ids of the Spark jobs it started on a classic session, None on Connect
-    (whose client cannot see jobs; the tests then check that nothing was written instead)."""
-    if is_connect(spark):
-        call()
-        return None
-    sc = spark.sparkContext
-    group = f"probe-{uuid.uuid4().hex[:8]}"
-    sc.setJobGroup(group, "fit checks")
-    try:
-        call()
-    finally:
-        sc.setLocalProperty("spark.jobGroup.id", None)
-    return list(sc.statusTracker().getJobIdsForGroup(group))
-
-
-def nothing_materialized(est):
-    store = est.getStore()
-    try:
-        return not any(n.startswith("intermediate_") for n in store.listdir(store.prefix))
-    except OSError:
-        return True
 
 
 def expect_error(est, frame, message):
