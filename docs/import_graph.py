@@ -39,6 +39,7 @@ SPARK_PARTS: Tuple[Tuple[str, int, str], ...] = (
     ("spark_hvd.spark.torch", 3, "TorchEstimator and TorchModel: the torch hooks"),
     ("spark_hvd.spark.keras", 3, "KerasEstimator and KerasModel: the Keras hooks"),
     ("spark_hvd.spark.lightning", 4, "LightningEstimator and LightningModel: the Lightning hooks (on torch's)"),
+    ("spark_hvd.spark.common", 5, "Horovod's horovod.spark.common paths: the same stores and backends"),
     ("spark_hvd.spark", 5, "the public names of spark_hvd.spark"),
 )
 """The parts of the Spark layer, in the same order rule."""

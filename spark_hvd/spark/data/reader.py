@@ -21,6 +21,7 @@ __all__ = [
     "steps_for",
     "BatchReader",
     "make_reader",
+    "deal_row_groups",
     "arrow_to_numpy",
     "Batcher",
 ]
@@ -391,20 +392,41 @@ class BatchReader:
         self.close()
 
 
+def deal_row_groups(groups: Sequence[RowGroup], size: int, epoch: Optional[int], seed: int) -> List[List[int]]:
+    """Indices of ``groups`` each of ``size`` ranks reads: with ``epoch`` None, row group ``i`` to
+    rank ``i % size`` (fixed sharding); else a seeded permutation for that epoch, each group in turn
+    to the rank with the fewest rows so far, so every rank gets about the same number of rows and,
+    over the epochs, every rank sees all of the data. The same on every rank (a function of the
+    layout, the seed and the epoch only). A rank left without a group borrows one."""
+    shards: List[List[int]] = [[] for _ in range(size)]
+    if epoch is None:
+        for i in range(len(groups)):
+            shards[i % size].append(i)
+    else:
+        rows = [0] * size
+        for i in np.random.default_rng([seed, epoch, 2]).permutation(len(groups)):
+            rank = min(range(size), key=lambda r: (rows[r], r))
+            shards[rank].append(int(i))
+            rows[rank] += groups[int(i)].num_rows
+    for rank, shard in enumerate(shards):
+        if not shard and groups:
+            shard.append(rank % len(groups))
+    return shards
+
+
 def _builtin_source(layout: ParquetLayout, rank: int, size: int, columns: Sequence[str],
                     shapes: Mapping[str, Tuple[int, ...]], shuffle: bool, seed: int,
-                    storage_options: Optional[Mapping[str, Any]], url: str
-                    ) -> Tuple[Callable[[int, int], Iterator[Chunk]], int]:
+                    storage_options: Optional[Mapping[str, Any]], url: str, reshuffle: bool = True,
+                    cache_all: bool = False) -> Tuple[Callable[[int, int], Iterator[Chunk]], int]:
     groups = layout.row_groups
-    shard = [rg for i, rg in enumerate(groups) if i % size == rank]
-    if not shard and groups:
-        # Fewer row groups than ranks: borrow one so this rank still has rows to step through.
-        shard = [groups[rank % len(groups)]]
-    shard_rows = sum(rg.num_rows for rg in shard)
+    fixed = deal_row_groups(groups, size, None, seed)[rank]
+    shard_rows = sum(groups[i].num_rows for i in fixed)
+    cache: Dict[int, Chunk] = {}  # row group index -> its columns, with cache_all
 
     def read_pass(epoch: int, pass_index: int) -> Iterator[Chunk]:
         import pyarrow.parquet as pq
 
+        shard = deal_row_groups(groups, size, epoch, seed)[rank] if shuffle and reshuffle else fixed
         order = list(range(len(shard)))
         if shuffle:
             order = list(np.random.default_rng([seed, epoch, rank, pass_index, 1]).permutation(len(shard)))
@@ -412,12 +434,19 @@ def _builtin_source(layout: ParquetLayout, rank: int, size: int, columns: Sequen
         opened: Dict[str, Tuple[Any, Any]] = {}  # file -> (handle, ParquetFile); footers parsed once
         try:
             for j in order:
-                rg = shard[j]
+                index = shard[j]
+                if index in cache:
+                    yield cache[index]
+                    continue
+                rg = groups[index]
                 if rg.file not in opened:
                     handle = fs.open(rg.file, "rb")
                     opened[rg.file] = (handle, pq.ParquetFile(handle))
                 table = opened[rg.file][1].read_row_group(rg.index, columns=list(columns))
-                yield {c: arrow_to_numpy(table.column(c), shapes.get(c), c) for c in columns}
+                chunk = {c: arrow_to_numpy(table.column(c), shapes.get(c), c) for c in columns}
+                if cache_all:
+                    cache[index] = chunk
+                yield chunk
         finally:
             for handle, _ in opened.values():
                 handle.close()
@@ -473,14 +502,19 @@ def _petastorm_source(urls: Sequence[str], layout: ParquetLayout, rank: int, siz
 def make_reader(kind: str, urls: Union[str, Sequence[str]], *, rank: int, size: int, batch_size: int,
                 feature_cols: Sequence[str], label_cols: Sequence[str] = (),
                 sample_weight_col: Optional[str] = None, shuffle: bool = True, seed: int = 0,
-                shuffle_buffer_rows: int = 10_000, steps_per_epoch: Optional[int] = None,
+                shuffle_buffer_rows: int = 10_000, steps_per_epoch: Optional[int] = None, reshuffle: bool = True,
+                cache_all: bool = False,
                 shapes: Optional[Mapping[str, Sequence[int]]] = None,
                 storage_options: Optional[Mapping[str, Any]] = None, prefetch_batches: int = 4,
                 timeout_s: float = 600.0, block_rows: int = 8192) -> BatchReader:
     """A reader of rank ``rank``'s shard (of ``size``) of the Parquet at ``urls``.
 
-    ``kind`` is "builtin" (current pyarrow; row group ``i`` goes to rank ``i % size``) or
-    "petastorm" (petastorm's ``make_batch_reader``, same interface). Batches hold
+    ``kind`` is "builtin" (current pyarrow) or "petastorm" (petastorm's ``make_batch_reader``, same
+    interface, row group ``i`` to rank ``i % size``). The builtin reader with ``shuffle`` and
+    ``reshuffle`` (the default) deals the row groups to the ranks anew every epoch (a seeded
+    permutation, balanced by rows; see :func:`deal_row_groups`), so over the epochs every rank
+    sees all of the data; ``reshuffle=False`` keeps row group ``i`` on rank ``i % size``.
+    ``cache_all`` keeps every row group read in memory for the next epochs. Batches hold
     ``feature_cols``, ``label_cols`` and ``sample_weight_col``, each reshaped to ``shapes[col]``
     per row when given (e.g. the shapes recorded by ``prepare_data``). ``steps_per_epoch``
     defaults to ``ceil(total_rows / (size * batch_size))`` on every rank. A background thread
@@ -518,7 +552,7 @@ def make_reader(kind: str, urls: Union[str, Sequence[str]], *, rank: int, size: 
     shape_map = {c: tuple(int(d) for d in s) for c, s in (shapes or {}).items()}
     if kind == "builtin":
         source, shard_rows = _builtin_source(layout, rank, size, columns, shape_map, shuffle, seed,
-                                             storage_options, url_list[0])
+                                             storage_options, url_list[0], reshuffle, cache_all)
     else:
         source, shard_rows = _petastorm_source(url_list, layout, rank, size, columns, shape_map, shuffle,
                                                seed, storage_options)

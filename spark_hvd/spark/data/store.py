@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Union
 
-__all__ = ["Store", "LocalStore", "DBFSLocalStore", "VolumeStore", "FsspecStore", "Data", "IntermediateData"]
+__all__ = ["Store", "LocalStore", "DBFSLocalStore", "VolumeStore", "FsspecStore", "HDFSStore", "Data", "IntermediateData"]
 
 Data = Union[bytes, bytearray, memoryview, Iterable[bytes]]
 """What :meth:`Store.write` accepts: a bytes-like object, or an iterable of byte chunks."""
@@ -91,23 +91,61 @@ class Store(ABC):
 
     prefix: str
     """Root of the store: a local path or a URL."""
+    train_path: Optional[str] = None
+    """Where prepared training data goes instead of ``prefix/intermediate_train_data`` (Horovod's name)."""
+    val_path: Optional[str] = None
+    """Where prepared validation data goes instead of ``prefix/intermediate_val_data``."""
+    test_path: Optional[str] = None
+    """Horovod's place for test data (kept for its programs; spark-hvd writes none)."""
+    runs_path: Optional[str] = None
+    """Where runs (checkpoints, logs) go instead of ``prefix/runs``."""
+    save_runs: bool = True
+    """Keep a run's checkpoints and logs after a successful fit (False: removed once fit returns)."""
+    checkpoint_filename: str = "checkpoint"
+    """File name of a run's checkpoint in its directory."""
 
     @staticmethod
-    def create(prefix: str, storage_options: Optional[Mapping[str, Any]] = None) -> "Store":
-        """The store for ``prefix``: local path or ``file://`` -> :class:`LocalStore`;
+    def create(prefix_path: str, storage_options: Optional[Mapping[str, Any]] = None, **layout: Any) -> "Store":
+        """The store for ``prefix_path``: local path or ``file://`` -> :class:`LocalStore`;
         ``/Volumes/<catalog>/<schema>/<volume>/...`` -> :class:`VolumeStore`;
         ``dbfs:/...`` or ``/dbfs/...`` -> :class:`DBFSLocalStore`; any other URL ->
-        :class:`FsspecStore` (``hdfs://``, ``s3://``, ``gs://``, ``abfs://``, ``memory://``...)."""
+        :class:`FsspecStore` (``hdfs://``, ``s3://``, ``gs://``, ``abfs://``, ``memory://``...).
+        ``layout`` takes Horovod's ``train_path``, ``val_path``, ``test_path``, ``runs_path``,
+        ``save_runs`` and ``checkpoint_filename``."""
+        prefix = prefix_path
         if not isinstance(prefix, str) or not prefix:
             raise ValueError(f"store prefix={prefix!r} is not valid: expected a non-empty path or URL, "
                              "e.g. '/tmp/spark-hvd' or 's3://bucket/spark-hvd'")
         if VolumeStore.matches(prefix):
-            return VolumeStore(prefix)
+            return VolumeStore(prefix, **layout)
         if DBFSLocalStore.matches(prefix):
-            return DBFSLocalStore(prefix)
+            return DBFSLocalStore(prefix, **layout)
         if prefix.startswith("file://") or "://" not in prefix:
-            return LocalStore(prefix)
-        return FsspecStore(prefix, storage_options)
+            return LocalStore(prefix, **layout)
+        return FsspecStore(prefix, storage_options, **layout)
+
+    def _set_layout(self, train_path: Optional[str] = None, val_path: Optional[str] = None,
+                    test_path: Optional[str] = None, runs_path: Optional[str] = None, save_runs: bool = True,
+                    checkpoint_filename: Optional[str] = None) -> None:
+        """Horovod's layout settings: directories of this store's own filesystem (relative ones
+        under ``prefix``), whether runs are kept, the checkpoint's file name."""
+        for name, value in (("train_path", train_path), ("val_path", val_path), ("test_path", test_path),
+                            ("runs_path", runs_path)):
+            if value is not None:
+                if not isinstance(value, str) or not value:
+                    raise ValueError(f"{name}={value!r} is not valid: expected a directory path of the store")
+                setattr(self, name, self._absolute(value))
+        if not isinstance(save_runs, bool):
+            raise ValueError(f"save_runs={save_runs!r} is not valid: expected True or False")
+        self.save_runs = save_runs
+        if checkpoint_filename is not None:
+            if not isinstance(checkpoint_filename, str) or not checkpoint_filename or "/" in checkpoint_filename:
+                raise ValueError(f"checkpoint_filename={checkpoint_filename!r} is not valid: expected a file name")
+            self.checkpoint_filename = checkpoint_filename
+
+    def _absolute(self, path: str) -> str:
+        """``path`` in this store's syntax: relative ones are under ``prefix``."""
+        return path.rstrip("/") if path.startswith("/") or "://" in path else self.join(path)
 
     # ---- layout -------------------------------------------------------------------------
     def join(self, *parts: str) -> str:
@@ -116,11 +154,13 @@ class Store(ABC):
 
     def get_train_data_path(self, idx: Optional[str] = None) -> str:
         """Directory of the prepared training Parquet for dataset key ``idx``."""
-        return self.join("intermediate_train_data" + ("" if idx is None else f".{idx}"))
+        base = self.train_path or self.join("intermediate_train_data")
+        return base + ("" if idx is None else f".{idx}")
 
     def get_val_data_path(self, idx: Optional[str] = None) -> str:
         """Directory of the prepared validation Parquet for dataset key ``idx``."""
-        return self.join("intermediate_val_data" + ("" if idx is None else f".{idx}"))
+        base = self.val_path or self.join("intermediate_val_data")
+        return base + ("" if idx is None else f".{idx}")
 
     def get_data_metadata_path(self, idx: Optional[str] = None) -> str:
         """JSON file describing the prepared dataset ``idx``; it exists only once the data is complete."""
@@ -128,18 +168,18 @@ class Store(ABC):
 
     def get_runs_path(self) -> str:
         """Directory holding one sub-directory per run."""
-        return self.join("runs")
+        return self.runs_path or self.join("runs")
 
     def get_run_path(self, run_id: str) -> str:
         """Directory of run ``run_id``."""
         if not run_id or "/" in run_id:
             raise ValueError(f"run_id={run_id!r} is not valid: expected a non-empty name without '/', "
                              "e.g. 'run-20240101'")
-        return self.join("runs", run_id)
+        return posixpath.join(self.get_runs_path(), run_id)
 
     def get_checkpoint_path(self, run_id: str) -> str:
         """File holding the latest checkpoint of run ``run_id``."""
-        return posixpath.join(self.get_run_path(run_id), "checkpoint")
+        return posixpath.join(self.get_run_path(run_id), self.checkpoint_filename)
 
     def get_logs_path(self, run_id: str) -> str:
         """Directory for the logs of run ``run_id``."""
@@ -256,12 +296,20 @@ class Store(ABC):
 class LocalStore(Store):
     """A store on a local (or network-mounted, shared) filesystem path."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix_path: str, *, train_path: Optional[str] = None, val_path: Optional[str] = None,
+                 test_path: Optional[str] = None, runs_path: Optional[str] = None, save_runs: bool = True,
+                 checkpoint_filename: Optional[str] = None, storage_options: Optional[Mapping[str, Any]] = None) -> None:
+        prefix = prefix_path
         if prefix.startswith("file://"):
             prefix = prefix[len("file://"):]
         if not prefix:
             raise ValueError("LocalStore prefix is empty: expected a directory path such as '/tmp/spark-hvd'")
         self.prefix = os.path.abspath(os.path.expanduser(prefix))
+        self._set_layout(train_path, val_path, test_path, runs_path, save_runs, checkpoint_filename)
+
+    def _absolute(self, path: str) -> str:
+        path = path[len("file://"):] if path.startswith("file://") else path
+        return os.path.abspath(os.path.join(self.prefix, os.path.expanduser(path)))
 
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
@@ -321,11 +369,15 @@ class DBFSLocalStore(LocalStore):
             return "/dbfs/" + path[len("dbfs:"):].lstrip("/")
         return path
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix_path: str, **layout: Any) -> None:
+        prefix = prefix_path
         if not self.matches(prefix):
             raise ValueError(f"DBFSLocalStore prefix={prefix!r} is not a DBFS location: expected "
                              "'dbfs:/path' or '/dbfs/path'")
-        super().__init__(self.to_fuse_path(prefix))
+        super().__init__(self.to_fuse_path(prefix), **layout)
+
+    def _absolute(self, path: str) -> str:
+        return super()._absolute(self.to_fuse_path(path))
 
     def spark_url(self, path: str) -> str:
         fuse = os.path.abspath(path)
@@ -347,7 +399,8 @@ class VolumeStore(LocalStore):
         """Whether ``prefix`` names a Unity Catalog volume path."""
         return prefix == "/Volumes" or prefix.startswith(("/Volumes/", "dbfs:/Volumes/"))
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix_path: str, **layout: Any) -> None:
+        prefix = prefix_path
         if prefix.startswith("dbfs:"):
             prefix = prefix[len("dbfs:"):]
         parts = [p for p in prefix.split("/") if p]
@@ -355,7 +408,7 @@ class VolumeStore(LocalStore):
             raise ValueError(f"VolumeStore prefix={prefix!r} is not a path inside a volume: expected "
                              "'/Volumes/<catalog>/<schema>/<volume>/<directory>', e.g. "
                              "'/Volumes/main/default/ml/spark-hvd'")
-        super().__init__(prefix)
+        super().__init__(prefix, **layout)
 
     def spark_url(self, path: str) -> str:
         return os.path.abspath(path)
@@ -368,7 +421,8 @@ class FsspecStore(Store):
     Hadoop settings for Spark are the cluster's business.
     """
 
-    def __init__(self, prefix: str, storage_options: Optional[Mapping[str, Any]] = None) -> None:
+    def __init__(self, prefix_path: str, storage_options: Optional[Mapping[str, Any]] = None, **layout: Any) -> None:
+        prefix = prefix_path
         if "://" not in prefix:
             raise ValueError(f"FsspecStore prefix={prefix!r} is not a URL: expected e.g. 's3://bucket/dir'; "
                              "use LocalStore for local paths")
@@ -376,6 +430,7 @@ class FsspecStore(Store):
         self._storage_options = dict(storage_options or {})
         self.protocol = prefix.split("://", 1)[0].lower()
         self._fs: Any = None
+        self._set_layout(**layout)
 
     @property
     def storage_options(self) -> Dict[str, Any]:
@@ -469,3 +524,32 @@ class FsspecStore(Store):
             container, _, key = rest.partition("/")
             rest = f"{container}@{account}.dfs.core.windows.net/{key}"
         return f"{scheme}://{rest}"
+
+
+class HDFSStore(FsspecStore):
+    """A store on HDFS, with Horovod's ``HDFSStore`` arguments: ``prefix_path`` an ``hdfs://`` URL,
+    or a path with ``host`` and ``port`` of the namenode (``host='default'``: the cluster's
+    configured one); ``user``, ``kerb_ticket`` and ``extra_conf`` go to the HDFS client."""
+
+    def __init__(self, prefix_path: str, host: Optional[str] = None, port: Optional[int] = None,
+                 user: Optional[str] = None, kerb_ticket: Optional[str] = None, driver: str = "libhdfs",
+                 extra_conf: Optional[Mapping[str, str]] = None, temp_dir: Optional[str] = None,
+                 storage_options: Optional[Mapping[str, Any]] = None, **layout: Any) -> None:
+        if driver != "libhdfs":
+            raise ValueError(f"driver={driver!r} is not valid: spark-hvd reaches HDFS through pyarrow's libhdfs "
+                             "client; leave driver unset")
+        if "://" not in prefix_path:
+            if not prefix_path.startswith("/"):
+                raise ValueError(f"HDFSStore prefix_path={prefix_path!r} is not valid: expected 'hdfs://host:port/path' "
+                                 "or an absolute path with host= and port=")
+            authority = "" if host in (None, "default") else (host if port is None else f"{host}:{port}")
+            prefix_path = f"hdfs://{authority}{prefix_path}"
+        elif not prefix_path.startswith(("hdfs://", "viewfs://")):
+            raise ValueError(f"HDFSStore prefix_path={prefix_path!r} is not an HDFS URL: expected 'hdfs://...'; "
+                             "use Store.create for other filesystems")
+        options: Dict[str, Any] = dict(storage_options or {})
+        for name, value in (("user", user), ("kerb_ticket", kerb_ticket), ("extra_conf", extra_conf)):
+            if value is not None:
+                options[name] = dict(value) if name == "extra_conf" else value
+        self.temp_dir = temp_dir
+        super().__init__(prefix_path, options, **layout)

@@ -22,10 +22,12 @@ from __future__ import annotations
 import atexit
 import logging
 import shutil
+import sys
 import tempfile
 import threading
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -42,7 +44,8 @@ from spark_hvd.spark.estimator.fingerprint import changed_parts, start_over_or_r
 from spark_hvd.spark.estimator.mlflow_log import params_for_logging, start_logging
 from spark_hvd.spark.estimator.persistence import ParamsReader, ParamsWriter
 from spark_hvd.spark.estimator.progress import ProgressPrinter
-from spark_hvd.spark.launch.barrier import run
+from spark_hvd.spark.estimator.training import adapt_batch
+from spark_hvd.spark.launch.barrier import TimestampedLines, run
 from spark_hvd.spark.launch.retry import run_with_retries
 from spark_hvd.spark.session import session_info
 
@@ -56,6 +59,9 @@ PROBE_ROWS = 64
 
 _default_store: Optional[Store] = None
 _store_lock = threading.Lock()
+
+_WARNED: set = set()
+"""(estimator class, Param) pairs already warned about as having no effect here."""
 
 prepare_lock = threading.Lock()
 """Serializes materialization: concurrent fits of one DataFrame (CrossValidator with parallelism
@@ -233,8 +239,36 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
     def _log_model(self, mlflow: Any, fitted: Any) -> None:
         """Log the trained model of ``fitted`` (the FittedModel fit returns) with MLflow."""
 
+    def _rank_env(self) -> Optional[Dict[str, str]]:
+        """Variables every rank process starts with (``rank_environment``, plus the framework's own)."""
+        return self.rank_environment
+
+    def _removed_fields(self) -> Tuple[str, ...]:
+        return tuple(self.getOrDefault("transformation_removed_fields") or ())
+
+    def _warn_unused(self) -> None:
+        """One warning per process for each set Horovod Param that means nothing here."""
+        for spec in self.param_specs():  # type: ignore[attr-defined]
+            if spec.unused and self.isSet(spec.name):
+                key = (type(self).__name__, spec.name)
+                if key not in _WARNED:
+                    _WARNED.add(key)
+                    warnings.warn(f"{type(self).__name__}: {spec.name}={self.getOrDefault(spec.name)!r} has no effect "
+                                  f"in spark-hvd: {spec.unused}", UserWarning, stacklevel=4)
+
+    def _backend(self) -> Any:
+        """The ``backend`` Param, or None; a ValueError when ``num_proc`` is set too."""
+        backend = self.getOrDefault("backend")
+        if backend is not None and self.isSet("num_proc"):
+            raise ValueError(f"backend={backend!r} and num_proc={self.getOrDefault('num_proc')!r} are both set: the "
+                             "backend decides the number of processes; fix: set one of them, e.g. "
+                             "backend=SparkBackend(num_proc=2)")
+        return backend
+
     # ---- 1. checks ------------------------------------------------------------------------------
     def _check(self, df: Any) -> Fit:
+        self._warn_unused()
+        backend = self._backend()
         own = self._check_model()
         feature_cols = self.getOrDefault("feature_cols")
         checks.require("feature_cols", feature_cols, "the list of input columns", "['features']")
@@ -254,7 +288,8 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
         session = df.sparkSession
         info = session_info(session)
         store = fit_store(self.getOrDefault("store"), info)
-        num_proc = self.getOrDefault("num_proc") or info.default_parallelism
+        num_proc = backend.num_processes() if backend is not None else (self.getOrDefault("num_proc")
+                                                                         or info.default_parallelism)
         checks.check_slots(session, num_proc)
         checks.ensure_executor_python(session, info, self.worker_modules)
         store.check_writable()
@@ -274,9 +309,8 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
         weight_col = fit.sample_weight_col
         columns = fit.feature_cols + fit.label_cols + ([weight_col] if weight_col else [])
         batch = sample_batch(df, columns, min(self.getOrDefault("batch_size"), PROBE_ROWS), fit.dtype)
-        transformation_fn = self.getOrDefault("transformation_fn")
-        if transformation_fn is not None:
-            batch = transformation_fn(batch)
+        batch = adapt_batch(batch, self.getOrDefault("transformation_fn"), self._removed_fields(), fit.label_cols,
+                            self.getOrDefault("label_shapes"))
         if not batch or len(next(iter(batch.values()))) == 0:
             return  # no complete row: the materialization names the nulls, or the empty frame
         self._try(fit, _sizes(batch, fit.feature_cols), batch)
@@ -291,7 +325,8 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
     def _zero_batch(self, df: Any, fit: Fit, sizes: List[int]) -> Optional[Dict[str, Any]]:
         """Two rows of zeros of every feature and label, when the schema tells the labels' sizes and
         the loss is tried on zeros (see ``dry_run_loss_on_zeros``); else None."""
-        if not self.dry_run_loss_on_zeros or self.getOrDefault("transformation_fn") is not None:
+        if (not self.dry_run_loss_on_zeros or self.getOrDefault("transformation_fn") is not None
+                or self.getOrDefault("label_shapes") is not None):
             return None
         label_sizes = checks.schema_row_sizes(df.schema, fit.label_cols)
         if any(size is None for size in label_sizes):
@@ -361,6 +396,7 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
                                                                                      val_batch_size)
         if resume is not None and resume.batch > 0 and resume.seed is not None:
             seed = resume.seed  # the rest of a resumed epoch keeps its shuffle order
+        label_shapes = self.getOrDefault("label_shapes")
         store = fit.store
         return dict(
             feature_cols=fit.feature_cols, label_cols=fit.label_cols, sample_weight_col=fit.sample_weight_col,
@@ -372,9 +408,14 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
             shuffle=self.getOrDefault("shuffle"),
             seed=seed if seed is not None else int(np.random.SeedSequence().entropy % (2 ** 31)),
             model_seed=self.getOrDefault("random_seed"), store=store, checkpoint_path=self._checkpoint_path(fit),
+            run_path=store.get_run_path(fit.run_id),
             history=list(resume.history) if resume else [], compression=self.getOrDefault("gradient_compression"),
             use_gpu=self.getOrDefault("use_gpu"), transformation_fn=self.getOrDefault("transformation_fn"),
-            progress=self.getOrDefault("verbose") > 0, fingerprint=dict(fit.fingerprint))
+            progress=self.getOrDefault("verbose") > 0, fingerprint=dict(fit.fingerprint),
+            shuffle_buffer_rows=self.getOrDefault("shuffle_buffer_size"),
+            label_shapes=[tuple(s) for s in label_shapes] if label_shapes is not None else None,
+            removed_fields=self._removed_fields(), cache_all=self.getOrDefault("inmemory_cache_all"),
+            reshuffle=self.getOrDefault("sharding") == "reshuffle")
 
     # ---- the whole fit ------------------------------------------------------------------------------
     def _fit(self, dataset: Any) -> Any:
@@ -392,7 +433,8 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
             prepared = prepare_data(
                 dataset, fit.store, fit.feature_cols, fit.label_cols, fit.sample_weight_col,
                 self.getOrDefault("validation"), fit.num_proc, seed=seed if seed is not None else 0,
-                vector_dtype=fit.dtype, skip_invalid=self.getOrDefault("invalid_rows") == "skip")
+                vector_dtype=fit.dtype, skip_invalid=self.getOrDefault("invalid_rows") == "skip",
+                files_per_proc=self.getOrDefault("partitions_per_process"))
         sizes = [max(1, int(np.prod(prepared.column(col).shape))) for col in fit.feature_cols]
         if sizes != fit.sizes or fit.shapes is None:
             self._try(fit, sizes)  # the stored data's sizes, which the ranks will read
@@ -414,14 +456,22 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
             return self._finish(model, fit)
 
         current = [self._spec(fit, self._common_spec(fit, prepared, resume, seed), resume)]
-        printer = ProgressPrinter(verbose)
+        backend = self._backend()
+        out, err = getattr(backend, "stdout", None), getattr(backend, "stderr", None)
+        stamped = bool(getattr(backend, "prefix_output_with_timestamp", False))
+        if stamped:  # the time goes on the lines printed, after the progress events are read
+            out, err = TimestampedLines(out or sys.stdout), TimestampedLines(err or sys.stderr)
+        printer = ProgressPrinter(verbose, out=out, err=err)
         mark_wall = time.time()
         session = dataset.sparkSession
 
         def launch(attempt: int) -> List[Any]:
-            return run(self._rank_function(), args=(current[0],), num_proc=fit.num_proc,  # type: ignore[arg-type]
-                       env=self.rank_environment, stdout=printer.stdout, stderr=printer.stderr, verbose=1,
-                       use_gpu=self.getOrDefault("use_gpu"), store=fit.store, spark=session)
+            options = dict(env=self._rank_env(), stdout=printer.stdout, stderr=printer.stderr, verbose=1,
+                           use_gpu=self.getOrDefault("use_gpu"), store=fit.store, spark=session)
+            if backend is not None:
+                return backend.run(self._rank_function(), args=(current[0],), prefix_output_with_timestamp=False,
+                                   **options)
+            return run(self._rank_function(), args=(current[0],), num_proc=fit.num_proc, **options)  # type: ignore[arg-type]
 
         def resume_point() -> str:
             """Set the next attempt to start from the run's last checkpoint (this fit's own)."""
@@ -452,6 +502,8 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
         model.fit_timings = timings
         if self.getOrDefault("cleanup_intermediate"):
             fit.store.remove_intermediate([prepared.key])
+        if not fit.store.save_runs:
+            fit.store.delete(fit.store.get_run_path(fit.run_id))  # the store keeps no runs (Horovod's save_runs)
         return self._finish(model, fit)
 
     # ---- 6. MLflow ------------------------------------------------------------------------------

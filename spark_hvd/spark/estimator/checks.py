@@ -59,8 +59,13 @@ def require(name: str, value: Any, expected: str, example: str) -> None:
 
 
 def resolve_shape(shape: Sequence[int], numel: int, column: str) -> Tuple[int, ...]:
-    """``shape`` with its -1 replaced so that it holds ``numel`` values per row, or a ValueError."""
+    """``shape`` with its -1 replaced so that it holds ``numel`` values per row, or a ValueError.
+
+    A leading -1 of a shape with more dimensions stands for the rows, as in Horovod's
+    ``input_shapes=[[-1, 1, 28, 28]]``: the per-row shape is the rest."""
     dims = [int(d) for d in shape]
+    if len(dims) > 1 and dims[0] == -1:
+        dims = dims[1:]
     known = math.prod(d for d in dims if d != -1)
     if -1 in dims:
         if known == 0 or numel % known:

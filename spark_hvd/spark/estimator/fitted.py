@@ -40,6 +40,26 @@ class FittedModel(Model, ModelParams, MLReadable, MLWritable):
         self.mlflow_run_id: Optional[str] = None
         """The MLflow run this model's fit was logged to, if it was."""
 
+    def _raw_outputs(self) -> bool:
+        """Whether transform adds raw output columns next to a task's (``output_cols`` set, as Horovod's)."""
+        return self.getTask() != "none" and self.isSet(self.output_cols)
+
+    def getFeatureColumns(self) -> List[str]:
+        """Horovod's name for :meth:`getFeatureCols`."""
+        return self.getFeatureCols()
+
+    def getLabelColumns(self) -> List[str]:
+        """Horovod's name for :meth:`getLabelCols`."""
+        return self.getLabelCols()
+
+    def setFeatureColumns(self, value: List[str]) -> Any:
+        """Horovod's name for :meth:`setFeatureCols`."""
+        return self.setFeatureCols(value)
+
+    def setLabelColumns(self, value: List[str]) -> Any:
+        """Horovod's name for :meth:`setLabelCols`."""
+        return self.setLabelCols(value)
+
     def getOutputCols(self) -> List[str]:
         """Prediction column of each label: ``output_cols`` when set, else ``<label>__output``."""
         cols = self.getOrDefault(self.output_cols)
@@ -90,7 +110,8 @@ class FittedModel(Model, ModelParams, MLReadable, MLWritable):
         plan = InferencePlan(
             key=key, feature_cols=tuple(feature_cols), input_shapes=tuple(tuple(s) for s in shapes),
             output_cols=tuple(output_cols), scalar_outputs=scalar, batch_size=self.getInferenceBatchSize(),
-            dtype=dtype, sys_path=tuple(p for p in sys.path if isinstance(p, str)), task=self.getTask())
+            dtype=dtype, sys_path=tuple(p for p in sys.path if isinstance(p, str)), task=self.getTask(),
+            raw_outputs=self._raw_outputs())
         allow_vector_inputs(session, dataset.schema, feature_cols)
         predicted = prediction_udf(plan, payload, self._predictor())(*feature_args(dataset.schema, feature_cols, dtype))
         return self._add_predictions(dataset, predicted, output_cols, scalar)
@@ -110,7 +131,7 @@ class FittedModel(Model, ModelParams, MLReadable, MLWritable):
         if labels and len(output_cols) != len(labels):
             raise ValueError(f"output_cols={output_cols} has {len(output_cols)} names for {len(labels)} label "
                              f"column(s) {labels}: expected one output column per label column")
-        new_cols = self._task_columns() or output_cols
+        new_cols = (self._task_columns() + (output_cols if self._raw_outputs() else [])) or output_cols
         if len(set(new_cols)) != len(new_cols):
             raise ValueError(f"prediction columns {new_cols} repeat a name: expected distinct names; fix: "
                              "setPredictionCol / setProbabilityCol / setRawPredictionCol")
@@ -160,6 +181,10 @@ class FittedModel(Model, ModelParams, MLReadable, MLWritable):
             for (role, kind), name in zip(column_kinds(task), self._task_columns()):
                 column = F.col(_PACKED)[role]
                 columns.append((array_to_vector(column) if kind == "vector" else column).alias(name))
+            if self._raw_outputs():
+                for i, (name, is_scalar) in enumerate(zip(output_cols, scalar)):
+                    column = F.col(_PACKED)[f"o{i}"]
+                    columns.append((column if is_scalar else array_to_vector(column)).alias(name))
             return result.select(*[F.col(f"`{c}`") for c in dataset.columns], *columns)
         if len(output_cols) == 1:
             result = dataset.withColumn(output_cols[0], predicted)

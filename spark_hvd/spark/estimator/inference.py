@@ -55,6 +55,8 @@ class InferencePlan:
     """The driver's sys.path, so model classes imported there import here too."""
     task: str = "none"
     """The Spark ML columns to compute from the single output (see ``spark_hvd.spark.estimator.outputs``)."""
+    raw_outputs: bool = False
+    """With a task, also the raw output of each label (fields ``o0, o1, ...``): ``output_cols`` was set."""
 
 
 def output_is_scalar(row_shape: Sequence[int]) -> bool:
@@ -125,6 +127,13 @@ def _task_fields(plan: InferencePlan, values: np.ndarray) -> List[Tuple[str, np.
     return [(role, columns[role], kind == "double") for role, kind in column_kinds(plan.task)]
 
 
+def _raw_fields(plan: InferencePlan, predicted: List[np.ndarray]) -> List[Tuple[str, np.ndarray, bool]]:
+    """(field, values, scalar) of each raw output next to a task's columns, when asked for."""
+    if not plan.raw_outputs:
+        return []
+    return [(f"o{i}", v, s) for i, (v, s) in enumerate(zip(predicted, plan.scalar_outputs))]
+
+
 def _predict_arrow(plan: InferencePlan, payload: Any, predictor: Predictor, batches: Iterator[Any]) -> Iterator[Any]:
     model, device = _load(plan, payload, predictor)
     for batch in batches:
@@ -132,7 +141,7 @@ def _predict_arrow(plan: InferencePlan, payload: Any, predictor: Predictor, batc
         columns = [_arrow_to_numpy(a, c) for a, c in zip(arrays, plan.feature_cols)]
         predicted = predictor.predict(model, device, plan, columns)
         if plan.task != "none":
-            fields = _task_fields(plan, predicted[0])
+            fields = _task_fields(plan, predicted[0]) + _raw_fields(plan, predicted)
             yield pa.StructArray.from_arrays([_arrow_output(v.reshape(len(v), -1), s) for _, v, s in fields],
                                              names=[name for name, _, _ in fields])
             continue
@@ -154,7 +163,8 @@ def _predict_pandas(plan: InferencePlan, payload: Any, predictor: Predictor, bat
         columns = [_series_to_numpy(s, c) for s, c in zip(series, plan.feature_cols)]
         predicted = predictor.predict(model, device, plan, columns)
         if plan.task != "none":
-            yield pd.DataFrame({name: _series(v.reshape(len(v), -1), s) for name, v, s in _task_fields(plan, predicted[0])})
+            fields = _task_fields(plan, predicted[0]) + _raw_fields(plan, predicted)
+            yield pd.DataFrame({name: _series(v.reshape(len(v), -1), s) for name, v, s in fields})
             continue
         outputs = [_series(v, s) for v, s in zip(predicted, plan.scalar_outputs)]
         if len(outputs) == 1:
@@ -171,8 +181,12 @@ def prediction_udf(plan: InferencePlan, payload: Any, predictor: Predictor) -> A
 
     return_type: DataType
     if plan.task != "none":
-        return_type = StructType([StructField(role, DoubleType() if kind == "double" else ArrayType(DoubleType()))
-                                  for role, kind in column_kinds(plan.task)])
+        fields = [StructField(role, DoubleType() if kind == "double" else ArrayType(DoubleType()))
+                  for role, kind in column_kinds(plan.task)]
+        if plan.raw_outputs:
+            fields += [StructField(f"o{i}", DoubleType() if s else ArrayType(DoubleType()))
+                       for i, s in enumerate(plan.scalar_outputs)]
+        return_type = StructType(fields)
     else:
         types: List[DataType] = [DoubleType() if s else ArrayType(DoubleType()) for s in plan.scalar_outputs]
         return_type = types[0] if len(types) == 1 else StructType(

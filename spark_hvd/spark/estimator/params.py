@@ -16,6 +16,7 @@ __all__ = [
     "ParamSpec",
     "params_mixin",
     "ESTIMATOR_PARAMS",
+    "HOROVOD_ESTIMATOR_PARAMS",
     "MODEL_PARAMS",
     "EstimatorParams",
     "ModelParams",
@@ -28,6 +29,8 @@ __all__ = [
     "ToStringList",
     "ToFloatList",
     "ToList",
+    "History",
+    "ToHistory",
     "ToChoice",
     "ToCallable",
     "ToValidation",
@@ -158,6 +161,39 @@ class ToFloatList(Converter):
         return [float(v) for v in value]
 
 
+class History(list):
+    """A fit's per-epoch metrics: a list of dicts (``history[-1]["val_loss"]``) that also reads as
+    Horovod's dict of metric lists (``history["val_loss"]``, ``history.keys()``)."""
+
+    def __getitem__(self, key: Any) -> Any:
+        if not isinstance(key, str):
+            return super().__getitem__(key)
+        values = [row[key] for row in self if key in row]
+        if not values:
+            raise KeyError(f"{key!r} is not a metric of this history: expected one of {sorted(self.keys())}")
+        return values
+
+    def keys(self) -> List[str]:
+        """The metric names, in the order the epochs first reported them."""
+        return list(dict.fromkeys(k for row in self for k in row))
+
+    def items(self) -> List[Tuple[str, List[Any]]]:
+        """(metric, values per epoch) pairs, like Horovod's history dict."""
+        return [(k, self[k]) for k in self.keys()]
+
+
+class ToHistory(Converter):
+    """A list of per-epoch dicts, held as a :class:`History`."""
+
+    expected = "a list of per-epoch dicts"
+    example = "[{'epoch': 1, 'loss': 0.5}]"
+
+    def __call__(self, value: Any) -> History:
+        if not isinstance(value, (list, tuple)) or not all(isinstance(row, dict) for row in value):
+            raise self.fail(value)
+        return History(value)
+
+
 class ToList(Converter):
     """A list of arbitrary objects (callbacks, metrics); one object becomes a one-element list."""
 
@@ -215,10 +251,12 @@ class ToValidation(Converter):
 
 
 class ToShapes(Converter):
-    """One shape (list of positive ints, -1 allowed once) per feature column."""
+    """One shape (list of positive ints, -1 allowed once) per feature (or label) column."""
 
-    expected = "a list with one shape (a list of ints) per feature column"
-    example = "[[1, 28, 28]]"
+    def __init__(self, what: str = "feature column", example: str = "[[1, 28, 28]]") -> None:
+        super().__init__()
+        self.expected = f"a list with one shape (a list of ints) per {what}"
+        self.example = example
 
     def __call__(self, value: Any) -> List[List[int]]:
         if not isinstance(value, (list, tuple)) or not value:
@@ -266,6 +304,8 @@ class ParamSpec:
     """Checks and normalizes values given to setters and constructors."""
     json: bool = True
     """Whether the value is plain JSON data; the rest (models, callables) must be pickled to persist."""
+    unused: str = ""
+    """For a Horovod Param that has no meaning here: why; setting it warns once with this reason."""
 
     @property
     def camel(self) -> str:
@@ -416,6 +456,10 @@ ESTIMATOR_PARAMS: Tuple[ParamSpec, ...] = (
     ParamSpec("checkpoint_every_steps", "Also checkpoint every this many optimizer steps within an epoch, so "
                                         "a retry or resumed run continues mid-epoch (default: per epoch only).",
               None, ToInt(1)),
+    ParamSpec("sharding", "How row groups reach the ranks when shuffle is on: 'reshuffle' deals them anew every "
+                          "epoch (seeded, balanced by rows), so over the epochs every rank sees all of the data; "
+                          "'fixed' keeps row group i on rank i % num_proc.", "reshuffle",
+              ToChoice(("reshuffle", "fixed"))),
     ParamSpec("cleanup_intermediate", "Remove the fit's materialized data from the store after a successful "
                                       "fit (otherwise it is kept for the next fit of the same DataFrame).",
               False, ToBool()),
@@ -437,9 +481,65 @@ MODEL_PARAMS: Tuple[ParamSpec, ...] = (
     ParamSpec("probability_col", "Column of the Vector of class probabilities.", "probability", ToString()),
     ParamSpec("raw_prediction_col", "Column of the Vector of raw class scores.", "rawPrediction", ToString()),
     ParamSpec("run_id", "Name of the training run in the store.", None, ToString()),
-    ParamSpec("history", "Per-epoch metrics of training: a list of dicts.", None, ToList()),
+    ParamSpec("history", "Per-epoch metrics of training: a list of dicts, also read as a dict of metric lists "
+                         "(history['val_loss']).", None, ToHistory()),
 )
 """Params of the fitted models (TorchModel, KerasModel)."""
 
-EstimatorParams = params_mixin("EstimatorParams", ESTIMATOR_PARAMS)
+class ToBackend(Converter):
+    """A spark_hvd.spark.Backend (Horovod's SparkBackend)."""
+
+    expected = "a Backend such as spark_hvd.spark.common.backend.SparkBackend"
+    example = "SparkBackend(num_proc=2)"
+
+    def __call__(self, value: Any) -> Any:
+        from spark_hvd.spark.launch.backend import Backend
+
+        if not isinstance(value, Backend):
+            raise self.fail(value)
+        return value
+
+
+_READER = "the reader reads Parquet row groups on one background thread per rank, with prefetch"
+
+HOROVOD_ESTIMATOR_PARAMS: Tuple[ParamSpec, ...] = (
+    ParamSpec("backend", "How the ranks are run: a SparkBackend(num_proc=..., env=...), instead of num_proc.", None,
+              ToBackend(), json=False),
+    ParamSpec("shuffle_buffer_size", "Rows each process holds to shuffle within (default 10,000; 0 shuffles "
+                                     "row groups only).", None, ToInt(0)),
+    ParamSpec("partitions_per_process", "Parquet files written per process when the data is materialized "
+                                        "(default: from the data's size).", None, ToInt(1)),
+    ParamSpec("label_shapes", "Shape of each label column's per-row value as the loss receives it (e.g. [[1]]).",
+              None, ToShapes("label column", "[[1]]")),
+    ParamSpec("inmemory_cache_all", "Keep every row group a process reads in memory after the first epoch, so "
+                                    "later epochs read no files.", False, ToBool()),
+    ParamSpec("transformation_removed_fields", "Columns removed from every batch after transformation_fn.",
+              None, ToStringList()),
+    ParamSpec("transformation_edit_fields", "Horovod's petastorm TransformSpec fields.", None, AnyValue(),
+              json=False, unused="batches reach transformation_fn as dicts of numpy arrays, which it may change "
+                                 "or extend without declaring the fields"),
+    ParamSpec("train_reader_num_workers", "Horovod's petastorm reader workers for training data.", None, ToInt(1),
+              unused=_READER),
+    ParamSpec("val_reader_num_workers", "Horovod's petastorm reader workers for validation data.", None, ToInt(1),
+              unused=_READER),
+    ParamSpec("reader_pool_type", "Horovod's petastorm reader pool ('thread' or 'process').", None, ToString(),
+              unused=_READER),
+    ParamSpec("compress_sparse_cols", "Horovod's compression of SparseVector columns in the materialized data.",
+              False, ToBool(), unused="Vector columns, sparse ones included, are stored as dense arrays"),
+    ParamSpec("continuous_cols", "Horovod's continuous column names.", None, ToStringList(),
+              unused="feature_cols names the model's inputs"),
+    ParamSpec("categorical_cols", "Horovod's categorical column names.", None, ToStringList(),
+              unused="feature_cols names the model's inputs; index categories first (StringIndexer)"),
+    ParamSpec("mp_start_method", "Horovod's multiprocessing start method of the reader.", None, ToString(),
+              unused="the reader starts no worker processes"),
+    ParamSpec("tensorflow_dataset_prefetch_buffer_size", "Horovod's tf.data prefetch buffer.", None, ToInt(0),
+              unused=_READER),
+    ParamSpec("data_module", "Horovod's data module class.", None, AnyValue(), json=False,
+              unused="every estimator reads the materialized Parquet with spark-hvd's reader (reader='builtin' or "
+                     "'petastorm')"),
+)
+"""Horovod's EstimatorParams that spark-hvd's table does not have: each does what it did in Horovod,
+or, where it has no meaning here (``unused``), is accepted with one warning saying why."""
+
+EstimatorParams = params_mixin("EstimatorParams", ESTIMATOR_PARAMS + HOROVOD_ESTIMATOR_PARAMS)
 ModelParams = params_mixin("ModelParams", MODEL_PARAMS)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["TrainingSpec", "rank_threads"]
+__all__ = ["TrainingSpec", "RunFiles", "adapt_batch", "rank_threads"]
 
 
 @dataclass(kw_only=True)
@@ -47,6 +47,8 @@ class TrainingSpec:
     rank; None leaves them unseeded."""
     store: Any
     checkpoint_path: str
+    run_path: str = ""
+    """The run's directory of the store: where files of callbacks with relative paths go."""
     history: List[Dict[str, Any]] = field(default_factory=list)
     """Per-epoch logs of the epochs done before this stage."""
     compression: Any = None
@@ -60,6 +62,18 @@ class TrainingSpec:
     """What the run trains (see ``estimator.fingerprint``), recorded in every checkpoint."""
     shuffle_buffer_rows: Optional[int] = None
     """Rows each rank holds to shuffle within; None: the reader's default."""
+    label_shapes: Optional[List[Tuple[int, ...]]] = None
+    """Per-row shape each label column is given to the loss in (``label_shapes``); None: as stored."""
+    removed_fields: Tuple[str, ...] = ()
+    """Columns dropped from every batch after ``transformation_fn``."""
+    cache_all: bool = False
+    """Keep the row groups a rank reads in memory after the first epoch (``inmemory_cache_all``)."""
+    reshuffle: bool = True
+    """Deal the row groups to the ranks anew every epoch (``sharding='reshuffle'``)."""
+
+    def adapt_batch(self, batch: Dict[str, Any]) -> Dict[str, Any]:
+        """A reader batch as the model's code receives it (see :func:`adapt_batch`)."""
+        return adapt_batch(batch, self.transformation_fn, self.removed_fields, self.label_cols, self.label_shapes)
 
     def open_reader(self, rank: int, size: int, validation: bool = False) -> Any:
         """This rank's reader of the training split (or, with ``validation``, of the held-out rows,
@@ -69,7 +83,7 @@ class TrainingSpec:
         url = self.val_url if validation else self.train_url
         if url is None:
             raise ValueError("the fit has no validation rows: expected validation to be set")
-        extra: Dict[str, Any] = {}
+        extra: Dict[str, Any] = {"cache_all": self.cache_all, "reshuffle": self.reshuffle}
         if self.shuffle_buffer_rows is not None:
             extra["shuffle_buffer_rows"] = self.shuffle_buffer_rows
         return make_reader(self.reader, url, rank=rank, size=size,
@@ -80,11 +94,78 @@ class TrainingSpec:
                            shapes=self.column_shapes, storage_options=self.storage_options, **extra)
 
 
+class RunFiles:
+    """Where files of a rank's callbacks go (TensorBoard logs, checkpoints of their own, CSV logs):
+    a relative path means a path under the run's directory of the store. A local store's directory
+    is written directly; for another store the files are written to a local directory first and
+    copied to the run's directory by :meth:`upload`."""
+
+    def __init__(self, store: Any, run_path: str) -> None:
+        import tempfile
+
+        from spark_hvd.spark.data.store import LocalStore
+
+        self.store = store
+        self.run_path = run_path
+        self.direct = isinstance(store, LocalStore)  # its paths are this host's (a shared mount on a cluster)
+        self.local = run_path if self.direct else tempfile.mkdtemp(prefix="spark-hvd-run-files-")
+
+    def path(self, path: str) -> str:
+        """``path`` where the rank writes it: relative ones under the run's (local) directory."""
+        if not path or os.path.isabs(path) or "://" in path:
+            return path
+        resolved = os.path.join(self.local, path)
+        os.makedirs(os.path.dirname(resolved) or self.local, exist_ok=True)
+        return resolved
+
+    def upload(self) -> None:
+        """Copy what was written locally to the run's directory of a remote store."""
+        if self.direct:
+            return
+        import posixpath
+
+        for folder, _, names in os.walk(self.local):
+            for name in names:
+                full = os.path.join(folder, name)
+                relative = os.path.relpath(full, self.local).replace(os.sep, "/")
+                with open(full, "rb") as f:
+                    self.store.write(posixpath.join(self.run_path, relative), f.read())
+
+
+def adapt_batch(batch: Dict[str, Any], transformation_fn: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]],
+                removed_fields: Sequence[str], label_cols: Sequence[str],
+                label_shapes: Optional[Sequence[Sequence[int]]]) -> Dict[str, Any]:
+    """``transformation_fn`` applied to ``batch``, then ``removed_fields`` dropped, then each label
+    reshaped to its ``label_shapes`` entry per row (-1 filled from the row's size): the same on
+    the driver's dry run and on the ranks."""
+    if transformation_fn is not None:
+        batch = transformation_fn(batch)
+    if removed_fields:
+        batch = {k: v for k, v in batch.items() if k not in removed_fields}
+    if label_shapes is not None:
+        import numpy as np
+
+        from spark_hvd.spark.estimator.checks import resolve_shape
+
+        if len(label_shapes) != len(label_cols):
+            raise ValueError(f"label_shapes has {len(label_shapes)} shape(s) for {len(label_cols)} label column(s) "
+                             f"{list(label_cols)}: expected one shape per label column, e.g. label_shapes=[[1]]")
+        batch = dict(batch)
+        for col, shape in zip(label_cols, label_shapes):
+            values = np.asarray(batch[col])
+            per_row = max(1, values.size // max(1, len(values)))
+            batch[col] = values.reshape((len(values),) + resolve_shape(shape, per_row, col))
+    return batch
+
+
 def rank_threads(local_size: int) -> int:
-    """Threads for a rank's math library: the CPUs this process may run on, shared by the ranks of
-    its host (oversubscribed threads slow every rank down)."""
+    """Threads for a rank's math library: the CPUs Spark gave the rank's task (``spark.task.cpus``,
+    passed as ``SPARK_HVD_TASK_CPUS``) when it runs on Spark, never more than the CPUs this process
+    may run on shared by the ranks of its host (oversubscribed threads slow every rank down)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
-    return max(1, cpus // max(1, local_size))
+    shared = max(1, cpus // max(1, local_size))
+    given = os.environ.get("SPARK_HVD_TASK_CPUS", "")
+    return min(shared, int(given)) if given.isdigit() and int(given) > 0 else shared

@@ -21,10 +21,6 @@ from spark_hvd.spark.keras.training import KerasTrainingSpec, train_on_rank
 
 __all__ = ["KerasEstimator"]
 
-_SHUFFLE_BUFFER_ROWS = 10_000
-"""Default of ``shuffle_buffer_size``."""
-
-
 @dataclass
 class _Keras:
     """The Keras values of one fit after the driver's checks."""
@@ -117,6 +113,10 @@ class KerasEstimator(DistributedEstimator, KerasEstimatorParams):
         if self.getTrainMinibatchFn() is not None:
             raise ValueError("train_minibatch_fn is not supported by KerasEstimator: Keras runs its own train_step; "
                              "fix: override train_step in a keras.Model subclass, or use TorchEstimator")
+        callback = self.getCheckpointCallback()
+        if callback is not None and not isinstance(callback, keras.callbacks.ModelCheckpoint):
+            raise ValueError(f"checkpoint_callback={callback!r} is not valid: expected a keras.callbacks.ModelCheckpoint, "
+                             "e.g. keras.callbacks.ModelCheckpoint('best.keras', save_best_only=True)")
         if self.getCheckpointEverySteps() is not None:
             raise ValueError(f"checkpoint_every_steps={self.getCheckpointEverySteps()!r} is not supported by "
                              "KerasEstimator, which checkpoints after every epoch (a retry resumes from the last one); "
@@ -163,7 +163,6 @@ class KerasEstimator(DistributedEstimator, KerasEstimatorParams):
     def _spec(self, fit: Fit, common_fields: Dict[str, Any], resume: Optional[Checkpoint]) -> KerasTrainingSpec:
         own: _Keras = fit.own
         assert own.output_shapes is not None
-        buffer = self.getShuffleBufferSize()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             data = model_bytes(fit.model)  # holds any resumed weights
@@ -171,13 +170,15 @@ class KerasEstimator(DistributedEstimator, KerasEstimatorParams):
             **common_fields, model=data, optimizer=keras.optimizers.serialize(own.optimizer), losses=own.losses,
             loss_weights=own.loss_weights, metrics=own.metrics, custom_objects=self.getCustomObjects(),
             output_shapes=own.output_shapes, dtype=fit.dtype,
-            shuffle_buffer_rows=_SHUFFLE_BUFFER_ROWS if buffer is None else buffer,
             optimizer_variables=resume.state.optimizer_variables if resume is not None else None,
             backward_passes_per_step=self.getBackwardPassesPerStep(), scale_lr=self.getScaleLr(),
-            callbacks=list(self.getCallbacks() or []))
+            callbacks=list(self.getCallbacks() or []), checkpoint_callback=self.getCheckpointCallback())
 
     def _rank_function(self) -> Callable[[Any], Any]:
         return train_on_rank
+
+    def _rank_env(self) -> Optional[Dict[str, str]]:
+        return {**RANK_ENVIRONMENT, **(self.getBackendEnv() or {})}
 
     def _load_result(self, fit: Fit, result: Dict[str, Any]) -> None:
         fit.model.set_weights(result["weights"])

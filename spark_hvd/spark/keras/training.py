@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -25,7 +26,7 @@ import numpy as np
 from spark_hvd.spark.keras import checks
 from spark_hvd.spark.keras.checkpoint import checkpoint_bytes, load_model_bytes
 from spark_hvd.spark.estimator.progress import ProgressReporter
-from spark_hvd.spark.estimator.training import TrainingSpec, rank_threads
+from spark_hvd.spark.estimator.training import RunFiles, TrainingSpec, rank_threads
 
 __all__ = ["KerasTrainingSpec", "train_on_rank", "scaled_optimizer"]
 
@@ -49,6 +50,8 @@ class KerasTrainingSpec(TrainingSpec):
     """The resumed optimizer's variables, in order, or None for a new run."""
     backward_passes_per_step: int = 1
     scale_lr: bool = True
+    checkpoint_callback: Any = None
+    """Horovod's ModelCheckpoint for rank 0 (``checkpoint_callback``), or None."""
 
 
 def scaled_optimizer(config: Dict[str, Any], factor: float, custom_objects: Optional[Dict[str, Any]] = None) -> Any:
@@ -112,8 +115,7 @@ class _Trainer:
     # -- data ------------------------------------------------------------------------------------
     def _keras_batch(self, batch: Dict[str, Any]) -> Tuple[Any, ...]:
         spec = self.spec
-        if spec.transformation_fn is not None:
-            batch = spec.transformation_fn(batch)
+        batch = spec.adapt_batch(batch)
         inputs = [np.asarray(batch[c]).reshape((len(batch[c]),) + tuple(s)).astype(spec.dtype, copy=False)
                   for c, s in zip(spec.feature_cols, spec.feature_shapes)]
         labels = checks.label_arrays(batch, spec.label_cols, spec.output_shapes, spec.dtype)
@@ -152,8 +154,10 @@ class _Trainer:
         self.reporter.start(epochs=spec.epochs, start_epoch=spec.start_epoch, steps=spec.train_steps,
                             val_steps=spec.val_steps if val_reader else 0, size=self.size,
                             batch_size=spec.batch_size)
+        files = RunFiles(spec.store, spec.run_path)
         callbacks = [self.hvd.callbacks.BroadcastGlobalVariablesCallback(0),
-                     self.hvd.callbacks.MetricAverageCallback(), _recorder(self), *spec.callbacks]
+                     self.hvd.callbacks.MetricAverageCallback(), _recorder(self),
+                     *_rank_callbacks(spec, self.rank, files)]
         try:
             self.model.fit(self._batches(train_reader), epochs=spec.epochs, initial_epoch=spec.start_epoch,
                            steps_per_epoch=spec.train_steps,
@@ -166,7 +170,50 @@ class _Trainer:
                 val_reader.close()
         if self.rank != 0:
             return None
-        return {"weights": self.model.get_weights(), "history": self.history}
+        weights = self._checkpointed_weights() or self.model.get_weights()
+        files.upload()
+        return {"weights": weights, "history": self.history}
+
+    def _checkpointed_weights(self) -> Optional[List[np.ndarray]]:
+        """As in Horovod, the fitted model is what ``checkpoint_callback`` saved last (with
+        ``save_best_only``, the best epoch's); None when it saved nothing or to a templated name."""
+        callback = self.spec.checkpoint_callback
+        path = getattr(callback, "filepath", None) if callback is not None else None
+        if not isinstance(path, str) or "{" in path or not os.path.exists(path):
+            return None
+        final = self.model.get_weights()
+        try:
+            self.model.load_weights(path)
+            return self.model.get_weights()
+        finally:
+            self.model.set_weights(final)
+
+
+_FILE_ATTRIBUTES = {"TensorBoard": "log_dir", "ModelCheckpoint": "filepath", "CSVLogger": "filename",
+                    "BackupAndRestore": "backup_dir"}
+"""Keras callbacks that write files, and the attribute that says where."""
+
+
+def _rank_callbacks(spec: KerasTrainingSpec, rank: int, files: RunFiles) -> List[Any]:
+    """The user's callbacks on this rank: those that write files only on rank 0, a relative path
+    under the run's directory of the store; the rest (EarlyStopping, ReduceLROnPlateau, ...) on
+    every rank, where they see the same averaged logs and so decide alike."""
+    chosen = []
+    checkpoint = spec.checkpoint_callback
+    if checkpoint is not None and not getattr(checkpoint, "filepath", None):
+        # Horovod's BestModelCheckpoint() names no file: the run's directory holds it.
+        checkpoint.filepath = "checkpoint.weights.h5" if checkpoint.save_weights_only else "checkpoint.keras"
+    for callback in list(spec.callbacks) + ([checkpoint] if checkpoint is not None else []):
+        attribute = next((a for cls, a in _FILE_ATTRIBUTES.items()
+                          if any(k.__name__ == cls for k in type(callback).__mro__)), None)
+        if attribute is None:
+            chosen.append(callback)
+        elif rank == 0:
+            value = getattr(callback, attribute, None)
+            if isinstance(value, str):
+                setattr(callback, attribute, files.path(value))
+            chosen.append(callback)
+    return chosen
 
 
 def _recorder(trainer: _Trainer) -> Any:

@@ -40,8 +40,8 @@ from spark_hvd.spark.launch.task import FAILURE_MARKER, RESULT_SCHEMA, TaskSpec,
 from spark_hvd.spark.session import SessionInfo, active_session, session_info
 from spark_hvd.spark.data.store import Store
 
-__all__ = ["run", "RankFailedError", "SlotsUnavailableError", "StageLostError", "check_slots", "wait_for_slots",
-           "executor_python", "check_executor_python"]
+__all__ = ["run", "RankFailedError", "check_controller", "check_nics", "TimestampedLines", "SlotsUnavailableError",
+           "StageLostError", "check_slots", "wait_for_slots", "executor_python", "check_executor_python"]
 
 _SLOT_WAIT_S = 10.0
 """How long a cluster (not local) master may take to register enough executors for the job."""
@@ -322,6 +322,53 @@ class _QuietTaskFailures:
             log4j.core.config.Configurator.setLevel(name, level)
 
 
+def check_controller(use_mpi: Optional[bool], use_gloo: Optional[bool], extra_mpi_args: Optional[str]) -> None:
+    """Horovod's controller arguments: on Spark the ranks always meet over spark-hvd's TCP ring."""
+    for name, value in (("use_mpi", use_mpi), ("use_gloo", use_gloo)):
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r} is not valid: expected True, False or None")
+    if use_mpi or extra_mpi_args:
+        given = "use_mpi=True" if use_mpi else f"extra_mpi_args={extra_mpi_args!r}"
+        raise ValueError(f"{given} is not supported on Spark: the ranks of a barrier stage meet over spark-hvd's own "
+                         "authenticated TCP ring and shared memory (what use_gloo=True chose in Horovod); fix: leave "
+                         "use_mpi and extra_mpi_args unset, or run an MPI job with spark-hvd-run --mpi")
+
+
+def check_nics(nics: Any) -> Optional[Tuple[str, ...]]:
+    """``nics`` (a name, or a list or set of names) as a tuple, or None."""
+    if nics is None:
+        return None
+    names = [nics] if isinstance(nics, str) else list(nics) if isinstance(nics, (list, tuple, set, frozenset)) else None
+    if not names or not all(isinstance(n, str) and n.strip() for n in names):
+        raise ValueError(f"nics={nics!r} is not valid: expected network interface names, e.g. nics=['eth0']")
+    return tuple(sorted(n.strip() for n in names)) if isinstance(nics, (set, frozenset)) else tuple(n.strip()
+                                                                                                    for n in names)
+
+
+class TimestampedLines:
+    """A text stream that starts every line written to it with the time it was written."""
+
+    def __init__(self, target: TextIO) -> None:
+        self._target = target
+        self._at_line_start = True
+
+    def write(self, text: str) -> int:
+        parts = []
+        for piece in text.splitlines(keepends=True):
+            if self._at_line_start:
+                parts.append(time.strftime("%a %b %d %H:%M:%S %Y") + ": ")
+            parts.append(piece)
+            self._at_line_start = piece.endswith("\n")
+        self._target.write("".join(parts))
+        return len(text)
+
+    def flush(self) -> None:
+        self._target.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
 # ----------------------------------------------------------------------------------------------
 # The public verb.
 
@@ -385,10 +432,17 @@ def run(
     kwargs: Optional[Mapping[str, Any]] = None,
     num_proc: Optional[int] = None,
     start_timeout: Optional[float] = None,
+    use_mpi: Optional[bool] = None,
+    use_gloo: Optional[bool] = None,
+    extra_mpi_args: Optional[str] = None,
     env: Optional[Mapping[str, str]] = None,
     stdout: Optional[TextIO] = None,
     stderr: Optional[TextIO] = None,
     verbose: int = 1,
+    nics: Optional[Sequence[str]] = None,
+    prefix_output_with_timestamp: bool = False,
+    executable: Optional[str] = None,
+    *,
     use_gpu: Optional[bool] = None,
     store: Optional[Store] = None,
     spark: Any = None,
@@ -414,6 +468,16 @@ def run(
         store: on Spark Connect, where the ranks' output travels to this client (the executors
             need not reach it); default a temporary local store on a local master. Classic
             sessions stream output over an authenticated socket and ignore it.
+        use_mpi, use_gloo, extra_mpi_args: Horovod's controller choice. The ranks of a Spark stage
+            always meet over spark-hvd's own TCP ring (what use_gloo=True chose in Horovod);
+            use_mpi=True or extra_mpi_args are refused with how to run MPI instead.
+        nics: network interfaces the ranks listen on and advertise (the first of them that a
+            host has), instead of the address Spark uses for the executor.
+        prefix_output_with_timestamp: start every output line with the time it reached the driver.
+        executable: the Python the rank processes run (default: the executor's own).
+
+    The positional order is Horovod's ``horovod.spark.run``; ``use_gpu``, ``store`` and ``spark``
+    are keywords of spark-hvd's.
 
     Raises:
         RankFailedError: a rank's ``fn`` raised or its process died; names the rank, the error
@@ -422,6 +486,10 @@ def run(
             whose Python cannot import spark_hvd.
         TypeError: ``fn`` is not callable, or ``args``/``kwargs`` are not a sequence/mapping.
     """
+    check_controller(use_mpi, use_gloo, extra_mpi_args)
+    interfaces = check_nics(nics)
+    if executable is not None and (not isinstance(executable, str) or not executable):
+        raise ValueError(f"executable={executable!r} is not valid: expected the path of a Python interpreter")
     session = spark if spark is not None else active_session("spark_hvd.spark.run()")
     info = session_info(session)
     num_proc = check_arguments(fn, args, kwargs, count=info.default_parallelism if num_proc is None else num_proc,
@@ -440,14 +508,16 @@ def run(
                          "values, or create unpicklable objects (sessions, sockets, locks) inside fn") from None
 
     secret = config.new_secret()
-    out = stdout if stdout is not None else sys.stdout
-    err = stderr if stderr is not None else sys.stderr
+    out: TextIO = stdout if stdout is not None else sys.stdout
+    err: TextIO = stderr if stderr is not None else sys.stderr
+    if prefix_output_with_timestamp:
+        out, err = TimestampedLines(out), TimestampedLines(err)
     collector, address, log_store, log_dir = _output_channel(session, info, store, secret, out, err, verbose)
     spec = TaskSpec(
         num_proc=num_proc, payload=payload, driver_sys_path=tuple(p for p in sys.path if isinstance(p, str)),
         secret=secret, collector_address=address,
         settings={"start_timeout": start_timeout}, env=dict(env or {}), use_gpu=use_gpu, verbose=verbose,
-        log_store=log_store, log_dir=log_dir,
+        log_store=log_store, log_dir=log_dir, interfaces=interfaces, executable=executable,
     )
 
     def task(batches: Any) -> Any:

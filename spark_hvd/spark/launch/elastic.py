@@ -213,6 +213,11 @@ def run_elastic(
     stdout: Optional[TextIO] = None,
     stderr: Optional[TextIO] = None,
     verbose: int = 1,
+    nics: Optional[Sequence[str]] = None,
+    prefix_output_with_timestamp: bool = False,
+    min_np: Optional[int] = None,
+    max_np: Optional[int] = None,
+    *,
     use_gpu: Optional[bool] = None,
     store: Optional[Store] = None,
     spark: Any = None,
@@ -236,7 +241,9 @@ def run_elastic(
         reset_limit: how many new worlds may be started after the first (default unlimited);
             one more raises RuntimeError.
         store: where commits are kept; default a temporary one on a local master.
-        start_timeout, env, stdout, stderr, verbose, use_gpu, spark: as for :func:`run`.
+        start_timeout, env, stdout, stderr, verbose, nics, prefix_output_with_timestamp, use_gpu, spark:
+            as for :func:`run`. The positional order is Horovod's ``horovod.spark.run_elastic``,
+            whose deprecated ``min_np`` and ``max_np`` mean ``min_num_proc`` and ``max_num_proc``.
 
     Raises:
         RankFailedError: a rank's code raised (not a lost process or executor).
@@ -249,6 +256,13 @@ def run_elastic(
         num_proc = info.default_parallelism
     if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
         raise ValueError(f"num_proc={num_proc!r} is invalid: expected a positive int (the ranks of the first world)")
+    for old_name, value, name, current in (("min_np", min_np, "min_num_proc", min_num_proc),
+                                           ("max_np", max_np, "max_num_proc", max_num_proc)):
+        if value is not None and current is not None and value != current:
+            raise ValueError(f"{old_name}={value!r} and {name}={current!r} disagree: {old_name} is Horovod's older "
+                             f"name for {name}; pass only {name}")
+    min_num_proc = min_num_proc if min_num_proc is not None else min_np
+    max_num_proc = max_num_proc if max_num_proc is not None else max_np
     low, high = _check_sizes(num_proc, min_num_proc, max_num_proc, reset_limit, elastic_timeout)
     store = _store_for(store, info.local)
     timeout_s = float(elastic_timeout or ELASTIC_TIMEOUT_S)
@@ -266,7 +280,8 @@ def run_elastic(
                 try:
                     outcomes = run(_elastic_rank, args=(stage, fn, tuple(args), dict(kwargs or {})), num_proc=size,
                                    start_timeout=start_timeout, env=env, stdout=stdout, stderr=stderr,
-                                   verbose=verbose, use_gpu=use_gpu, store=store, spark=session)
+                                   verbose=verbose, nics=nics, prefix_output_with_timestamp=prefix_output_with_timestamp,
+                                   use_gpu=use_gpu, store=store, spark=session)
                 except Exception as error:
                     if not is_recoverable(error):
                         raise

@@ -77,6 +77,11 @@ class TaskSpec:
     """The store whose ``log_dir`` carries output to a client the executors cannot reach."""
     log_dir: Optional[str] = None
     """Directory in ``log_store`` for this job's output chunks."""
+    interfaces: Optional[Tuple[str, ...]] = None
+    """Network interfaces to listen on and advertise (the first one a host has); None: the address
+    Spark uses for the executor."""
+    executable: Optional[str] = None
+    """The Python of the rank processes; None: the executor's own."""
 
 
 def result_name(rank: int) -> str:
@@ -235,7 +240,7 @@ def _run_rank(spec: TaskSpec, placement: Placement, env: Dict[str, str],
     processes = RankProcesses(sink=sink, tail_lines=_OUTPUT_TAIL_LINES)
     try:
         _write_call(workdir, spec)
-        processes.spawn(rank, [sys.executable, "-m", "spark_hvd.runner.worker", workdir], env)
+        processes.spawn(rank, [spec.executable or sys.executable, "-m", "spark_hvd.runner.worker", workdir], env)
         result_path = os.path.join(workdir, result_file(rank))
         returned_at: Optional[float] = None
         while True:
@@ -286,6 +291,18 @@ def _sender(spec: TaskSpec, rank: int) -> Any:
     return LogSender(spec.collector_address, spec.secret, rank, _SENDER_CONNECT_TIMEOUT_S)
 
 
+TASK_CPUS_VARIABLE = "SPARK_HVD_TASK_CPUS"
+"""The CPUs Spark gave the rank's task (``spark.task.cpus``): the rank's math libraries use that
+many threads (:func:`spark_hvd.spark.estimator.training.rank_threads`)."""
+
+
+def _task_cpus(context: Any) -> int:
+    try:
+        return max(1, int(context.cpus()))
+    except Exception:  # a Spark without TaskContext.cpus(): one, Spark's default
+        return 1
+
+
 def run_task(spec: TaskSpec, batches: Iterable[Any]) -> Iterator[Any]:
     """mapInArrow function of the barrier stage: yields one row ``(rank, sealed outcome, streamed)``."""
     import pyarrow as pa
@@ -295,6 +312,10 @@ def run_task(spec: TaskSpec, batches: Iterable[Any]) -> Iterator[Any]:
     context = BarrierTaskContext.get()
     partition = context.partitionId()
     host = _host_of(context.getTaskInfos()[partition].address)
+    if spec.interfaces:
+        from spark_hvd.runtime.net import interface_address
+
+        host = interface_address(spec.interfaces)
     server: Optional[RendezvousServer] = None
     sender: Any = None
     try:
@@ -312,6 +333,7 @@ def run_task(spec: TaskSpec, batches: Iterable[Any]) -> Iterator[Any]:
         if not sender.connected:
             sys.stderr.write(f"spark-hvd: rank {rank} output stays in this executor's log: {sender.problem}\n")
         extra = dict(spec.env)
+        extra.setdefault(TASK_CPUS_VARIABLE, str(_task_cpus(context)))
         gpus = _gpu_devices(context, spec.use_gpu, placement.local_rank)
         if gpus is not None:
             extra.setdefault("CUDA_VISIBLE_DEVICES", gpus)

@@ -14,4 +14,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from spark_hvd.spark.lightning.estimator import LightningEstimator
 from spark_hvd.spark.lightning.model import LightningModel
 
-__all__ = ["LightningEstimator", "LightningModel"]
+# Horovod's names in horovod.spark.lightning.
+TorchEstimator = LightningEstimator
+TorchModel = LightningModel
+
+__all__ = ["LightningEstimator", "LightningModel", "TorchEstimator", "TorchModel"]

@@ -128,7 +128,21 @@ class LightningEstimator(TorchModuleHooks, DistributedEstimator, LightningEstima
     def _spec(self, fit: Fit, common_fields: Dict[str, Any], resume: Optional[Checkpoint]) -> LightningTrainingSpec:
         own: _Lightning = fit.own
         return LightningTrainingSpec(**common_fields, model=fit.model, resume=resume is not None,
-                                     trainer_args=own.trainer_args, callbacks=own.callbacks)
+                                     trainer_args=self._trainer_args(own), callbacks=own.callbacks)
+
+    def _trainer_args(self, own: _Lightning) -> Dict[str, Any]:
+        """``trainer_args`` with what Horovod's Params set: accumulation, logger, logging interval, profiler."""
+        args = dict(own.trainer_args)
+        passes = self.getBackwardPassesPerStep()
+        if passes != 1:
+            if args.get("accumulate_grad_batches", passes) != passes:
+                raise ValueError(f"backward_passes_per_step={passes} and trainer_args accumulate_grad_batches="
+                                 f"{args['accumulate_grad_batches']} disagree: expected one of them")
+            args["accumulate_grad_batches"] = passes
+        for name in ("logger", "log_every_n_steps", "profiler"):
+            if self.isSet(name):
+                args.setdefault(name, self.getOrDefault(name))
+        return args
 
     def _rank_function(self) -> Callable[[Any], Any]:
         return fit_on_rank

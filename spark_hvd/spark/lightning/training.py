@@ -22,11 +22,11 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
-from pytorch_lightning.callbacks import Checkpoint
+from pytorch_lightning.callbacks import Checkpoint, ModelCheckpoint
 
 from spark_hvd.spark.torch.batches import feature_tensors, model_dtype, weight_tensor
 from spark_hvd.spark.estimator.progress import ProgressReporter
-from spark_hvd.spark.estimator.training import TrainingSpec, rank_threads
+from spark_hvd.spark.estimator.training import RunFiles, TrainingSpec, rank_threads
 
 __all__ = ["LightningTrainingSpec", "fit_on_rank", "CHECKPOINT_KEY", "history_entry"]
 
@@ -56,12 +56,13 @@ class LightningTrainingSpec(TrainingSpec):
 
 def module_batch(batch: Dict[str, np.ndarray], feature_cols: List[str], label_cols: List[str],
                  sample_weight_col: Optional[str], shapes: List[Tuple[int, ...]], dtype: torch.dtype,
-                 transformation_fn: Optional[Callable[..., Any]] = None) -> Dict[str, torch.Tensor]:
+                 adapt: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None) -> Dict[str, torch.Tensor]:
     """A reader batch as the LightningModule receives it: ``{column: tensor}`` with the features
     shaped ``(rows, *shape)`` in the module's dtype, the labels in their stored dtype and the
-    sample weights (if any) in the module's dtype. The driver's dry run uses it too."""
-    if transformation_fn is not None:
-        batch = transformation_fn(batch)
+    sample weights (if any) in the module's dtype, after ``adapt`` (the spec's ``adapt_batch``). The
+    driver's dry run uses it too."""
+    if adapt is not None:
+        batch = adapt(batch)
     cpu = torch.device("cpu")
     out: Dict[str, torch.Tensor] = dict(zip(feature_cols, feature_tensors(batch, feature_cols, shapes, dtype, cpu)))
     for col in label_cols:
@@ -231,6 +232,12 @@ def fit_on_rank(spec: LightningTrainingSpec) -> Optional[Dict[str, Any]]:
         kwargs.update(spec.trainer_args)
         # Given at construction, the epoch-end checkpoint keeps Lightning from adding its own ModelCheckpoint.
         epoch_end = _EpochEnd(spec, hvd, workdir)
+        files = RunFiles(spec.store, spec.run_path)
+        for callback in spec.callbacks:
+            # A ModelCheckpoint of the user's writes under the run's directory of the store (its
+            # default, the Trainer's root, is this rank's temporary directory).
+            if isinstance(callback, ModelCheckpoint):
+                callback.dirpath = files.path(callback.dirpath or "checkpoints")
         trainer = pl.Trainer(strategy=strategy, accelerator="gpu" if use_gpu else "cpu", devices=1, num_nodes=1,
                              max_epochs=spec.epochs, enable_checkpointing=True,
                              callbacks=list(spec.callbacks) + [epoch_end], **kwargs)
@@ -240,7 +247,7 @@ def fit_on_rank(spec: LightningTrainingSpec) -> Optional[Dict[str, Any]]:
 
             def convert(batch: Dict[str, np.ndarray]) -> Dict[str, torch.Tensor]:
                 return module_batch(batch, spec.feature_cols, spec.label_cols, spec.sample_weight_col,
-                                    spec.feature_shapes, dtype, spec.transformation_fn)
+                                    spec.feature_shapes, dtype, spec.adapt_batch)
 
             train_reader = spec.open_reader(rank, size)
             val_reader = spec.open_reader(rank, size, validation=True) if spec.val_url else None
@@ -259,6 +266,7 @@ def fit_on_rank(spec: LightningTrainingSpec) -> Optional[Dict[str, Any]]:
                     val_reader.close()
             if rank != 0:
                 return None
+            files.upload()
             state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
             return {"model": state, "history": epoch_end.history}
         finally:

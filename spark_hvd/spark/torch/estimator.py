@@ -12,7 +12,7 @@ import torch
 from spark_hvd.spark.estimator import checks as common
 from spark_hvd.spark.estimator.base import Checkpoint, DistributedEstimator, Fit
 from spark_hvd.spark.estimator.outputs import check_task, infer_task
-from spark_hvd.spark.estimator.params import EstimatorParams
+from spark_hvd.spark.torch.params import TorchEstimatorParams
 from spark_hvd.spark.torch import checks
 from spark_hvd.spark.torch.batches import LossFunction, metric_names, model_dtype
 from spark_hvd.spark.torch.fingerprint import run_fingerprint
@@ -55,7 +55,7 @@ class TorchModuleHooks:
         log_torch_model(mlflow, fitted.getModel(), [tuple(s) for s in fitted.getInputShapes() or []])
 
 
-class TorchEstimator(TorchModuleHooks, DistributedEstimator, EstimatorParams):
+class TorchEstimator(TorchModuleHooks, DistributedEstimator, TorchEstimatorParams):
     """Trains a torch model on a Spark DataFrame with data-parallel ranks on barrier tasks.
 
     Construct with keyword arguments (``TorchEstimator(model=..., optimizer=..., loss=...,
@@ -106,10 +106,26 @@ class TorchEstimator(TorchModuleHooks, DistributedEstimator, EstimatorParams):
         return _Torch(model, OptimizerSpec.of(optimizer, model), [], [], [])
 
     def _check_training(self, own: _Torch, feature_cols: List[str], label_cols: List[str]) -> None:
-        own.losses, own.loss_weights = checks.check_losses(self.getLoss(), self.getLossWeights(), label_cols)
+        own.losses, own.loss_weights = checks.check_losses(self._loss(), self.getLossWeights(), label_cols)
         own.metrics = checks.check_metrics(self.getMetrics())
         checks.check_compression(self.getGradientCompression())
         checks.check_feature_count(own.model, feature_cols)
+
+    def _loss(self) -> Any:
+        """``loss``, or what Horovod's ``loss_constructors`` make (each called once)."""
+        constructors = self.getLossConstructors()
+        if constructors is None:
+            return self.getLoss()
+        if self.getLoss() is not None:
+            raise ValueError("loss and loss_constructors are both set: expected one of them; fix: drop "
+                             "loss_constructors, or pass loss=None")
+        losses = []
+        for i, make in enumerate(constructors):
+            if not callable(make):
+                raise ValueError(f"loss_constructors[{i}]={make!r} is not callable: expected functions that return a "
+                                 "loss, e.g. loss_constructors=[torch.nn.BCEWithLogitsLoss]")
+            losses.append(make())
+        return losses[0] if len(losses) == 1 else losses
 
     def _infer_task(self, own: _Torch, label_cols: List[str]) -> str:
         return infer_task(self.getTask(), own.losses, label_cols)

@@ -185,8 +185,7 @@ class _Trainer:
 
     def _tensors(self, batch: Dict[str, Any]) -> Tuple[List[torch.Tensor], List[torch.Tensor], Optional[torch.Tensor]]:
         spec = self.spec
-        if spec.transformation_fn is not None:
-            batch = spec.transformation_fn(batch)
+        batch = spec.adapt_batch(batch)
         inputs = feature_tensors(batch, spec.feature_cols, spec.feature_shapes, self.dtype, self.device)
         labels = label_tensors(batch, spec.label_cols, self.device)
         weights = weight_tensor(batch, spec.sample_weight_col, self.dtype, self.device)

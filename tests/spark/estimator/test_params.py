@@ -9,8 +9,8 @@ import pytest
 import torch
 from pyspark.ml import Estimator, Model
 
-from spark_hvd.spark.estimator.params import (ESTIMATOR_PARAMS, MODEL_PARAMS, EstimatorParams, ModelParams, ParamSpec,
-                                    ToInt, params_mixin)
+from spark_hvd.spark.estimator.params import (ESTIMATOR_PARAMS, HOROVOD_ESTIMATOR_PARAMS, MODEL_PARAMS, EstimatorParams,
+                                              ModelParams, ParamSpec, ToInt, params_mixin)
 from spark_hvd.spark.data.store import LocalStore, Store
 
 
@@ -42,7 +42,8 @@ ISSUE_PARAMS = [
     "train_minibatch_fn", "use_gpu", "verbose", "reader", "scale_lr",
 ]
 OUR_PARAMS = ["invalid_rows", "overwrite_run", "task", "prediction_col", "probability_col", "raw_prediction_col",
-              "log_to_mlflow", "max_retries", "checkpoint_every_steps", "cleanup_intermediate"]
+              "log_to_mlflow", "max_retries", "checkpoint_every_steps", "sharding", "cleanup_intermediate"]
+HOROVOD_ONLY = [s.name for s in HOROVOD_ESTIMATOR_PARAMS]
 
 
 def test_estimator_table_declares_the_issue_params():
@@ -53,7 +54,8 @@ def test_estimator_table_declares_the_issue_params():
         assert callable(getattr(est, "get" + spec.camel)) and callable(getattr(est, "set" + spec.camel))
         assert est.hasParam(spec.name)
         assert spec.doc in est.explainParam(spec.name)
-    assert {p.name for p in est.params} == set(ISSUE_PARAMS + OUR_PARAMS)
+    assert {p.name for p in est.params} == set(ISSUE_PARAMS + OUR_PARAMS + HOROVOD_ONLY)
+    assert "shuffle_buffer_size" in HOROVOD_ONLY and "backend" in HOROVOD_ONLY
 
 
 def test_no_param_name_means_two_things():
@@ -181,7 +183,8 @@ def test_non_json_params_lists_values_that_need_pickling():
     """non_json_params() returns exactly the defined non-JSON Params."""
     est = _configured()
     assert set(est.non_json_params()) == {"model", "optimizer", "loss", "store", "metrics", "callbacks",
-                                          "gradient_compression", "transformation_fn", "train_minibatch_fn"}
+                                          "gradient_compression", "transformation_fn", "train_minibatch_fn",
+                                          "backend", "transformation_edit_fields", "data_module"}
     assert est.non_json_params()["store"] == est.getStore()
 
 

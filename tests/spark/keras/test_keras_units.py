@@ -20,7 +20,7 @@ from spark_hvd.spark.keras.environment import RANK_ENVIRONMENT
 from spark_hvd.spark.keras.fingerprint import run_fingerprint
 from spark_hvd.spark.keras.training import KerasTrainingSpec, train_on_rank
 from spark_hvd.spark.estimator.outputs import standard_columns
-from spark_hvd.spark.estimator.params import ESTIMATOR_PARAMS
+from spark_hvd.spark.estimator.params import ESTIMATOR_PARAMS, HOROVOD_ESTIMATOR_PARAMS
 from spark_hvd.spark.data.store import Store
 
 
@@ -33,9 +33,10 @@ def dense(units=1, inputs=3, hidden=0):
 
 
 def test_estimator_has_the_shared_params_and_the_keras_ones():
-    """Every estimator Param plus custom_objects and shuffle_buffer_size, keyword-only, and it pickles."""
+    """Every estimator Param (Horovod's included) plus the Keras ones, keyword-only, and it pickles."""
     names = [s.name for s in KerasEstimator.param_specs()]
-    assert names == [s.name for s in ESTIMATOR_PARAMS] + ["custom_objects", "shuffle_buffer_size"]
+    assert names == ([s.name for s in ESTIMATOR_PARAMS + HOROVOD_ESTIMATOR_PARAMS]
+                     + ["custom_objects", "checkpoint_callback", "backend_env"])
     est = KerasEstimator(batch_size=4, shuffle_buffer_size=0, custom_objects={"f": len}, model=dense())
     assert (est.getBatchSize(), est.getShuffleBufferSize(), est.getCustomObjects()) == (4, 0, {"f": len})
     with pytest.raises(ValueError, match=r"unknown parameter 'shuffle_buffer'; did you mean 'shuffle_buffer_size'"):

@@ -21,7 +21,7 @@ SESSION_KINDS = ("classic", "connect")
 CONTRACT = (
     "SPARK_HVD_RANK", "SPARK_HVD_SIZE", "SPARK_HVD_LOCAL_RANK", "SPARK_HVD_LOCAL_SIZE",
     "SPARK_HVD_CROSS_RANK", "SPARK_HVD_CROSS_SIZE", "SPARK_HVD_RENDEZVOUS_ADDR", "SPARK_HVD_SECRET",
-    "SPARK_HVD_HOSTNAME", "SPARK_HVD_START_TIMEOUT", "HOROVOD_RANK", "EXTRA_FOR_TEST",
+    "SPARK_HVD_HOSTNAME", "SPARK_HVD_START_TIMEOUT", "HOROVOD_RANK", "EXTRA_FOR_TEST", "SPARK_HVD_TASK_CPUS",
 )
 
 
@@ -121,8 +121,10 @@ def test_run_without_a_session_says_how_to_create_one(monkeypatch):
 def _report_contract(tag: str) -> Dict[str, Any]:
     from spark_hvd.runtime import config
 
+    from spark_hvd.spark.estimator.training import rank_threads
+
     env = config.environ_snapshot()
-    return {"tag": tag, "pid": os.getpid(), **{key: env.get(key) for key in CONTRACT}}
+    return {"tag": tag, "pid": os.getpid(), "threads": rank_threads(1), **{key: env.get(key) for key in CONTRACT}}
 
 
 def test_results_come_back_in_rank_order_with_the_worker_contract(spark):
@@ -140,6 +142,9 @@ def test_results_come_back_in_rank_order_with_the_worker_contract(spark):
         assert seen["SPARK_HVD_START_TIMEOUT"] == "42"
         assert seen["EXTRA_FOR_TEST"] == "yes"
         assert len(seen["SPARK_HVD_SECRET"]) == 64
+        # The task's CPUs (spark.task.cpus, 1 here): the rank's math threads, even where it would
+        # be alone on its host.
+        assert (seen["SPARK_HVD_TASK_CPUS"], seen["threads"]) == ("1", 1)
     # One rendezvous server and one secret for the whole job; a fresh process per rank.
     assert results[0]["SPARK_HVD_RENDEZVOUS_ADDR"] == results[1]["SPARK_HVD_RENDEZVOUS_ADDR"]
     assert results[0]["SPARK_HVD_RENDEZVOUS_ADDR"].startswith("127.0.0.1:")
