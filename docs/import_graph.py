@@ -32,15 +32,16 @@ SEPARATE = (("spark_hvd.torch", "spark_hvd.tensorflow"), ("spark_hvd.keras", "sp
 """Packages of one layer that must not import each other."""
 
 SPARK_PARTS: Tuple[Tuple[str, int, str], ...] = (
-    ("spark_hvd.spark.session", 0, "what spark-hvd knows of a SparkSession; the local session"),
-    ("spark_hvd.spark.data", 0, "stores, the columns' storage, the data's identity, preparation, readers"),
-    ("spark_hvd.spark.launch", 1, "barrier stages, elastic stages, retries, the tasks' output streams"),
-    ("spark_hvd.spark.estimator", 2, "the estimator kit every framework shares"),
-    ("spark_hvd.spark.torch", 3, "TorchEstimator and TorchModel: the torch hooks"),
-    ("spark_hvd.spark.keras", 3, "KerasEstimator and KerasModel: the Keras hooks"),
-    ("spark_hvd.spark.lightning", 4, "LightningEstimator and LightningModel: the Lightning hooks (on torch's)"),
-    ("spark_hvd.spark.common", 5, "Horovod's horovod.spark.common paths: the same stores and backends"),
-    ("spark_hvd.spark", 5, "the public names of spark_hvd.spark"),
+    ("spark_hvd.spark.exports", 0, "a package's public names, imported when first used (PEP 562)"),
+    ("spark_hvd.spark.session", 1, "what spark-hvd knows of a SparkSession; the local session"),
+    ("spark_hvd.spark.data", 1, "stores, the columns' storage, the data's identity, preparation, readers"),
+    ("spark_hvd.spark.launch", 2, "barrier stages, elastic stages, retries, the tasks' output streams"),
+    ("spark_hvd.spark.estimator", 3, "the estimator kit every framework shares"),
+    ("spark_hvd.spark.torch", 4, "TorchEstimator and TorchModel: the torch hooks"),
+    ("spark_hvd.spark.keras", 4, "KerasEstimator and KerasModel: the Keras hooks"),
+    ("spark_hvd.spark.lightning", 5, "LightningEstimator and LightningModel: the Lightning hooks (on torch's)"),
+    ("spark_hvd.spark.common", 6, "Horovod's horovod.spark.common paths: the same stores and backends"),
+    ("spark_hvd.spark", 6, "the public names of spark_hvd.spark"),
 )
 """The parts of the Spark layer, in the same order rule."""
 

@@ -86,6 +86,9 @@ SETTINGS: Tuple[Setting, ...] = (
             "Address this rank listens on and advertises to its peers.", ("HOROVOD_HOSTNAME",)),
     Setting("host_key", "SPARK_HVD_HOST_KEY", str, None,
             "Identifies the physical host; ranks with equal keys use shared memory (default: hostname)."),
+    Setting("iface", "SPARK_HVD_IFACE", str, None,
+            "Network interface(s), comma-separated, whose IPv4 address the rank listens on and advertises (the "
+            "first one its host has) instead of SPARK_HVD_HOSTNAME.", ("HOROVOD_GLOO_IFACE",)),
     Setting("controller", "SPARK_HVD_CONTROLLER", _parse_controller, "auto",
             "Backend of negotiation and data: mpi (through mpi4py), ring (the built-in rings), or auto (mpi "
             "when started by mpiexec/mpirun, else ring).", ("HOROVOD_CONTROLLER", "HOROVOD_CPU_OPERATIONS")),
@@ -150,6 +153,10 @@ SETTINGS: Tuple[Setting, ...] = (
             "Move data between ranks of one host through shared memory instead of sockets."),
     Setting("bind_cpus", "SPARK_HVD_BIND_CPUS", _parse_bool, False,
             "Pin each rank to its own share of the host's CPUs at init() (when there are enough)."),
+    Setting("task_cpus", "SPARK_HVD_TASK_CPUS", int, None,
+            "CPUs the rank's Spark task was given (spark.task.cpus): the threads of its math libraries."),
+    Setting("profile_steps", "SPARK_HVD_PROFILE_STEPS", _parse_bool, False,
+            "Estimator ranks time each phase of their training steps and add it to every epoch's history."),
     Setting("chunk_bytes", "SPARK_HVD_CHUNK_BYTES", int, 512 * 1024,
             "Pipelining unit for large buffers: bytes per shared-memory slot or socket chunk."),
     Setting("nccl_library", "SPARK_HVD_NCCL_LIBRARY", str, None,
@@ -203,6 +210,7 @@ class RuntimeConfig:
     secret: Optional[str] = _default("secret")
     hostname: str = _default("hostname")
     host_key: Optional[str] = _default("host_key")
+    iface: Optional[str] = _default("iface")
     controller: str = _default("controller")
     mpi_rank: Optional[int] = _default("mpi_rank")
     elastic: bool = _default("elastic")
@@ -226,6 +234,8 @@ class RuntimeConfig:
     peer_timeout: float = _default("peer_timeout")
     shm: bool = _default("shm")
     bind_cpus: bool = _default("bind_cpus")
+    task_cpus: Optional[int] = _default("task_cpus")
+    profile_steps: bool = _default("profile_steps")
     chunk_bytes: int = _default("chunk_bytes")
     nccl_library: Optional[str] = _default("nccl_library")
     log_level: str = _default("log_level")
@@ -246,6 +256,7 @@ class RuntimeConfig:
             ("peer_timeout", self.peer_timeout > 0, "seconds > 0"),
             ("chunk_bytes", self.chunk_bytes >= 4096 and self.chunk_bytes % 64 == 0,
              "a multiple of 64 of at least 4096"),
+            ("task_cpus", self.task_cpus is None or self.task_cpus >= 1, "a count >= 1"),
         )
         for name, ok, expected in checks:
             if not ok:

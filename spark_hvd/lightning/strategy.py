@@ -28,6 +28,7 @@ from spark_hvd.lightning.gradients import GradientAverager
 from spark_hvd.lightning.layer_sync import SparkHvdSyncBatchNorm
 from spark_hvd.lightning.metrics import MetricSync
 from spark_hvd.torch.compression import Compressor
+from spark_hvd.torch.buckets import DEFAULT_BUCKET_CAP_MB
 
 __all__ = ["SparkHvdStrategy"]
 
@@ -115,8 +116,9 @@ class SparkHvdStrategy(ParallelStrategy):
 
     ``Trainer(strategy=SparkHvdStrategy(), accelerator="cpu" or "gpu", devices=1)`` in a script
     started by ``spark-hvd-run -np N`` (or in a function run by ``spark_hvd.spark.run``) trains on
-    N processes: the model starts from rank 0's parameters, each gradient's average over the ranks
-    starts as soon as backward has produced it and is complete before ``on_after_backward``,
+    N processes: the model starts from rank 0's parameters, the gradients' averages over the ranks
+    start bucket by bucket as soon as backward has produced a bucket's gradients (one flat
+    reduction per bucket, as DDP's ``bucket_cap_mb``) and are complete before ``on_after_backward``,
     gradient clipping and the optimizer step; every dataloader gets a ``DistributedSampler`` for
     this rank; ``self.log(..., sync_dist=True)``, ``barrier``, ``broadcast``, ``all_gather`` and
     ``reduce`` run through spark-hvd, and so do the states of the module's torchmetrics ``Metric``
@@ -131,20 +133,27 @@ class SparkHvdStrategy(ParallelStrategy):
         precision_plugin: Lightning precision plugin; normally chosen by ``Trainer(precision=...)``.
         compression: ``hvd.Compression.none`` (default) or ``hvd.Compression.fp16``: gradients
             travel as float16.
+        bucket_cap_mb: MiB of gradients reduced together (DDP's default, 25); 0 reduces each
+            gradient on its own.
     """
 
     strategy_name = "spark_hvd"
 
     def __init__(self, accelerator: Any = None, checkpoint_io: Optional[CheckpointIO] = None,
-                 precision_plugin: Optional[Precision] = None, compression: Compressor = hvd.Compression.none) -> None:
+                 precision_plugin: Optional[Precision] = None, compression: Compressor = hvd.Compression.none,
+                 bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> None:
         if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
             raise ValueError(
                 f"compression={compression!r} is not a compressor: expected hvd.Compression.none or "
                 "hvd.Compression.fp16 (import spark_hvd.torch as hvd)"
             )
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb < 0:
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} is not valid: expected MiB >= 0 (0: one reduction "
+                             f"per gradient), e.g. {DEFAULT_BUCKET_CAP_MB}")
         super().__init__(accelerator=accelerator, parallel_devices=None, cluster_environment=SparkHvdEnvironment(),
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self._compression = compression
+        self._bucket_cap_mb = float(bucket_cap_mb)
         self._averager: Optional[GradientAverager] = None
         self._applied_layer_sync: Optional[Any] = None
         self._sampler_seed: Optional[int] = None
@@ -225,7 +234,8 @@ class SparkHvdStrategy(ParallelStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             self._remove_averager()
-            self._averager = GradientAverager(self.model, compression=self._compression)
+            self._averager = GradientAverager(self.model, compression=self._compression,
+                                              bucket_cap_mb=self._bucket_cap_mb)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)

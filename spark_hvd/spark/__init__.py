@@ -3,33 +3,34 @@
 The package is in parts: ``launch`` (barrier stages, elastic stages, retries, task output),
 ``data`` (stores, preparation, readers), ``estimator`` (the kit every estimator shares), and one
 subpackage of hooks per framework (``torch``, ``keras``, ``lightning``)."""
-from spark_hvd.spark.data import (BatchReader, ColumnInfo, DBFSLocalStore, FsspecStore, HDFSStore, LocalStore,
-                                  PreparedData, Store, VolumeStore, make_reader, prepare_data)
-from spark_hvd.spark.estimator import EstimatorParams, ModelParams, ParamSpec, params_mixin
-from spark_hvd.spark.launch import Backend, HorovodRunner, RankFailedError, SparkBackend, run, run_elastic
-from spark_hvd.spark.session import local_session
 
-__all__ = [
-    "run",
-    "run_elastic",
-    "RankFailedError",
-    "HorovodRunner",
-    "Backend",
-    "SparkBackend",
-    "local_session",
-    "Store",
-    "LocalStore",
-    "FsspecStore",
-    "HDFSStore",
-    "DBFSLocalStore",
-    "VolumeStore",
-    "prepare_data",
-    "PreparedData",
-    "ColumnInfo",
-    "make_reader",
-    "BatchReader",
-    "ParamSpec",
-    "params_mixin",
-    "EstimatorParams",
-    "ModelParams",
-]
+from spark_hvd.spark.exports import lazy_exports
+
+_EXPORTS = {
+    "run": "spark_hvd.spark.launch",
+    "run_elastic": "spark_hvd.spark.launch",
+    "RankFailedError": "spark_hvd.spark.launch",
+    "HorovodRunner": "spark_hvd.spark.launch",
+    "Backend": "spark_hvd.spark.launch",
+    "SparkBackend": "spark_hvd.spark.launch",
+    "local_session": "spark_hvd.spark.session",
+    "Store": "spark_hvd.spark.data.store",
+    "LocalStore": "spark_hvd.spark.data.store",
+    "FsspecStore": "spark_hvd.spark.data.store",
+    "HDFSStore": "spark_hvd.spark.data.store",
+    "DBFSLocalStore": "spark_hvd.spark.data.store",
+    "VolumeStore": "spark_hvd.spark.data.store",
+    "prepare_data": "spark_hvd.spark.data.prepare",
+    "PreparedData": "spark_hvd.spark.data.prepare",
+    "ColumnInfo": "spark_hvd.spark.data.prepare",
+    "make_reader": "spark_hvd.spark.data.reader",
+    "BatchReader": "spark_hvd.spark.data.reader",
+    "ParamSpec": "spark_hvd.spark.estimator.params",
+    "params_mixin": "spark_hvd.spark.estimator.params",
+    "EstimatorParams": "spark_hvd.spark.estimator.params",
+    "ModelParams": "spark_hvd.spark.estimator.params",
+}
+"""Each public name and the module that defines it (imported on first use)."""
+
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

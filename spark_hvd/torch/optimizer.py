@@ -19,6 +19,7 @@ import torch._utils
 
 import spark_hvd.runtime as _rt
 from spark_hvd.torch.basics import Adasum, Average, Max, global_process_set
+from spark_hvd.torch.buckets import DEFAULT_BUCKET_CAP_MB, FlatBuffer, bucket_params, copy_all
 from spark_hvd.torch.compression import Compression, Compressor
 from spark_hvd.torch.handles import Handle, enqueue
 from spark_hvd.torch.mpi_ops import sparse_allreduce_async
@@ -36,11 +37,6 @@ _ZERO_GRAD_RACE = (
 )
 
 log = logging.getLogger("spark_hvd.torch")
-
-DEFAULT_BUCKET_CAP_MB = 25.0
-"""Bucket size (MiB) when none is given: torch DDP's. Measured on CPU ranks (see the README), it
-trains a small tabular model, a CNN and a model with 162 parameter tensors faster than one request
-per gradient, and a model of large layers as fast."""
 
 BUCKET_CANDIDATES: Tuple[float, ...] = (0.0, 1.0, 4.0, 25.0)
 """Bucket sizes (MiB; 0: one request per gradient) autotune tries when no bucket size was given."""
@@ -114,10 +110,6 @@ class _Group(tuple):
 _ELEMENTWISE = (Compression.none, Compression.fp16)
 
 
-_NUMPY_DTYPES = frozenset({torch.float32, torch.float64, torch.float16})
-"""Dtypes whose CPU tensors the runtime takes as numpy arrays as they are (bfloat16 needs staging)."""
-
-
 class _Flat:
     """A group reduced as one flat buffer, as DDP's buckets: the buffer sent (reduced in place),
     its compression context, the gradients it was made of (whose shapes the result is split
@@ -135,25 +127,6 @@ class _Flat:
         """Whether ``grads`` are the parameters' own ``.grad`` tensors (none was densified)."""
 
 
-class _FlatBuffer:
-    """The buffer a part of a bucket is copied into every step, kept from step to step (allocating
-    it, and splitting the result into views, cost more than the copies): the buffer, its views in
-    the gradients' shapes, and, for a CPU buffer the runtime reduces in place, its numpy array."""
-
-    __slots__ = ("members", "flat", "views", "array")
-
-    def __init__(self, members: Tuple[int, ...], grads: List[torch.Tensor]) -> None:
-        self.members = members
-        self.flat = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
-        self.views = list(torch._utils._unflatten_dense_tensors(self.flat, grads))
-        self.array = self.flat.numpy() if self.flat.device.type == "cpu" and self.flat.dtype in _NUMPY_DTYPES \
-            else None
-
-    def fill(self, grads: List[torch.Tensor]) -> torch.Tensor:
-        _copy_all(self.views, grads)
-        return self.flat
-
-
 class _Parts:
     """A group reduced in several requests (gradients of several dtypes, or sparse ones): each
     part's key (a parameter or a tuple of them) and pending reduction. Stands in for the handle."""
@@ -162,15 +135,6 @@ class _Parts:
 
     def __init__(self, parts: List[Tuple[Any, Any]]) -> None:
         self.parts = parts
-
-
-def _copy_all(targets: List[torch.Tensor], sources: List[torch.Tensor]) -> None:
-    foreach = getattr(torch, "_foreach_copy_", None)
-    if foreach is not None:
-        foreach(targets, sources)
-        return
-    for target, source in zip(targets, sources):
-        target.copy_(source)
 
 
 def _bucket_tuner() -> Optional[_BucketTuner]:
@@ -182,27 +146,6 @@ def _bucket_tuner() -> Optional[_BucketTuner]:
         return None
     steps = config.autotune_steps_per_sample
     return _BucketTuner(config.autotune_warmup_samples * steps, steps)
-
-
-def _buckets(trainable: List[torch.Tensor], cap_mb: float) -> List[Tuple[torch.Tensor, ...]]:
-    """Buckets of at most ``cap_mb`` MiB of gradients each (a larger tensor gets one of its own),
-    filled in reverse registration order: backward produces the last layers' gradients first, so
-    the first bucket is complete, and its reduction starts, while backward still runs. The order
-    depends only on the model, so every rank forms the same buckets."""
-    cap = cap_mb * (1 << 20)
-    out: List[Tuple[torch.Tensor, ...]] = []
-    current: List[torch.Tensor] = []
-    filled = 0
-    for p in reversed(trainable):
-        nbytes = p.numel() * p.element_size()
-        if current and filled + nbytes > cap:
-            out.append(tuple(current))
-            current, filled = [], 0
-        current.append(p)
-        filled += nbytes
-    if current:
-        out.append(tuple(current))
-    return out
 
 
 class _BucketTuner:
@@ -238,13 +181,15 @@ class _DistributedOptimizer:
         trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         names = {p: name for name, p in named}
         self._parameter_names: Dict[torch.Tensor, str] = {p: names[p] for p in trainable}
-        self._allreduce_delay: Dict[torch.Tensor, int] = {p: backward_passes_per_step for p in trainable}
+        # Per-parameter state is keyed by id(p): hashing a tensor calls Python code, and every
+        # gradient hook looks its parameter up several times a step.
+        self._allreduce_delay: Dict[int, int] = {id(p): backward_passes_per_step for p in trainable}
         self._handles: Dict[Any, _Pending] = {}
         self._synchronized = False
         self._should_synchronize = True
-        self._group_of: Dict[torch.Tensor, Tuple[torch.Tensor, ...]] = {}
+        self._group_of: Dict[int, Tuple[torch.Tensor, ...]] = {}
         self._group_ready: Dict[Tuple[torch.Tensor, ...], int] = {}
-        self._flat_buffers: Dict[Tuple[_Group, int], _FlatBuffer] = {}
+        self._flat_buffers: Dict[Tuple[_Group, int], FlatBuffer] = {}
         self._uniform: Set[_Group] = set()  # groups whose parameters share one dtype and device
         self._ungrouped: List[torch.Tensor] = list(trainable)  # parameters reduced one by one
         self._communicating: Optional[bool] = None  # _communicate, as asked by this step's first hook
@@ -256,7 +201,7 @@ class _DistributedOptimizer:
             if bucket_cap_mb is None:
                 self._bucket_tuner = _bucket_tuner()
             cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
-            groups = _buckets(trainable, cap) if cap > 0 else None
+            groups = bucket_params(trainable, cap) if cap > 0 else None
         self._set_groups(groups, trainable)
         # Hooks always: an elastic world of one may grow, and reductions start in the first
         # backward after that.
@@ -268,7 +213,7 @@ class _DistributedOptimizer:
         slowest rank's seconds per step under it; the fastest is kept once all are tried."""
         return list(self._bucket_tuner.trials) if self._bucket_tuner is not None else []
 
-    def _use_buckets(self, cap_mb: float) -> None:
+    def _usebucket_params(self, cap_mb: float) -> None:
         """Regroup the gradients (between steps, when nothing is pending)."""
         self._group_of.clear()
         self._group_ready.clear()
@@ -276,9 +221,9 @@ class _DistributedOptimizer:
         self._uniform.clear()
         self._ungrouped = list(self._trainable)
         if cap_mb > 0:
-            self._set_groups(_buckets(self._trainable, cap_mb), self._trainable)
+            self._set_groups(bucket_params(self._trainable, cap_mb), self._trainable)
 
-    def _tune_buckets(self) -> None:
+    def _tunebucket_params(self) -> None:
         tuner = self._bucket_tuner
         if tuner is None or tuner.done or not self._communicate:
             return
@@ -300,14 +245,14 @@ class _DistributedOptimizer:
     def _next_bucket_trial(self, tuner: _BucketTuner) -> None:
         if tuner.plan:
             tuner.current = tuner.plan.pop(0)
-            self._use_buckets(tuner.current)
+            self._usebucket_params(tuner.current)
             tuner.in_sample = 0
             tuner.mark = time.perf_counter()
             return
         best = min(tuner.trials, key=lambda trial: trial[1])
         tuner.current = best[0]
         tuner.done = True
-        self._use_buckets(best[0])
+        self._usebucket_params(best[0])
         log.info("spark-hvd autotune: keeping bucket_cap_mb=%s (%.3g ms per step; tried %s)", best[0],
                  best[1] * 1e3, ", ".join(f"{c}: {s * 1e3:.3g} ms" for c, s in tuner.trials))
 
@@ -343,27 +288,27 @@ class _DistributedOptimizer:
                         f"groups[{i}] holds tensors at positions {stray} that are not trainable parameters of "
                         "this optimizer; groups must list the optimizer's parameters (requires_grad=True)"
                     )
-                taken = [j for j, p in enumerate(group) if p in self._group_of]
+                taken = [j for j, p in enumerate(group) if id(p) in self._group_of]
                 if taken:
                     raise ValueError(f"groups[{i}] repeats parameters already in an earlier group (positions {taken})")
                 for p in group:
-                    self._group_of[p] = group
+                    self._group_of[id(p)] = group
                 chosen.append(group)
         for group in map(_Group, chosen):
             for p in group:
-                self._group_of[p] = group
+                self._group_of[id(p)] = group
             self._group_ready[group] = 0
             if len(group) > 1 and len({(p.dtype, p.device) for p in group}) == 1:
                 self._uniform.add(group)
-        self._ungrouped = [p for p in trainable if p not in self._group_of]
+        self._ungrouped = [p for p in trainable if id(p) not in self._group_of]
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change how many backward passes accumulate locally before gradients are reduced."""
         if passes < 1:
             raise ValueError(f"backward_passes_per_step={passes} is invalid: expected at least 1")
         self.backward_passes_per_step = passes
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = passes
+        for key in self._allreduce_delay:
+            self._allreduce_delay[key] = passes
 
     def _register_hooks(self, trainable: List[torch.Tensor]) -> None:
         owner = weakref.ref(self)
@@ -459,7 +404,7 @@ class _DistributedOptimizer:
         buffer = self._flat_buffers.get(key)
         if buffer is None or buffer.members != members or buffer.flat.dtype != grads[0].dtype \
                 or buffer.flat.device != grads[0].device:
-            buffer = self._flat_buffers[key] = _FlatBuffer(members, grads)
+            buffer = self._flat_buffers[key] = FlatBuffer(members, grads)
         sent, ctx = self._compression.compress(buffer.fill(grads))
         pre, post = self._scales()
         name = self._parameter_names[group[members[0]]] + ".flat"
@@ -480,14 +425,17 @@ class _DistributedOptimizer:
             communicate = self._communicating = self._communicate
         if not communicate:
             return
-        if self._allreduce_delay[p] <= 0:
+        key = id(p)
+        delay = self._allreduce_delay[key]
+        if delay <= 0:
             raise AssertionError(_TOO_MANY_PASSES)
-        self._allreduce_delay[p] -= 1
-        if self._allreduce_delay[p] > 0:
+        self._allreduce_delay[key] = delay - 1
+        if delay > 1:
             self._handles[p] = (None, None)
             return
-        self._handles.pop(p, None)
-        group = self._group_of.get(p)
+        if self._handles:
+            self._handles.pop(p, None)  # the placeholder of the passes before
+        group = self._group_of.get(key)
         if group is None:
             self._handles[p] = self._start(p)
             return
@@ -515,7 +463,7 @@ class _DistributedOptimizer:
         if isinstance(ctx, _Flat):
             if ctx.direct and ctx.views is not None:
                 with torch.no_grad():
-                    _copy_all(ctx.grads, ctx.views)
+                    copy_all(ctx.grads, ctx.views)
                 return
             if ctx.views is not None:
                 pieces = ctx.views
@@ -530,7 +478,7 @@ class _DistributedOptimizer:
                     targets.append(p.grad)
                     sources.append(piece)
             with torch.no_grad():
-                _copy_all(targets, sources)
+                copy_all(targets, sources)
         elif isinstance(key, tuple):
             for p, reduced, (sent, cctx) in zip(key, result, ctx):
                 self._unpack(p, reduced, sent, cctx)
@@ -560,8 +508,8 @@ class _DistributedOptimizer:
         for key, pending in self._handles.items():
             self._finish(key, pending)
         self._handles.clear()
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = self.backward_passes_per_step
+        for key in self._allreduce_delay:
+            self._allreduce_delay[key] = self.backward_passes_per_step
         for group in self._group_ready:
             self._group_ready[group] = 0
         self._synchronized = True
@@ -589,7 +537,7 @@ class _DistributedOptimizer:
         self._synchronized = False
         result = super().step(closure)  # type: ignore[misc]
         if self._bucket_tuner is not None and not self._bucket_tuner.done:
-            self._tune_buckets()
+            self._tunebucket_params()
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -604,8 +552,8 @@ class _DistributedOptimizer:
         self._communicating = None
         self._synchronized = False
         self._should_synchronize = True
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = self.backward_passes_per_step
+        for key in self._allreduce_delay:
+            self._allreduce_delay[key] = self.backward_passes_per_step
         super().load_state_dict(state_dict)  # type: ignore[misc]
 
 

@@ -58,3 +58,24 @@ def test_step_breakdown_refuses_bad_arguments():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_breakdown.py"), "--steps", "0"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--steps 0 must be at least 1" in proc.stderr
+
+
+def test_estimator_scale_benchmark_quick_run_prints_every_floor(tmp_path):
+    """A tiny TorchEstimator run prints the step profile of both ranks, the bare loops, the Parquet
+    write, the pyarrow read and the transform floor, and writes every ratio to its JSON."""
+    out = tmp_path / "scale.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "estimator_scale.py"), "--quick", "--frameworks", "torch",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for fragment in ("Spark's parquet write", "bare loops", "| rank | wait |", "pyarrow reads", "constant pandas UDF",
+                     "| target |"):
+        assert fragment in proc.stdout, fragment
+    record = json.loads(out.read_text())
+    fit = record["results"][0]["fits"][0]
+    assert fit["framework"] == "torch" and len(fit["profile"]) == 2
+    assert all(rank["step"] > 0 and rank["peak_rss_mib"] > 0 for rank in fit["profile"])
+    assert fit["bare"]["rows_per_s"] > 0 and record["results"][0]["transform"]["floor_rows_per_s"] > 0
+    assert set(record["ratios"]) >= {"torch training vs bare loops, batch 1024", "transform vs the constant pandas UDF"}

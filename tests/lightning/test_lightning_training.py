@@ -196,10 +196,18 @@ class Probed(pl.LightningModule):
 
     def _during_backward(self):
         pending = self.trainer.strategy._averager._pending
-        self.seen["last_started"] = self.last.weight in pending
-        self.seen["first_started"] = self.first.weight in pending
-        if self.seen["last_started"]:
-            self.seen["last_completed"] = self.hvd.synchronize(pending[self.last.weight].handle) is not None
+
+        def started(p):
+            # Reductions are keyed by bucket (its .params), or by the id of a parameter reduced alone.
+            return next((v for k, v in pending.items()
+                         if any(q is p for q in getattr(k, "params", ())) or k == id(p)), None)
+
+        last, first = started(self.last.weight), started(self.first.weight)
+        self.seen["last_started"] = last is not None
+        self.seen["first_started"] = first is not None
+        if last is not None:
+            last.handle.wait()
+            self.seen["last_completed"] = True
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -210,14 +218,39 @@ class Probed(pl.LightningModule):
 
 
 def check_allreduce_overlaps_backward(hvd, rank, size):
-    """While backward still runs (before the first layer's gradient exists) the last layer's
-    gradient reduction has been started and completes: communication overlaps backward."""
+    """While backward still runs (before the first layer's gradient exists) the bucket of the last
+    layer's gradients has been started and completes: communication overlaps backward. The
+    buckets are sized to hold the last layer (108 bytes) alone."""
     if size == 1:
         return  # a world of one does not communicate; nothing to overlap
     x, y = _rows(size * BATCH)
     module = Probed(hvd)
-    trainer(max_steps=1).fit(module, _loader(x, y))
+    trainer(max_steps=1, strategy=SparkHvdStrategy(bucket_cap_mb=110 / 2 ** 20)).fit(module, _loader(x, y))
     assert module.seen == {"last_started": True, "first_started": False, "last_completed": True}, module.seen
+
+
+def check_gradients_travel_in_one_bucket(hvd, rank, size):
+    """With the default buckets a small model's gradients are one flat reduction, and the
+    averaged gradients are those of per-parameter reductions (bucket_cap_mb=0)."""
+    if size == 1:
+        return
+    x, y = _rows(size * BATCH)
+    grads = {}
+    for cap in (25.0, 0.0):
+        torch.manual_seed(0)
+        module = Probed(hvd)
+        t = trainer(max_steps=1, strategy=SparkHvdStrategy(bucket_cap_mb=cap))
+
+        class Grab(pl.Callback):
+            def on_after_backward(self, trainer, pl_module):
+                grads[cap] = [p.grad.clone() for p in pl_module.parameters()]
+                grads[f"buckets {cap}"] = [len(b.params) for b in trainer.strategy._averager._buckets]
+
+        t.callbacks.append(Grab())
+        t.fit(module, _loader(x, y))
+    assert grads["buckets 25.0"] == [4] and grads["buckets 0.0"] == []
+    for a, b in zip(grads[25.0], grads[0.0]):
+        torch.testing.assert_close(a, b)
 
 
 class Recorder(pl.LightningModule):
@@ -435,6 +468,12 @@ def check_argument_errors(hvd, rank, size):
         assert "compression='fp16'" in str(exc) and "Compression.fp16" in str(exc), str(exc)
     else:
         raise AssertionError("compression='fp16' did not raise ValueError")
+    try:
+        SparkHvdStrategy(bucket_cap_mb=-1)
+    except ValueError as exc:
+        assert "bucket_cap_mb=-1" in str(exc) and "MiB >= 0" in str(exc), str(exc)
+    else:
+        raise AssertionError("bucket_cap_mb=-1 did not raise ValueError")
     x, y = _rows(size * BATCH)
     try:
         trainer(max_steps=1).fit(DirectBackward(seed=0), _loader(x, y))
@@ -445,7 +484,8 @@ def check_argument_errors(hvd, rank, size):
 
 
 ALL = [check_matches_single_process_training, check_gradient_accumulation, check_manual_optimization,
-       check_fp16_compression, check_allreduce_overlaps_backward, check_distributed_sampler, check_logged_metrics,
+       check_fp16_compression, check_allreduce_overlaps_backward, check_gradients_travel_in_one_bucket,
+       check_distributed_sampler, check_logged_metrics,
        check_torchmetrics_sync, check_checkpoints_written_by_rank_zero, check_sync_batchnorm, check_argument_errors]
 
 

@@ -1,9 +1,22 @@
 """The data part of the Spark layer: where prepared data lives (stores), how a DataFrame becomes
 Parquet for training (columns, identity, preparation), and how ranks read it back (readers)."""
 
-from spark_hvd.spark.data.prepare import ColumnInfo, PreparedData, prepare_data
-from spark_hvd.spark.data.reader import BatchReader, make_reader
-from spark_hvd.spark.data.store import DBFSLocalStore, FsspecStore, HDFSStore, LocalStore, Store, VolumeStore
+from spark_hvd.spark.exports import lazy_exports
 
-__all__ = ["Store", "LocalStore", "FsspecStore", "HDFSStore", "DBFSLocalStore", "VolumeStore", "prepare_data", "PreparedData",
-           "ColumnInfo", "make_reader", "BatchReader"]
+_EXPORTS = {
+    "Store": "spark_hvd.spark.data.store",
+    "LocalStore": "spark_hvd.spark.data.store",
+    "FsspecStore": "spark_hvd.spark.data.store",
+    "HDFSStore": "spark_hvd.spark.data.store",
+    "DBFSLocalStore": "spark_hvd.spark.data.store",
+    "VolumeStore": "spark_hvd.spark.data.store",
+    "prepare_data": "spark_hvd.spark.data.prepare",
+    "PreparedData": "spark_hvd.spark.data.prepare",
+    "ColumnInfo": "spark_hvd.spark.data.prepare",
+    "make_reader": "spark_hvd.spark.data.reader",
+    "BatchReader": "spark_hvd.spark.data.reader",
+}
+"""Each public name and the module that defines it (imported on first use)."""
+
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -130,10 +130,88 @@ def _num_files(estimate: Optional[int], fraction: float, num_proc: int, target_f
     return num_proc * min(max(per_proc, 1), _MAX_FILES_PER_PROC)
 
 
-def _write(frame: Any, num_files: int, url: str, row_group_bytes: int) -> None:
-    (frame.repartition(num_files).write.mode("overwrite")
+def _partitions(frame: Any) -> Optional[int]:
+    """Partitions of ``frame`` as Spark would compute it (planning only, no job); None where the
+    session cannot say (Spark Connect)."""
+    try:
+        return int(frame._jdf.queryExecution().toRdd().getNumPartitions())
+    except Exception:  # no JVM handle on Connect: the caller shuffles to be sure
+        return None
+
+
+def _laid_out(frame: Any, num_files: int, num_proc: int, exact: bool) -> Any:
+    """``frame`` arranged to be written as about ``num_files`` files, at least one per rank.
+
+    Its own partitions are kept when there are enough of them and not far too many: writing them
+    as they are costs no shuffle (Spark's write of the frame is the floor). Fewer than ``num_proc``
+    (or an unknown number) are spread by a shuffle; far too many are merged without one. ``exact``
+    (``files_per_proc`` given) always shuffles into exactly ``num_files``."""
+    parts = None if exact else _partitions(frame)
+    if parts is None or parts < num_proc:
+        return frame.repartition(num_files)
+    if parts > 4 * num_files:
+        return frame.coalesce(num_files)
+    return frame
+
+
+def _observed(frame: Any, planned: List[StoredColumn], name: str) -> Tuple[Any, Any]:
+    """``frame`` with an Observation of what the check of the data needs, gathered while it is
+    written (no second pass): rows, nulls, rows with a NaN, infinite or null element, and the
+    least and greatest array length per array column."""
+    from pyspark.sql import Observation
+    from pyspark.sql import functions as F
+
+    metrics = [F.count(F.lit(1)).alias("rows")]
+
+    def count(condition: Any, alias: str) -> None:
+        metrics.append(F.sum(F.when(condition, 1).otherwise(0)).alias(alias))
+
+    fields = {f.name: f.dataType for f in frame.schema.fields}
+    for i, c in enumerate(planned):
+        col = F.col(quote(c.name))
+        count(col.isNull(), f"n{i}")
+        if c.kind != "scalar":
+            metrics += [F.min(F.size(col)).alias(f"lo{i}"), F.max(F.size(col)).alias(f"hi{i}")]
+            bad = F.lit(False)
+            if is_float(c):
+                # NaN sorts above every number, so a row's greatest element shows a NaN, and its
+                # greatest and least the infinities: no per-element function for the usual case.
+                top, bottom = F.array_max(col), F.array_min(col)
+                bad = F.isnan(top) | (F.abs(top) == F.lit(float("inf"))) | (bottom == F.lit(float("-inf")))
+            if getattr(fields.get(c.name), "containsNull", False):
+                bad = bad | F.exists(col, lambda x: x.isNull())
+            count(bad, f"b{i}")
+        elif is_float(c):
+            count(F.isnan(col) | (F.abs(col) == F.lit(float("inf"))), f"b{i}")
+    observation = Observation(f"spark_hvd_{name}")
+    return frame.observe(observation, *metrics), observation
+
+
+def _write(frame: Any, planned: List[StoredColumn], num_files: int, num_proc: int, exact: bool, url: str,
+           row_group_bytes: int, name: str) -> Dict[str, Any]:
+    """Write ``frame`` as Parquet at ``url`` in one pass; returns what :func:`_observed` gathered."""
+    observed, observation = _observed(_laid_out(frame, num_files, num_proc, exact), planned, name)
+    (observed.write.mode("overwrite")
      .option("parquet.block.size", str(row_group_bytes))
      .parquet(url))
+    return dict(observation.get)
+
+
+def _lengths(observed: List[Dict[str, Any]], planned: List[StoredColumn]) -> Optional[Dict[str, int]]:
+    """The array length of each array column from the writes' observations, or None when a value
+    needs a closer look (nulls, NaN, infinities or lengths that differ: :func:`_check_written`)."""
+    lengths: Dict[str, int] = {}
+    for i, c in enumerate(planned):
+        if any(o.get(f"n{i}") or o.get(f"b{i}") for o in observed):
+            return None
+        if c.kind == "scalar":
+            continue
+        lows = [o[f"lo{i}"] for o in observed if o.get(f"lo{i}") is not None]
+        highs = [o[f"hi{i}"] for o in observed if o.get(f"hi{i}") is not None]
+        if lows and min(lows) != max(highs):
+            return None
+        lengths[c.name] = int(max(highs)) if highs else 0
+    return lengths
 
 def _check_written(spark: Any, urls: List[str], planned: List[StoredColumn]) -> Dict[str, int]:
     """One Spark job over the written Parquet: nulls, NaN and infinities, and one length per array column.
@@ -229,10 +307,6 @@ def prepare_data(df: Any, store: Store, feature_cols: Sequence[str], label_cols:
         if all(store.exists(p) for p in (cached.train_path, cached.val_path) if p is not None):
             return cached
 
-    if df.isEmpty():
-        raise ValueError("the DataFrame has no rows: expected at least one row to train on; check the "
-                         "filters that produced it")
-
     exprs = to_arrays(df, planned, vector_dtype)
     train_path = store.get_train_data_path(key)
     val_path = store.get_val_data_path(key) if validation is not None else None
@@ -258,15 +332,24 @@ def prepare_data(df: Any, store: Store, feature_cols: Sequence[str], label_cols:
 
     spark = df.sparkSession
     urls = [store.spark_url(train_path)]
-    _write(train_df, _num_files(estimate, fractions[0], num_proc, target_file_bytes, files_per_proc),
-           urls[0], row_group_bytes)
-    if val_df is not None and val_path is not None:
-        urls.append(store.spark_url(val_path))
-        _write(val_df, _num_files(estimate, fractions[1], num_proc, target_file_bytes, files_per_proc),
-               urls[1], row_group_bytes)
-    written = [p for p in (train_path, val_path) if p is not None]
+    exact = files_per_proc is not None
+    written = [train_path]
     try:
-        lengths = _check_written(spark, urls, planned)
+        observed = [_write(train_df, planned, _num_files(estimate, fractions[0], num_proc, target_file_bytes,
+                                                         files_per_proc), num_proc, exact, urls[0], row_group_bytes,
+                           "train")]
+        if val_df is not None and val_path is not None:
+            urls.append(store.spark_url(val_path))
+            written.append(val_path)
+            observed.append(_write(val_df, planned, _num_files(estimate, fractions[1], num_proc, target_file_bytes,
+                                                               files_per_proc), num_proc, exact, urls[1],
+                                   row_group_bytes, "val"))
+        if not any(o.get("rows") for o in observed):
+            raise ValueError("the DataFrame has no rows: expected at least one row to train on; check the "
+                             "filters that produced it")
+        lengths = _lengths(observed, planned)
+        if lengths is None:  # something to report: name it with its counts
+            lengths = _check_written(spark, urls, planned)
         train = scan_parquet(store.url(train_path), store.storage_options)
         val = scan_parquet(store.url(val_path), store.storage_options) if val_path else None
         if train.num_rows == 0:

@@ -4,6 +4,15 @@ the fitted-model base with batched Arrow inference, outputs, persistence, progre
 
 A framework (``spark_hvd.spark.torch``, ``.keras``, ``.lightning``) supplies only hooks."""
 
-from spark_hvd.spark.estimator.params import EstimatorParams, ModelParams, ParamSpec, params_mixin
+from spark_hvd.spark.exports import lazy_exports
 
-__all__ = ["EstimatorParams", "ModelParams", "ParamSpec", "params_mixin"]
+_EXPORTS = {
+    "EstimatorParams": "spark_hvd.spark.estimator.params",
+    "ModelParams": "spark_hvd.spark.estimator.params",
+    "ParamSpec": "spark_hvd.spark.estimator.params",
+    "params_mixin": "spark_hvd.spark.estimator.params",
+}
+"""Each public name and the module that defines it (imported on first use)."""
+
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -217,7 +217,8 @@ class FittedModel(Model, ModelParams, MLReadable, MLWritable):
         if frame.empty:
             raise ValueError("the model has no history to plot: expected a model returned by fit(); "
                              "history_frame() shows what there is")
-        names = metrics or [c for c in frame.columns if not c.startswith("val_") and c not in ("rows_per_s", "seconds")]
+        names = metrics or [c for c in frame.columns if not c.startswith("val_")
+                            and c not in ("rows_per_s", "seconds", "profile")]
         if ax is None:
             # Constrained layout keeps the axis labels inside the figure, also in savefig.
             _, ax = plt.subplots(figsize=(6, 3.5), layout="constrained")

@@ -166,6 +166,8 @@ def rank_threads(local_size: int) -> int:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
+    from spark_hvd.runtime import config
+
     shared = max(1, cpus // max(1, local_size))
-    given = os.environ.get("SPARK_HVD_TASK_CPUS", "")
-    return min(shared, int(given)) if given.isdigit() and int(given) > 0 else shared
+    given = config.read_setting("task_cpus")
+    return min(shared, given) if given is not None and given > 0 else shared

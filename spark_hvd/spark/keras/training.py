@@ -26,6 +26,7 @@ import numpy as np
 from spark_hvd.spark.keras import checks
 from spark_hvd.spark.keras.checkpoint import checkpoint_bytes, load_model_bytes
 from spark_hvd.spark.estimator.progress import ProgressReporter
+from spark_hvd.spark.estimator.step_profile import KERAS_PHASES, step_profile
 from spark_hvd.spark.estimator.training import RunFiles, TrainingSpec, rank_threads
 
 __all__ = ["KerasTrainingSpec", "train_on_rank", "scaled_optimizer"]
@@ -100,6 +101,7 @@ class _Trainer:
         if spec.optimizer_variables is not None:
             self._restore_optimizer(spec.optimizer_variables)
         self.reporter = ProgressReporter(self.rank == 0, spec.progress, spec.progress_interval_s)
+        self.profile = step_profile(KERAS_PHASES)
         self.history: List[Dict[str, Any]] = list(spec.history)
 
     def _restore_optimizer(self, values: List[np.ndarray]) -> None:
@@ -125,11 +127,41 @@ class _Trainer:
             return x, y
         return x, y, np.asarray(batch[spec.sample_weight_col]).reshape(-1).astype(spec.dtype, copy=False)
 
-    def _batches(self, reader: Any) -> Iterator[Tuple[Any, ...]]:
-        # One stream over every remaining epoch: Keras takes steps_per_epoch batches per epoch.
+    def _blocks(self, reader: Any) -> Iterator[List[np.ndarray]]:
+        """The reader's blocks of batches, each batch as Keras takes it and the block's batches
+        stacked: one flat list of ``(batches, batch_size, ...)`` arrays per block. One stream over
+        every remaining epoch: Keras takes steps_per_epoch batches per epoch."""
+        import tensorflow as tf
+
         for epoch in range(self.spec.start_epoch, self.spec.epochs):
-            for batch in reader.iter_epoch(epoch):
-                yield self._keras_batch(batch)
+            for block in reader.iter_epoch_blocks(epoch):
+                flat = [tf.nest.flatten(self._keras_batch(batch)) for batch in block]
+                yield [np.stack(parts) for parts in zip(*flat)]
+
+    def _dataset(self, reader: Any) -> Any:
+        """A tf.data pipeline of the rank's batches: Python hands over whole blocks, tf.data cuts
+        them into batches, so a step costs no call into Python (a generator of single batches
+        made each step wait for one)."""
+        import itertools
+
+        import tensorflow as tf
+
+        blocks = self._blocks(reader)
+        first = next(blocks)
+        structure = self._keras_batch_structure()
+        signature = tuple(tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype)) for a in first)
+        stream = itertools.chain([first], blocks)
+        dataset = tf.data.Dataset.from_generator(lambda: (tuple(b) for b in stream), output_signature=signature)
+        dataset = dataset.flat_map(lambda *parts: tf.data.Dataset.from_tensor_slices(parts))
+        return dataset.map(lambda *parts: tf.nest.pack_sequence_as(structure, list(parts))).prefetch(1)
+
+    def _keras_batch_structure(self) -> Any:
+        """The nesting of what :meth:`_keras_batch` returns ((x, y) or (x, y, weights), x and y a
+        tuple when there are several), with placeholders."""
+        spec = self.spec
+        x: Any = 0 if len(spec.feature_cols) == 1 else tuple(0 for _ in spec.feature_cols)
+        y: Any = 0 if len(spec.label_cols) == 1 else tuple(0 for _ in spec.label_cols)
+        return (x, y) if spec.sample_weight_col is None else (x, y, 0)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def checkpoint(self, completed: int) -> None:
@@ -159,9 +191,9 @@ class _Trainer:
                      self.hvd.callbacks.MetricAverageCallback(), _recorder(self),
                      *_rank_callbacks(spec, self.rank, files)]
         try:
-            self.model.fit(self._batches(train_reader), epochs=spec.epochs, initial_epoch=spec.start_epoch,
+            self.model.fit(self._dataset(train_reader), epochs=spec.epochs, initial_epoch=spec.start_epoch,
                            steps_per_epoch=spec.train_steps,
-                           validation_data=self._batches(val_reader) if val_reader is not None else None,
+                           validation_data=self._dataset(val_reader) if val_reader is not None else None,
                            validation_steps=spec.val_steps if val_reader is not None else None,
                            callbacks=callbacks, shuffle=False, verbose=0)  # the reader shuffles
         finally:
@@ -231,11 +263,18 @@ def _recorder(trainer: _Trainer) -> Any:
             self.epoch = epoch
             self.started = time.monotonic()
             self.trained = 0.0
+            trainer.profile.start()
+
+        def on_train_batch_begin(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+            trainer.profile.mark("input")
 
         def on_train_batch_end(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+            trainer.profile.mark("train_step")
             loss = float(np.asarray((logs or {}).get("loss", float("nan"))))
             spec = trainer.spec
             trainer.reporter.step(self.epoch, batch + 1, loss, force=batch + 1 == spec.train_steps)
+            trainer.profile.mark("bookkeeping")
+            trainer.profile.step_done()
 
         def on_test_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
             if not self.trained:
@@ -250,6 +289,10 @@ def _recorder(trainer: _Trainer) -> Any:
             rows = spec.train_steps * spec.batch_size * trainer.size
             values["rows_per_s"] = rows / trained if trained > 0 else math.inf
             values["seconds"] = seconds
+            if trainer.profile.enabled:
+                mine = trainer.profile.summary()
+                values["profile"] = [mine] if trainer.size == 1 else list(
+                    trainer.hvd.allgather_object(mine, name=f"spark_hvd.keras.profile.{epoch}"))
             trainer.history.append({"epoch": epoch + 1, **values})
             if trainer.rank == 0:
                 trainer.checkpoint(epoch + 1)

@@ -11,11 +11,15 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         'pip install "spark-hvd[lightning]"'
     ) from exc
 
-from spark_hvd.spark.lightning.estimator import LightningEstimator
-from spark_hvd.spark.lightning.model import LightningModel
+from spark_hvd.spark.exports import lazy_exports
 
-# Horovod's names in horovod.spark.lightning.
-TorchEstimator = LightningEstimator
-TorchModel = LightningModel
+_EXPORTS = {
+    "LightningEstimator": "spark_hvd.spark.lightning.estimator",
+    "LightningModel": "spark_hvd.spark.lightning.model",
+    "TorchEstimator": "spark_hvd.spark.lightning.estimator:LightningEstimator",
+    "TorchModel": "spark_hvd.spark.lightning.model:LightningModel",
+}
+"""Each public name and the module that defines it (imported on first use)."""
 
-__all__ = ["LightningEstimator", "LightningModel", "TorchEstimator", "TorchModel"]
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

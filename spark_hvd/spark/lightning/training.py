@@ -26,6 +26,7 @@ from pytorch_lightning.callbacks import Checkpoint, ModelCheckpoint
 
 from spark_hvd.spark.torch.batches import feature_tensors, model_dtype, weight_tensor
 from spark_hvd.spark.estimator.progress import ProgressReporter
+from spark_hvd.spark.estimator.step_profile import LIGHTNING_PHASES, step_profile
 from spark_hvd.spark.estimator.training import RunFiles, TrainingSpec, rank_threads
 
 __all__ = ["LightningTrainingSpec", "fit_on_rank", "CHECKPOINT_KEY", "history_entry"]
@@ -137,6 +138,7 @@ class _EpochEnd(Checkpoint):
         self._started = 0.0
         self._loss_sum = 0.0
         self._steps = 0
+        self.profile = step_profile(LIGHTNING_PHASES)
 
     @property
     def state_key(self) -> str:
@@ -156,8 +158,24 @@ class _EpochEnd(Checkpoint):
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._started = time.monotonic()
         self._loss_sum, self._steps = 0.0, 0
+        self.profile.start()
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.profile.mark("input")
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        self.profile.mark("forward")
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        self.profile.mark("backward")
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.profile.mark("optimizer")
+        self._record_batch(trainer, outputs, batch_idx)
+        self.profile.mark("bookkeeping")
+        self.profile.step_done()
+
+    def _record_batch(self, trainer: Any, outputs: Any, batch_idx: int) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         value = _number(loss)
         if value is not None:
@@ -177,6 +195,10 @@ class _EpochEnd(Checkpoint):
         rows = self.spec.train_steps * self.spec.batch_size * self.size
         logs["rows_per_s"] = rows / seconds if seconds > 0 else math.inf
         logs["seconds"] = seconds
+        if self.profile.enabled:
+            mine = self.profile.summary()
+            logs["profile"] = [mine] if self.size == 1 else list(
+                self.hvd.allgather_object(mine, name=f"spark_hvd.lightning.profile.{len(self.history)}"))
         self.history.append({"epoch": epoch + 1, **logs})
         self._checkpoint(trainer)
         self.reporter.epoch(epoch, logs)

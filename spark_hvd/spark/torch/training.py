@@ -25,6 +25,7 @@ from spark_hvd.spark.torch.batches import (LossFunction, feature_tensors, label_
                                            model_dtype, transform_outputs, weight_tensor)
 from spark_hvd.spark.torch.callbacks import TrainingState, call_hook
 from spark_hvd.spark.estimator.progress import ProgressReporter
+from spark_hvd.spark.estimator.step_profile import TORCH_PHASES, step_profile
 from spark_hvd.spark.estimator.training import TrainingSpec, rank_threads
 
 __all__ = ["OptimizerSpec", "TorchTrainingSpec", "train_on_rank", "CHECKPOINT_FORMAT", "checkpoint_bytes",
@@ -180,12 +181,14 @@ class _Trainer:
         self.optimizer = hvd.DistributedOptimizer(optimizer, **kwargs)
         self.loss_fn = LossFunction(spec.losses, spec.loss_weights)
         self.reporter = ProgressReporter(self.rank == 0, spec.progress, spec.progress_interval_s)
+        self.profile = step_profile(TORCH_PHASES)
         self.state = TrainingState(model=self.model, optimizer=self.optimizer, rank=self.rank, size=self.size,
                                    epoch=spec.start_epoch, epochs=spec.epochs, history=list(spec.history))
 
     def _tensors(self, batch: Dict[str, Any]) -> Tuple[List[torch.Tensor], List[torch.Tensor], Optional[torch.Tensor]]:
         spec = self.spec
         batch = spec.adapt_batch(batch)
+        self.profile.mark("assemble")
         inputs = feature_tensors(batch, spec.feature_cols, spec.feature_shapes, self.dtype, self.device)
         labels = label_tensors(batch, spec.label_cols, self.device)
         weights = weight_tensor(batch, spec.sample_weight_col, self.dtype, self.device)
@@ -199,16 +202,27 @@ class _Trainer:
             outputs, loss = spec.train_minibatch_fn(self.model, self.optimizer, transform_outputs, self.loss_fn,
                                                     inputs, labels, weights)
             outs, labs = transform_outputs(outputs, labels)
+            self.profile.mark("optimizer")  # the user's whole step
             return outs, labs, loss
         passes = spec.backward_passes_per_step
+        profile = self.profile
         if step % passes == 0:
             self.optimizer.zero_grad()
         outs, labs = transform_outputs(self.model(*inputs), labels)
         loss = self.loss_fn(outs, labs, weights)
+        profile.mark("forward")
         # Scaled so that k accumulated passes give the gradient of one k-times-larger batch.
         (loss / passes if passes > 1 else loss).backward()
+        profile.mark("backward")
         if (step + 1) % passes == 0:
-            self.optimizer.step()
+            if profile.enabled:
+                self.optimizer.synchronize()
+                profile.mark("allreduce")
+                with self.optimizer.skip_synchronize():
+                    self.optimizer.step()
+            else:
+                self.optimizer.step()
+        profile.mark("optimizer")
         return outs, labs, loss
 
     # -- epochs ----------------------------------------------------------------------------------
@@ -222,10 +236,14 @@ class _Trainer:
         loss_sum = torch.tensor(float(partial.get("loss", 0.0)), dtype=torch.float64, device=self.device)
         metric_sums: Dict[str, Any] = {name: float(partial.get(name, 0.0)) for name in spec.metric_names}
         steps = int(partial.get("steps", 0))
+        profile = self.profile
+        profile.start()
         for step, batch in enumerate(reader.iter_epoch(epoch)):
             if step < start_batch:
                 continue  # trained before the checkpoint this run resumed from; the order is seeded
+            profile.mark("wait")
             inputs, labels, weights = self._tensors(batch)
+            profile.mark("to_tensor")
             outs, labs, loss = self._train_step(step, inputs, labels, weights)
             batch_loss = loss.detach()
             loss_sum += batch_loss
@@ -242,6 +260,8 @@ class _Trainer:
             if self._mid_epoch_checkpoint_due(step, reader.steps_per_epoch):
                 sums = {"loss": float(loss_sum), **{k: float(v) for k, v in metric_sums.items()}, "steps": float(steps)}
                 self._checkpoint(epoch, batch=step + 1, partial=self._average(sums, f"{epoch}.{step}"))
+            profile.mark("bookkeeping")
+            profile.step_done()
         steps = max(steps, 1)
         logs = {"loss": float(loss_sum) / steps}
         logs.update({name: float(total) / steps for name, total in metric_sums.items()})
@@ -315,11 +335,12 @@ class _Trainer:
                 if val_reader is not None:
                     logs.update(self._validate(epoch, val_reader))
                 logs = self._average(logs, epoch)
+                profiles = self._gathered_profiles(epoch)
                 done = spec.train_steps - (spec.start_batch if resumed else 0)
                 rows = done * spec.batch_size * self.size
                 logs["rows_per_s"] = rows / train_seconds if train_seconds > 0 else math.inf
                 logs["seconds"] = time.monotonic() - started
-                entry = {"epoch": epoch + 1, **logs}
+                entry = {"epoch": epoch + 1, **logs, **({"profile": profiles} if profiles else {})}
                 self.state.history.append(entry)
                 self._checkpoint(epoch + 1)
                 self.reporter.epoch(epoch, logs)
@@ -334,6 +355,15 @@ class _Trainer:
         if self.rank != 0:
             return None
         return {"model": _to_cpu(self.model.state_dict()), "history": self.state.history}
+
+    def _gathered_profiles(self, epoch: int) -> Optional[List[Dict[str, float]]]:
+        """Every rank's step profile of the epoch, in rank order; None when profiling is off."""
+        if not self.profile.enabled:
+            return None
+        mine = self.profile.summary()
+        if self.size == 1:
+            return [mine]
+        return list(self.hvd.allgather_object(mine, name=f"spark_hvd.fit.profile.{epoch}"))
 
     def _stop_requested(self, epoch: int) -> bool:
         # One rank's callback may ask to stop; all ranks must agree, or the next epoch's

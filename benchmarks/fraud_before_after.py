@@ -1,0 +1,99 @@
+"""The fraud demo's training speed before and after a change, measured in one invocation.
+
+    python benchmarks/fraud_before_after.py [--before REV] [--runs 2] [--epochs 3] [--json PATH]
+
+Checks out ``--before`` (a git revision of this repository) into a temporary worktree and runs
+``examples/fraud_detection.py`` from it and from this checkout in turn, ``--runs`` times each,
+alternating, with the same interpreter and packages: only the project's code differs (the older
+tree's modules come first on ``PYTHONPATH``, for the driver, Spark's Python workers and the
+ranks alike). Each run's epoch lines (``epoch 2/3: ..., 52,000 rows/s``) give its training rows
+per second; the first epoch, which includes the ranks' warm-up, is left out. Prints the medians
+and their ratio (after over before).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_JSON = ROOT / "benchmarks" / "results" / "fraud_before_after.json"
+DEFAULT_BEFORE = "c6d1634"
+"""The revision whose fraud demo the estimator-at-scale work set out to double."""
+_EPOCH = re.compile(r"epoch (\d+)/(\d+): .*?([\d,]+) rows/s")
+
+
+def epoch_rates(output: str) -> List[float]:
+    """Training rows/s of each epoch after the first, from a run's output."""
+    rates = []
+    for match in _EPOCH.finditer(output):
+        if int(match.group(1)) > 1:
+            rates.append(float(match.group(3).replace(",", "")))
+    return rates
+
+
+def run_demo(tree: Path, epochs: int) -> List[float]:
+    env = dict(os.environ)
+    if tree != ROOT:
+        env["PYTHONPATH"] = os.pathsep.join([str(tree)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    done = subprocess.run([sys.executable, str(tree / "examples" / "fraud_detection.py"), "--epochs", str(epochs)],
+                          cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"the demo of {tree} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    rates = epoch_rates(done.stdout + done.stderr)
+    if not rates:
+        raise RuntimeError(f"the demo of {tree} printed no epoch lines after the first:\n{done.stdout[-3000:]}")
+    return rates
+
+
+def checkout(revision: str, folder: Path) -> Path:
+    """``revision`` in a worktree at ``folder``, importable as spark_hvd (its runtime/ too)."""
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(folder), revision], check=True,
+                   capture_output=True)
+    # The installed package maps spark_hvd.runtime to this checkout's runtime/; inside the older
+    # tree's package directory the path finder meets the older runtime first.
+    link = folder / "spark_hvd" / "runtime"
+    if not link.exists():
+        link.symlink_to(folder / "runtime", target_is_directory=True)
+    return folder
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", default=DEFAULT_BEFORE, help="git revision to compare against")
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="spark-hvd-before-") as scratch:
+        before = checkout(args.before, Path(scratch) / "tree")
+        try:
+            rates: Dict[str, List[float]] = {"before": [], "after": []}
+            for run in range(args.runs):
+                for label, tree in (("before", before), ("after", ROOT)):
+                    got = run_demo(tree, args.epochs)
+                    rates[label].extend(got)
+                    print(f"run {run + 1}, {label}: " + ", ".join(f"{r:,.0f}" for r in got) + " rows/s", flush=True)
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(before)], capture_output=True)
+    medians = {label: statistics.median(values) for label, values in rates.items()}
+    ratio = medians["after"] / medians["before"]
+    print(f"\n| fraud demo training (epochs 2..{args.epochs}, median) | rows/s |\n|---|---|")
+    print(f"| before ({args.before}) | {medians['before']:,.0f} |\n| after (this checkout) | {medians['after']:,.0f} |")
+    print(f"after / before: {ratio:.2f}x (target >= 2.0)")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"benchmark": "fraud_before_after", "before": args.before, "rates": rates,
+                                     "medians": medians, "ratio": ratio}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
