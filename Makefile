@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PETASTORM_VENV := .venv-petastorm
 PETASTORM_STAMP := $(PETASTORM_VENV)/.installed
 
-.PHONY: demo test test-main test-petastorm venv bench lint clean
+.PHONY: demo cluster-demo test test-main test-petastorm venv bench lint clean
 
 venv: $(STAMP)
 
@@ -27,6 +27,10 @@ $(PETASTORM_STAMP): pyproject.toml constraints/petastorm.txt
 # The main job: the fraud-detection Spark ML pipeline with TorchEstimator on local[2].
 demo: $(STAMP)
 	$(PY) examples/fraud_detection.py
+
+# The main job on two hosts of the test cluster (network namespaces; root), next to local[2].
+cluster-demo: $(STAMP)
+	$(PY) tests/cluster/demo.py
 
 test: test-main test-petastorm
 

@@ -49,6 +49,9 @@ QUICK_SIZES = [4, 64 * KiB, MiB, 16 * MiB]
 ASYNC_COUNT = 200
 ASYNC_BYTES = 16 * KiB
 AFTER_MS = 10.0
+CLUSTER_SIZES = [4, 1 * KiB, 16 * KiB, 64 * KiB, MiB, 4 * MiB, 16 * MiB, 32 * MiB]
+CLUSTER_RATES = ("1gbit", "10gbit", "none")
+DEFAULT_CLUSTER_JSON = HERE / "results" / "collectives_cluster.json"
 
 
 # -- arguments ---------------------------------------------------------------------------------
@@ -100,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a spark-hvd runtime setting for its world, e.g. fusion_threshold=0 (repeatable)")
     parser.add_argument("--pin", action="store_true",
                         help="bind each rank of every framework to one CPU (local rank modulo the usable CPUs)")
+    parser.add_argument("--cluster", action="store_true",
+                        help="between two hosts of the test cluster (tests/cluster/: network namespaces, needs "
+                             "root or a user namespace with its own network), links shaped to each of --rates, "
+                             "spark-hvd flat and hierarchical next to gloo (see collectives_cluster.py)")
+    parser.add_argument("--rates", nargs="+", default=list(CLUSTER_RATES), metavar="RATE",
+                        help="link rates of --cluster, as tc writes them (1gbit, 10gbit), or none for unshaped")
     parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                         help="limit for one framework's world (default: 120 with --quick, else 600)")
     return parser
@@ -107,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_plan(args: argparse.Namespace) -> Dict[str, Any]:
     quick = bool(args.quick)
-    sizes = sorted(set(args.sizes or (QUICK_SIZES if quick else FULL_SIZES)))
+    default_sizes = QUICK_SIZES if quick else CLUSTER_SIZES if getattr(args, "cluster", False) else FULL_SIZES
+    sizes = sorted(set(args.sizes or default_sizes))
     timeout = args.timeout or (120.0 if quick else 600.0)
     if timeout <= 0:
         raise ValueError(f"--timeout={timeout} is invalid: expected seconds > 0")
@@ -569,6 +579,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = lambda line: print(line, flush=True)  # noqa: E731
     info = machine_info()
     started = time.time()
+    if args.cluster:
+        return _main_cluster(args, plan, info, started, out)
     out(f"collectives benchmark: np={nps}, {len(plan['sizes'])} sizes "
         f"({size_label(plan['sizes'][0])} .. {size_label(plan['sizes'][-1])}), "
         f"{'quick' if plan['quick'] else 'full'} plan, {info['cpus_usable']} usable cores, "
@@ -614,6 +626,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(document, indent=1))
     out(f"\nwrote {args.json} ({document['wall_s']:.0f} s in all)")
+    return 0
+
+
+def _main_cluster(args: argparse.Namespace, plan: Dict[str, Any], info: Dict[str, Any], started: float,
+                  out: Callable[[str], None]) -> int:
+    from collectives_cluster import run_cluster
+
+    plan["async_count"], plan["after_ms"] = 0, 0.0  # the size sweep only: the links are what is measured
+    out(f"collectives benchmark, cluster mode: 2 hosts, rates {args.rates}, {len(plan['sizes'])} sizes "
+        f"({size_label(plan['sizes'][0])} .. {size_label(plan['sizes'][-1])}), {info['cpus_usable']} usable cores")
+    measured = run_cluster(args, plan, out)
+    document = {
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": [sys.executable] + sys.argv, "wall_s": time.time() - started, "machine": info, "plan": plan,
+        **measured,
+    }
+    path = DEFAULT_CLUSTER_JSON if args.json == DEFAULT_JSON else args.json
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=1))
+    out(f"\nwrote {path} ({document['wall_s']:.0f} s in all)")
     return 0
 
 

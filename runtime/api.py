@@ -20,7 +20,7 @@ from .mpi import MpiDataPlane, mpi_world
 from .ops import Average
 from .rendezvous import RendezvousClient
 from .session import Session
-from .world import World, connect_world, single_world
+from .world import PeerLink, World, connect_world, single_world
 from .kinds import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN, REDUCESCATTER
 
 __all__ = [
@@ -32,7 +32,7 @@ __all__ = [
     "reducescatter", "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async",
     "barrier", "barrier_async", "join", "join_async", "broadcast_object", "allgather_object",
     "start_timeline", "stop_timeline", "ProcessSet", "global_process_set", "add_process_set",
-    "remove_process_set", "host_updates", "mpi_enabled", "device_async",
+    "remove_process_set", "host_updates", "mpi_enabled", "device_async", "peer_links", "PeerLink",
 ]
 
 log = logging.getLogger("spark_hvd")
@@ -236,6 +236,13 @@ def cross_size() -> int:
 def is_homogeneous() -> bool:
     """True when every host runs the same number of ranks (the same answer on every rank)."""
     return _world("is_homogeneous()").homogeneous
+
+
+def peer_links() -> List[PeerLink]:
+    """How this rank's data reaches each other rank, in rank order: ``PeerLink(rank, transport,
+    host, address, local_address)`` with transport ``"shm"`` (shared memory on one host), ``"tcp"``
+    (with both ends' ``ip:port``) or ``"mpi"``."""
+    return _world("peer_links()").links()
 
 
 def poll(handle: Handle) -> bool:

@@ -9,6 +9,7 @@ __all__ = [
     "CollectiveError",
     "RankMismatchError",
     "RendezvousTimeout",
+    "PeerUnreachableError",
     "AuthenticationError",
     "TamperedError",
     "NotInitializedError",
@@ -47,6 +48,23 @@ class RankMismatchError(CollectiveError):
 
 class RendezvousTimeout(SparkHvdError, TimeoutError):
     """Not every rank arrived at the rendezvous (or connected) within the start timeout."""
+
+
+class PeerUnreachableError(RendezvousTimeout):
+    """A peer or the rendezvous server could not be reached over the network: connections were
+    refused, there was no route to its host, or they were reset or timed out until the start timeout
+    ran out, or an established one broke during start-up.
+
+    The host or the network path is at fault, not the job's code, so launchers retry it like a lost
+    host. ``host`` is the address that could not be reached, when known.
+    """
+
+    def __init__(self, message: str, host: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.host = host
+
+    def __reduce__(self):  # keeps ``host`` when the error travels to the driver pickled
+        return (type(self), (str(self), self.host))
 
 
 class AuthenticationError(SparkHvdError, PermissionError):

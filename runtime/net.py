@@ -9,7 +9,10 @@ import struct
 import sys
 from typing import Dict, Optional, Sequence
 
-__all__ = ["interface_addresses", "interface_address"]
+__all__ = ["interface_addresses", "interface_address", "advertised_address", "WILDCARD_ADDRESSES"]
+
+WILDCARD_ADDRESSES = frozenset({"", "0.0.0.0", "::", "[::]", "*"})
+"""Addresses that mean every interface: a rank never listens on or advertises one."""
 
 _SIOCGIFADDR = 0x8915
 
@@ -51,3 +54,16 @@ def interface_address(names: Sequence[str]) -> str:
     listing = ", ".join(f"{n} ({a})" for n, a in sorted(there.items())) or "none with an IPv4 address"
     raise ValueError(f"network interface(s) {wanted} not found with an IPv4 address on host {socket.gethostname()}; "
                      f"this host has: {listing}; fix: name one of those (SPARK_HVD_IFACE, nics=...)")
+
+
+def advertised_address(hostname: str, iface: Optional[str] = None) -> str:
+    """The address a rank listens on and gives its peers: that of the first interface named in
+    ``iface`` (comma-separated, ``SPARK_HVD_IFACE``) that this host has, else ``hostname``
+    (``SPARK_HVD_HOSTNAME``, which the launcher sets to the address it knows the host by)."""
+    if iface is not None and iface.strip():
+        return interface_address(iface.split(","))
+    if hostname.strip() in WILDCARD_ADDRESSES:
+        raise ValueError(f"SPARK_HVD_HOSTNAME={hostname!r} is a wildcard address, which peers cannot dial: expected "
+                         "this host's own address or name; fix: set SPARK_HVD_HOSTNAME to it, or name an interface "
+                         "with SPARK_HVD_IFACE")
+    return hostname

@@ -21,8 +21,8 @@ import time
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from .acceptor import AUTH_TIMEOUT_S, Accepted, ServerLoop
-from .errors import RendezvousTimeout
-from .wire import FrameReader, connect, listen, recv_frame, secret_bytes, send_frame
+from .errors import PeerUnreachableError, RendezvousTimeout
+from .wire import FrameReader, connect, describe_broken, listen, recv_frame, secret_bytes, send_frame
 
 __all__ = ["RendezvousServer", "RendezvousClient", "REQUEST_LIMIT", "REPLY_LIMIT"]
 
@@ -266,6 +266,9 @@ class RendezvousClient:
                 f"rendezvous address {addr!r} is not host:port; SPARK_HVD_RENDEZVOUS_ADDR is set by the launcher"
             )
         self._timeout = timeout
+        self._addr = addr
+        self.address = addr
+        """The server's ``host:port``."""
         self._sock = connect((host, int(port)), secret_bytes(secret), timeout, "the rendezvous server")
 
     def _call(self, request: dict, timeout: float) -> dict:
@@ -275,7 +278,11 @@ class RendezvousClient:
             reply = json.loads(recv_frame(self._sock, time.monotonic() + timeout + 5.0, REPLY_LIMIT,
                                           "the rendezvous server"))
         except (OSError, ConnectionError) as exc:
-            raise RendezvousTimeout(f"the rendezvous server stopped answering: {exc}") from None
+            host = self._addr.rpartition(":")[0]
+            raise PeerUnreachableError(
+                f"the rendezvous server at {self._addr} stopped answering: "
+                f"{describe_broken(exc, 'the rendezvous server') if isinstance(exc, OSError) else exc}",
+                host=host) from None
         if "error" in reply:
             raise RuntimeError(f"rendezvous server: {reply['error']}")
         return reply
@@ -290,10 +297,12 @@ class RendezvousClient:
         if "missing" in reply:
             missing = reply["missing"]
             shown = ", ".join(missing[:10]) + (" ..." if len(missing) > 10 else "")
-            raise RendezvousTimeout(
+            error = RendezvousTimeout(
                 f"{len(missing)} of {len(keys)} {what} did not arrive at the rendezvous within {timeout:.0f} s "
                 f"(missing: {shown}); check that every rank started, or raise SPARK_HVD_START_TIMEOUT"
             )
+            error.missing = list(missing)  # type: ignore[attr-defined]
+            raise error
         return reply["values"]
 
     def delete(self, prefix: str) -> int:

@@ -166,6 +166,8 @@ class _ShmRecv(Op):
 class ShmChannel:
     """A channel to a peer on the same host: our outgoing ring and the peer's."""
 
+    kind = "shm"
+
     def __init__(self, peer: int, outgoing: ShmRing, incoming: ShmRing, peer_pid: Optional[int] = None) -> None:
         self.peer = peer
         self.outgoing = outgoing

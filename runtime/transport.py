@@ -18,6 +18,7 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence
 import numpy as np
 
 from .errors import CollectiveError
+from .wire import describe_broken
 
 __all__ = [
     "Sink",
@@ -94,11 +95,12 @@ class _NoOp(Op):
 class _TcpSend(Op):
     waits_for_write = True
 
-    def __init__(self, sock: socket.socket, buf: memoryview, peer: int) -> None:
+    def __init__(self, sock: socket.socket, buf: memoryview, peer: int, what: str) -> None:
         self.sock = sock
         self.view = buf.cast("B") if buf.format != "B" else buf
         self.sent = 0
         self.peer = peer
+        self.what = what
         self.fileno = sock.fileno()
         self.done = len(self.view) == 0
 
@@ -110,8 +112,8 @@ class _TcpSend(Op):
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:
-                raise CollectiveError(f"rank {self.peer} was lost: sending to it failed ({exc})",
-                                      lost_rank=self.peer) from None
+                raise CollectiveError(f"rank {self.peer} was lost: sending to it failed: "
+                                      f"{describe_broken(exc, self.what)}", lost_rank=self.peer) from None
             self.sent += n
             moved = True
         self.done = self.sent >= len(self.view)
@@ -146,11 +148,13 @@ class _TcpRecv(Op):
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:
-                raise CollectiveError(f"rank {self.channel.peer} was lost: receiving from it failed ({exc})",
+                raise CollectiveError(f"rank {self.channel.peer} was lost: receiving from it failed: "
+                                      f"{describe_broken(exc, self.channel.what)}",
                                       lost_rank=self.channel.peer) from None
             if n == 0:
                 raise CollectiveError(
-                    f"rank {self.channel.peer} was lost: it closed its connection in the middle of a collective",
+                    f"rank {self.channel.peer} was lost: {self.channel.what} closed its connection in the middle "
+                    "of a collective (its process exited or was killed)",
                     lost_rank=self.channel.peer,
                 )
             moved = True
@@ -167,16 +171,20 @@ class _TcpRecv(Op):
 
 
 class TcpChannel:
-    """A channel over one connected, authenticated socket."""
+    """A channel over one connected, authenticated socket; ``what`` names the peer in messages
+    (``rank 1 on host h2 (10.0.0.2)``)."""
 
-    def __init__(self, peer: int, sock: socket.socket, chunk_bytes: int) -> None:
+    kind = "tcp"
+
+    def __init__(self, peer: int, sock: socket.socket, chunk_bytes: int, what: Optional[str] = None) -> None:
         self.peer = peer
         self.sock = sock
+        self.what = what or f"rank {peer}"
         sock.setblocking(False)
         self.scratch = memoryview(bytearray(chunk_bytes))
 
     def isend(self, buf: memoryview) -> Op:
-        op = _TcpSend(self.sock, buf, self.peer)
+        op = _TcpSend(self.sock, buf, self.peer, self.what)
         op.progress()
         return op
 

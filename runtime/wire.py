@@ -19,7 +19,7 @@ import time
 from collections import deque
 from typing import Deque, Optional, Tuple
 
-from .errors import AuthenticationError, RendezvousTimeout
+from .errors import AuthenticationError, PeerUnreachableError
 
 __all__ = [
     "SMALL_FRAME_LIMIT",
@@ -37,6 +37,9 @@ __all__ = [
     "connect",
     "listen",
     "tune_socket",
+    "NETWORK_ERRNOS",
+    "is_network_error",
+    "describe_broken",
 ]
 
 log = logging.getLogger("spark_hvd.wire")
@@ -60,6 +63,47 @@ CONTROL_FRAME_LIMIT = 256 << 20
 # A client whose handshake the server dropped (an overloaded server sheds the oldest half-open
 # connections) tries again this many times in all before it reports an authentication failure.
 HANDSHAKE_ATTEMPTS = 3
+# One connection attempt waits at most this long for the peer's answer: a SYN lost while a link was
+# down is retransmitted only after seconds that double each time, so a fresh attempt notices a path
+# that came back sooner.
+_ATTEMPT_TIMEOUT_S = 3.0
+
+_PATH_ERRNOS = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN})
+"""Errors of a network path that is gone: no route, no answer."""
+_RESET_ERRNOS = frozenset({errno.ECONNRESET, errno.ECONNABORTED, errno.EPIPE, errno.ENETRESET})
+"""Errors of a connection the other end (its host, or something on the way) cut off."""
+NETWORK_ERRNOS = _PATH_ERRNOS | _RESET_ERRNOS | {errno.ECONNREFUSED, errno.EADDRNOTAVAIL}
+"""Errors of the network rather than of the program: a peer's host or the path to it failed."""
+
+
+def is_network_error(exc: BaseException) -> bool:
+    """Whether ``exc`` says that the network failed (refused, no route, reset, timed out)."""
+    return isinstance(exc, (socket.timeout, ConnectionError)) or (
+        isinstance(exc, OSError) and exc.errno in NETWORK_ERRNOS)
+
+
+def describe_broken(exc: OSError, what: str) -> str:
+    """Why an established connection to ``what`` broke, in words that tell a lost network path from
+    a process that ended."""
+    if isinstance(exc, socket.timeout) or exc.errno in _PATH_ERRNOS:
+        return (f"the network path to {what} was lost ({exc}): its host stopped answering within "
+                "SPARK_HVD_PEER_TIMEOUT, so the host or its link is down")
+    if exc.errno in _RESET_ERRNOS:
+        return f"the connection to {what} was reset ({exc}): its process was killed or its host restarted"
+    return f"the connection to {what} failed ({exc})"
+
+
+def _unreachable(what: str, addr: object, timeout: float, last: Optional[BaseException]) -> str:
+    code = getattr(last, "errno", None)
+    if code == errno.ECONNREFUSED or (code == errno.ENOENT and isinstance(addr, str)):
+        why = "nothing listened there (the process has not started or has exited)"
+    elif isinstance(last, socket.timeout) or code in _PATH_ERRNOS or code is None:
+        why = "the network path to its host is down (no route to it, or no answer)"
+    else:
+        why = "the connections were cut off"
+    return (f"could not connect to {what} at {addr} within {timeout:.0f} s: {why} (last error: {last}); "
+            "check that the host is up and reachable from this one (firewalls, SPARK_HVD_IFACE), or raise "
+            "SPARK_HVD_START_TIMEOUT")
 
 
 def secret_bytes(secret_hex: str) -> bytes:
@@ -82,6 +126,10 @@ def _digest(key: bytes, tag: bytes, first: bytes, second: bytes) -> bytes:
 
 class _HandshakeDropped(AuthenticationError):
     """The server closed the connection before the handshake finished (no verdict on our proof)."""
+
+
+class _HandshakeStalled(AuthenticationError):
+    """The handshake got no answer in time, or its network path failed (no verdict on our proof)."""
 
 
 class ServerHandshake:
@@ -134,7 +182,11 @@ def authenticate_client(sock: socket.socket, key: bytes, timeout: float) -> None
         client_nonce = os.urandom(_NONCE)
         sock.sendall(client_nonce + _digest(key, _CLIENT_TAG, server_nonce, client_nonce))
         answer = recv_exact(sock, _DIGEST, deadline)
-    except (OSError, ConnectionError) as exc:
+    except (socket.timeout, TimeoutError) as exc:
+        raise _HandshakeStalled(f"authentication handshake with {peer_name(sock)} got no answer: {exc}") from None
+    except OSError as exc:
+        if exc.errno in _PATH_ERRNOS:
+            raise _HandshakeStalled(f"authentication handshake with {peer_name(sock)} failed: {exc}") from None
         raise _HandshakeDropped(f"authentication handshake with {peer_name(sock)} failed: {exc}") from None
     if not hmac.compare_digest(answer, _digest(key, _SERVER_TAG, client_nonce, server_nonce)):
         raise AuthenticationError(
@@ -227,7 +279,9 @@ class FrameReader:
                 chunk = self.sock.recv(want, socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 break
-            except OSError:
+            except OSError as exc:
+                # Not a verdict on the stream: why the connection broke, for the owner's message.
+                self.error = describe_broken(exc, self.what)
                 self.closed = True
                 break
             if not chunk:
@@ -310,37 +364,47 @@ def listen(host: str, port: int = 0, backlog: int = 128) -> socket.socket:
 
 
 def connect(addr: Tuple[str, int] | str, key: bytes, timeout: float, what: str) -> socket.socket:
-    """Connect (retrying until ``timeout``) and authenticate; ``addr`` is (host, port) or a unix name."""
+    """Connect (retrying until ``timeout``) and authenticate; ``addr`` is (host, port) or a unix name.
+
+    Every network error (refused, no route, reset, timed out) is retried until the deadline, so a
+    peer that starts late or a link that is down for a while delays start-up instead of failing it;
+    then :class:`~.errors.PeerUnreachableError` (a RendezvousTimeout) says which it was.
+    """
     deadline = time.monotonic() + timeout
     delay = 0.01
     last: Optional[BaseException] = None
     dropped = 0
+    host = addr if isinstance(addr, str) else addr[0]
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise RendezvousTimeout(
-                f"could not connect to {what} at {addr} within {timeout:.0f} s (last error: {last}); "
-                "check that the address is reachable, or raise SPARK_HVD_START_TIMEOUT"
-            )
+            raise PeerUnreachableError(_unreachable(what, addr, timeout, last), host=None if isinstance(addr, str)
+                                       else host)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) if isinstance(addr, str) else None
         try:
             if sock is not None:
-                sock.settimeout(remaining)
+                sock.settimeout(min(remaining, _ATTEMPT_TIMEOUT_S))
                 sock.connect(addr)
             else:
-                sock = socket.create_connection(addr, timeout=remaining)  # type: ignore[arg-type]
+                sock = socket.create_connection(addr, timeout=min(remaining, _ATTEMPT_TIMEOUT_S))  # type: ignore[arg-type]
         except OSError as exc:
             if sock is not None:
                 sock.close()
+            transient_name = isinstance(exc, socket.gaierror) and exc.errno == socket.EAI_AGAIN
+            if not (is_network_error(exc) or transient_name or exc.errno in (errno.ENOENT, None)):
+                raise
+            if last is None or getattr(last, "errno", None) != exc.errno:
+                log.info("connecting to %s at %s failed (%s); trying again until the start timeout", what, addr, exc)
             last = exc
-            if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT, errno.ETIMEDOUT, errno.ECONNRESET, None):
-                if not isinstance(exc, (ConnectionError, socket.timeout)):
-                    raise
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 0.5)
             continue
         try:
             authenticate_client(sock, key, max(0.1, deadline - time.monotonic()))
+        except _HandshakeStalled as exc:
+            sock.close()
+            last = exc
+            continue
         except _HandshakeDropped as exc:
             sock.close()
             dropped += 1

@@ -21,17 +21,35 @@ from typing import Any, Callable, Dict, List, Optional
 from .config import RuntimeConfig
 from .acceptor import Acceptor
 from .control import ControlLink, SocketLink
-from .errors import CollectiveError, RendezvousTimeout
+from .errors import CollectiveError, PeerUnreachableError, RendezvousTimeout, SparkHvdError
+from .net import advertised_address
 from .rendezvous import RendezvousClient
 from .shm import ShmChannel, ShmRing, ring_tag, shm_available
 from .transport import Channel, TcpChannel, Transport
-from .wire import SMALL_FRAME_LIMIT, connect, listen, secret_bytes, send_frame, tune_socket
+from .wire import SMALL_FRAME_LIMIT, connect, describe_broken, is_network_error, listen, secret_bytes, send_frame, \
+    tune_socket
 
-__all__ = ["World", "connect_world", "single_world"]
+__all__ = ["World", "PeerLink", "connect_world", "single_world"]
 
 log = logging.getLogger("spark_hvd.world")
 
 _SHM_SLOTS = 8
+
+
+@dataclass(frozen=True)
+class PeerLink:
+    """How this rank's data reaches one other rank."""
+
+    rank: int
+    """The other rank."""
+    transport: str
+    """``"shm"`` (shared memory on this host), ``"tcp"``, or the data plane's own (``"mpi"``)."""
+    host: str
+    """The other rank's host (its host key: the hostname unless SPARK_HVD_HOST_KEY says otherwise)."""
+    address: Optional[str] = None
+    """``ip:port`` of the other end of a TCP link."""
+    local_address: Optional[str] = None
+    """``ip:port`` of this end of a TCP link."""
 
 
 @dataclass
@@ -55,6 +73,22 @@ class World:
     on_close: Optional[Callable[[], None]] = None
     """What else ending the world takes (freeing MPI communicators)."""
 
+    def links(self) -> List[PeerLink]:
+        """How data reaches every other rank, in rank order."""
+        found = []
+        for peer in range(self.size):
+            if peer == self.rank:
+                continue
+            host = self.hosts[peer] if peer < len(self.hosts) else ""
+            channel = self.transport.channels.get(peer)
+            if self.data is not None or channel is None:
+                found.append(PeerLink(peer, "mpi" if self.data is not None else "none", host))
+                continue
+            sock = getattr(channel, "sock", None)
+            found.append(PeerLink(peer, getattr(channel, "kind", type(channel).__name__), host,
+                                  address=_endpoint(sock, remote=True), local_address=_endpoint(sock, remote=False)))
+        return found
+
     def close(self) -> None:
         for link in self.control.values():
             link.close()
@@ -65,6 +99,22 @@ class World:
 
 def single_world() -> World:
     return World(0, 1, 0, 1, 0, 1, Transport(0, 1, {}))
+
+
+def _endpoint(sock: Optional[socket.socket], remote: bool) -> Optional[str]:
+    if sock is None:
+        return None
+    try:
+        name = sock.getpeername() if remote else sock.getsockname()
+    except OSError:
+        return None
+    return f"{name[0]}:{name[1]}" if isinstance(name, tuple) else None
+
+
+def _where(peer: int, entry: Dict[str, Any]) -> str:
+    """A peer as messages name it: ``rank 1 on host h2 (10.0.0.2)``."""
+    host, key = entry.get("host"), entry.get("host_key")
+    return f"rank {peer} on host {key} ({host})" if key and key != host else f"rank {peer} on host {host}"
 
 
 def _local_identity() -> Dict[str, object]:
@@ -99,7 +149,8 @@ def connect_world(cfg: RuntimeConfig, generation: int = 1) -> World:
     key = secret_bytes(cfg.secret)
     gen = f"g{generation}/"
     deadline = time.monotonic() + cfg.start_timeout
-    listener = listen(cfg.hostname, 0)
+    address = advertised_address(cfg.hostname, cfg.iface)
+    listener = listen(address, 0)
     # Rank 0 also takes control connections from its own host on a Unix socket (lower latency).
     unix_listener, unix_name = _unix_listener(cfg.secret, generation) if rank == 0 else (None, None)
     rings: Dict[int, ShmRing] = {}
@@ -108,7 +159,7 @@ def connect_world(cfg: RuntimeConfig, generation: int = 1) -> World:
     client = RendezvousClient(cfg.rendezvous_addr, cfg.secret, cfg.start_timeout)  # type: ignore[arg-type]
     try:
         host_key = cfg.host_key or socket.gethostname()
-        me = {"host": cfg.hostname, "port": listener.getsockname()[1], "host_key": host_key, "unix": unix_name,
+        me = {"host": address, "port": listener.getsockname()[1], "host_key": host_key, "unix": unix_name,
               **_local_identity()}
         peers = _announce(client, gen, generation, rank, size, me, deadline)
         local = _map_shared_memory(client, cfg, gen, key, generation, me, peers, rings, channels, deadline)
@@ -117,28 +168,43 @@ def connect_world(cfg: RuntimeConfig, generation: int = 1) -> World:
         if rank == 0:
             expected |= {(p, "control") for p in range(1, size)}
         listeners = [listener] + ([unix_listener] if unix_listener is not None else [])
-        rejected = _accept(listeners, key, expected, control, channels, cfg, deadline)
+        rejected = _accept(listeners, key, expected, control, channels, cfg, peers, deadline)
         _meet_connected(client, gen, rank, size, rings, deadline)
         per_host: Dict[str, int] = {}
         for peer in peers:
             per_host[peer["host_key"]] = per_host.get(peer["host_key"], 0) + 1
-        links = {peer: SocketLink(sock, what=f"rank {peer}") for peer, sock in control.items()}
-        return World(rank, size, cfg.local_rank, cfg.local_size, cfg.cross_rank, cfg.cross_size,  # type: ignore[arg-type]
-                     Transport(rank, size, channels), links, rejected, len(set(per_host.values())) == 1,
-                     hosts=[peer["host_key"] for peer in peers])
+        links = {peer: SocketLink(sock, what=_where(peer, peers[peer])) for peer, sock in control.items()}
+        world = World(rank, size, cfg.local_rank, cfg.local_size, cfg.cross_rank, cfg.cross_size,  # type: ignore[arg-type]
+                      Transport(rank, size, channels), links, rejected, len(set(per_host.values())) == 1,
+                      hosts=[peer["host_key"] for peer in peers])
+        if log.isEnabledFor(logging.INFO):
+            log.info("rank %d on %s (%s): %s", rank, host_key, address, ", ".join(
+                f"rank {p.rank} {p.transport}" + (f" {p.address}" if p.address else "") for p in world.links()))
+        return world
+    except OSError as exc:
+        _close_all(control, channels, rings)
+        if isinstance(exc, SparkHvdError) or not is_network_error(exc):
+            raise
+        # Whatever start-up step it broke, a network error is the host's or the path's, not the job's.
+        raise PeerUnreachableError(f"rank {rank} on host {cfg.host_key or socket.gethostname()} ({address}) lost a "
+                                   f"connection during start-up: {describe_broken(exc, 'a peer')}") from None
     except BaseException:
-        for sock in control.values():
-            sock.close()
-        for channel in channels.values():
-            channel.close()
-        for ring in rings.values():
-            ring.close()
+        _close_all(control, channels, rings)
         raise
     finally:
         client.close()
         listener.close()
         if unix_listener is not None:
             unix_listener.close()
+
+
+def _close_all(control: Dict[int, socket.socket], channels: Dict[int, Channel], rings: Dict[int, ShmRing]) -> None:
+    for sock in control.values():
+        sock.close()
+    for channel in channels.values():
+        channel.close()
+    for ring in rings.values():
+        ring.close()
 
 
 def _announce(client: RendezvousClient, gen: str, generation: int, rank: int, size: int, me: Dict[str, Any],
@@ -148,8 +214,27 @@ def _announce(client: RendezvousClient, gen: str, generation: int, rank: int, si
         # Every rank is past generation - 2 once anyone has reached this one; its keys can go.
         client.delete(f"g{generation - 2}/")
     client.put(f"{gen}addr/{rank}", json.dumps(me))
-    return [json.loads(v) for v in client.get([f"{gen}addr/{r}" for r in range(size)], timeout=_left(deadline),
-                                              what="ranks")]
+    return [json.loads(v) for v in _get_ranks(client, gen, "addr", range(size), deadline)]
+
+
+def _get_ranks(client: RendezvousClient, gen: str, kind: str, ranks: Any, deadline: float) -> List[str]:
+    """Every one of ``ranks``' ``kind`` entries, waiting until they are there; a RendezvousTimeout that
+    names the ranks that never put theirs."""
+    keys = [f"{gen}{kind}/{r}" for r in ranks]
+    try:
+        return client.get(keys, timeout=_left(deadline), what="ranks")
+    except RendezvousTimeout as exc:
+        missing = getattr(exc, "missing", None)
+        if not missing:
+            raise
+        late = [key.rsplit("/", 1)[1] for key in missing]
+        one = len(late) == 1
+        who = f"rank {late[0]}" if one else "ranks " + ", ".join(late[:10]) + (" ..." if len(late) > 10 else "")
+        its = "its" if one else "their"
+        raise RendezvousTimeout(
+            f"{who} did not reach the rendezvous at {client.address} within SPARK_HVD_START_TIMEOUT: {its} "
+            f"process did not start or stalled, or the network path from {its} host to this address is down (a cut "
+            f"link, a firewall); see {its} own error, or raise SPARK_HVD_START_TIMEOUT") from None
 
 
 def _map_shared_memory(client: RendezvousClient, cfg: RuntimeConfig, gen: str, key: bytes, generation: int,
@@ -164,8 +249,7 @@ def _map_shared_memory(client: RendezvousClient, cfg: RuntimeConfig, gen: str, k
         rings[peer] = ShmRing.create(_SHM_SLOTS, cfg.chunk_bytes, ring_tag(key, generation, rank, peer))
     if local:
         client.put(f"{gen}shm/{rank}", json.dumps({str(p): ring.fd for p, ring in rings.items()}))
-        fds = [json.loads(v) for v in client.get([f"{gen}shm/{r}" for r in local], timeout=_left(deadline),
-                                                 what="local ranks")]
+        fds = [json.loads(v) for v in _get_ranks(client, gen, "shm", local, deadline)]
         for peer, theirs in zip(local, fds):
             incoming = _open_ring(peers[peer]["pid"], theirs[str(rank)], cfg, ring_tag(key, generation, peer, rank))
             channels[peer] = ShmChannel(peer, rings[peer], incoming, peers[peer]["pid"])
@@ -185,13 +269,19 @@ def _dial(cfg: RuntimeConfig, key: bytes, peers: List[Dict[str, Any]], local: Li
             address: Any = "\0" + peers[peer]["unix"]
         else:
             address = (peers[peer]["host"], peers[peer]["port"])
-        sock = connect(address, key, _left(deadline), f"rank {peer}")
-        tune_socket(sock, cfg.peer_timeout)
-        send_frame(sock, json.dumps({"rank": rank, "purpose": purpose}).encode())
+        where = _where(peer, peers[peer])
+        sock = connect(address, key, _left(deadline), where)
+        try:
+            tune_socket(sock, cfg.peer_timeout)
+            send_frame(sock, json.dumps({"rank": rank, "purpose": purpose}).encode())
+        except OSError as exc:
+            sock.close()
+            raise PeerUnreachableError(f"rank {rank} lost its new connection to {where} during start-up: "
+                                       f"{describe_broken(exc, where)}", host=peers[peer]["host"]) from None
         if purpose == "control":
             control[peer] = sock
         else:
-            channels[peer] = TcpChannel(peer, sock, cfg.chunk_bytes)
+            channels[peer] = TcpChannel(peer, sock, cfg.chunk_bytes, where)
 
 
 def _meet_connected(client: RendezvousClient, gen: str, rank: int, size: int, rings: Dict[int, ShmRing],
@@ -199,7 +289,7 @@ def _meet_connected(client: RendezvousClient, gen: str, rank: int, size: int, ri
     """Wait until every rank has connected: then every ring has been mapped by its reader, and
     nobody needs to reach the memory files any more."""
     client.put(f"{gen}connected/{rank}", "1")
-    client.get([f"{gen}connected/{r}" for r in range(size)], timeout=_left(deadline), what="ranks")
+    _get_ranks(client, gen, "connected", range(size), deadline)
     for ring in rings.values():
         ring.release_fd()
 
@@ -240,7 +330,7 @@ def _unix_listener(secret: str, generation: int):
 
 
 def _accept(listeners: List[socket.socket], key: bytes, expected: set, control: Dict[int, socket.socket],
-            channels: Dict[int, Channel], cfg: RuntimeConfig, deadline: float) -> int:
+            channels: Dict[int, Channel], cfg: RuntimeConfig, peers: List[Dict[str, Any]], deadline: float) -> int:
     # Handshakes run concurrently with a short deadline each, so idle strangers on the listening
     # ports cannot hold up the ranks that are expected.
     acceptor = Acceptor(listeners, key, hello_limit=SMALL_FRAME_LIMIT, what=f"rank {cfg.rank}")
@@ -249,8 +339,8 @@ def _accept(listeners: List[socket.socket], key: bytes, expected: set, control: 
         while expected:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                missing = sorted(expected)
-                raise RendezvousTimeout(
+                missing = ", ".join(f"{_where(p, peers[p])} ({purpose})" for p, purpose in sorted(expected))
+                raise PeerUnreachableError(
                     f"rank {cfg.rank}: connections from {missing} did not arrive within {cfg.start_timeout:.0f} s; "
                     "check that those ranks are running and can reach this host, or raise SPARK_HVD_START_TIMEOUT"
                 )
@@ -275,7 +365,7 @@ def _accept(listeners: List[socket.socket], key: bytes, expected: set, control: 
                 if purpose == "control":
                     control[peer] = sock
                 else:
-                    channels[peer] = TcpChannel(peer, sock, cfg.chunk_bytes)
+                    channels[peer] = TcpChannel(peer, sock, cfg.chunk_bytes, _where(peer, peers[peer]))
     finally:
         acceptor.close()
     return acceptor.rejected + refused

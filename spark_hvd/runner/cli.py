@@ -92,6 +92,10 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="also write each rank's output to DIR/rank.<r>/stdout and DIR/rank.<r>/stderr")
     parser.add_argument("--bind-cpus", action="store_true",
                         help="pin each rank to its own share of this machine's CPUs (steadier latency)")
+    parser.add_argument("--network-interface", "--network-interfaces", dest="network_interface",
+                        metavar="NAME[,NAME]",
+                        help="the network interface whose address the ranks listen on and give each other (the "
+                             "first of the list this machine has), instead of 127.0.0.1 (SPARK_HVD_IFACE)")
     elastic = parser.add_argument_group(
         "elastic training", "any of these makes the job elastic: workers may be lost or added, and scripts written "
         "with hvd.elastic.run go on from their last commit")
@@ -185,6 +189,18 @@ def _check_command(command: List[str], env: Dict[str, str], environ: Dict[str, s
         )
 
 
+def _check_interfaces(names: str) -> str:
+    """``--network-interface`` names as SPARK_HVD_IFACE takes them, when this machine has one of them."""
+    from spark_hvd.runtime.net import interface_address
+
+    wanted = [name.strip() for name in names.split(",") if name.strip()]
+    try:
+        interface_address(wanted)
+    except ValueError as exc:
+        raise UsageError(f"--network-interface {names!r}: {exc}") from None
+    return ",".join(wanted)
+
+
 def _check_number(flag: str, value: Optional[float], ok: bool, expected: str) -> None:
     if value is not None and not ok:
         raise UsageError(f"{flag} {value} is invalid: expected {expected}")
@@ -232,6 +248,7 @@ def parse_options(argv: Sequence[str], environ: Optional[Dict[str, str]] = None)
         "cache_capacity": args.cache_capacity,
         "start_timeout": args.start_timeout,
         "bind_cpus": True if args.bind_cpus else None,
+        "iface": None if args.network_interface is None else _check_interfaces(args.network_interface),
         "timeline": None if args.timeline_filename is None
         else _check_writable_file("--timeline-filename", args.timeline_filename),
     }

@@ -16,6 +16,7 @@ import base64
 import json
 import os
 import pickle
+import re
 import shutil
 import sys
 import tempfile
@@ -31,8 +32,8 @@ from spark_hvd.spark.launch.log_stream import LogSender
 from spark_hvd.runtime.seal import seal
 from spark_hvd.spark.launch.store_log import STORE_CONTEXT, StoreLogSender
 
-__all__ = ["TaskSpec", "Placement", "assign_ranks", "failure_summary", "run_task", "RESULT_SCHEMA",
-           "result_name", "remove_stale_workdirs", "WORKDIR_PREFIX"]
+__all__ = ["TaskSpec", "Placement", "assign_ranks", "failure_summary", "run_task", "rank_address", "name_hosts",
+           "RESULT_SCHEMA", "result_name", "remove_stale_workdirs", "WORKDIR_PREFIX"]
 
 RESULT_SCHEMA = "rank long, result binary, streamed boolean"
 """The rows a barrier task returns: its rank, its sealed outcome, whether its output was streamed."""
@@ -291,16 +292,44 @@ def _sender(spec: TaskSpec, rank: int) -> Any:
     return LogSender(spec.collector_address, spec.secret, rank, _SENDER_CONNECT_TIMEOUT_S)
 
 
-TASK_CPUS_VARIABLE = "SPARK_HVD_TASK_CPUS"
-"""The CPUs Spark gave the rank's task (``spark.task.cpus``): the rank's math libraries use that
-many threads (:func:`spark_hvd.spark.estimator.training.rank_threads`)."""
-
-
 def _task_cpus(context: Any) -> int:
+    """The CPUs Spark gave this task (``spark.task.cpus``): the rank's math threads
+    (:func:`spark_hvd.spark.estimator.training.rank_threads`)."""
     try:
         return max(1, int(context.cpus()))
     except Exception:  # a Spark without TaskContext.cpus(): one, Spark's default
         return 1
+
+
+_NAMED_RANKS = re.compile(r"\branks? (\d+(?:, \d+)*)")
+
+
+def name_hosts(message: str, hosts: Mapping[int, str], rank: int) -> str:
+    """``message`` of rank ``rank``, which lost a peer, with the host of every other rank it names
+    added (a rank's own runtime knows the addresses of the ranks that reached it, not of those that
+    never did); ``hosts`` maps ranks to the hosts Spark ran them on."""
+    named = []
+    for found in _NAMED_RANKS.finditer(message):
+        for text in found.group(1).split(", "):
+            other = int(text)
+            if other != rank and other in hosts and other not in named and hosts[other] not in message:
+                named.append(other)
+    if not named:
+        return message
+    where = ", ".join(f"rank {other} on host {hosts[other]}" for other in named[:10])
+    return f"{message} [{where}]"
+
+
+def rank_address(spec: TaskSpec, executor_address: str) -> str:
+    """The address this task's rank listens on and advertises: that of the first interface named by
+    ``nics=`` or SPARK_HVD_IFACE (HOROVOD_GLOO_IFACE; the job's ``env``, else this executor's) that
+    this host has, else the one Spark uses for the executor. Never a wildcard address."""
+    from spark_hvd.runtime import config
+    from spark_hvd.runtime.net import advertised_address
+
+    names = ",".join(spec.interfaces) if spec.interfaces else \
+        config.read_setting("iface", {**config.environ_snapshot(), **spec.env})
+    return advertised_address(_host_of(executor_address), names)
 
 
 def run_task(spec: TaskSpec, batches: Iterable[Any]) -> Iterator[Any]:
@@ -311,11 +340,7 @@ def run_task(spec: TaskSpec, batches: Iterable[Any]) -> Iterator[Any]:
 
     context = BarrierTaskContext.get()
     partition = context.partitionId()
-    host = _host_of(context.getTaskInfos()[partition].address)
-    if spec.interfaces:
-        from spark_hvd.runtime.net import interface_address
-
-        host = interface_address(spec.interfaces)
+    host = rank_address(spec, context.getTaskInfos()[partition].address)
     server: Optional[RendezvousServer] = None
     sender: Any = None
     try:
@@ -333,19 +358,23 @@ def run_task(spec: TaskSpec, batches: Iterable[Any]) -> Iterator[Any]:
         if not sender.connected:
             sys.stderr.write(f"spark-hvd: rank {rank} output stays in this executor's log: {sender.problem}\n")
         extra = dict(spec.env)
-        extra.setdefault(TASK_CPUS_VARIABLE, str(_task_cpus(context)))
         gpus = _gpu_devices(context, spec.use_gpu, placement.local_rank)
         if gpus is not None:
             extra.setdefault("CUDA_VISIBLE_DEVICES", gpus)
         env = rank_environment(
             rank=rank, size=spec.num_proc, local_rank=placement.local_rank, local_size=placement.local_size,
             cross_rank=placement.cross_rank, cross_size=placement.cross_size, rendezvous_addr=rendezvous_addr,
-            secret=spec.secret, hostname=host, settings=spec.settings, extra=extra,
+            secret=spec.secret, hostname=host, settings={"task_cpus": _task_cpus(context), **(spec.settings or {})},
+            extra=extra,
         )
         ok, outcome, details = _run_rank(spec, placement, env, sender)
         if not ok:
+            lost_a_peer = RankFailedError(rank, "", exc_type=details.get("type")).lost_a_peer()
+            if lost_a_peer:
+                hosts = {p.rank: m["host"] for p, m in zip(assign_ranks([m["host"] for m in everyone]), everyone)}
+                details = dict(details, message=name_hosts(str(details.get("message", "")), hosts, rank))
             sender.failure(details)
-            if RankFailedError(rank, "", exc_type=details.get("type")).lost_a_peer():
+            if lost_a_peer:
                 time.sleep(_PEER_LOSS_GRACE_S)
             raise RuntimeError(failure_summary(rank, details))
         sender.finished()
