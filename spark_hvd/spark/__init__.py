@@ -4,6 +4,7 @@ The package is in parts: ``launch`` (barrier stages, elastic stages, retries, ta
 ``data`` (stores, preparation, readers), ``estimator`` (the kit every estimator shares), and one
 subpackage of hooks per framework (``torch``, ``keras``, ``lightning``)."""
 
+from spark_hvd.spark.data import _EXPORTS as _data_exports
 from spark_hvd.spark.exports import lazy_exports
 
 _EXPORTS = {
@@ -14,17 +15,7 @@ _EXPORTS = {
     "Backend": "spark_hvd.spark.launch",
     "SparkBackend": "spark_hvd.spark.launch",
     "local_session": "spark_hvd.spark.session",
-    "Store": "spark_hvd.spark.data.store",
-    "LocalStore": "spark_hvd.spark.data.store",
-    "FsspecStore": "spark_hvd.spark.data.store",
-    "HDFSStore": "spark_hvd.spark.data.store",
-    "DBFSLocalStore": "spark_hvd.spark.data.store",
-    "VolumeStore": "spark_hvd.spark.data.store",
-    "prepare_data": "spark_hvd.spark.data.prepare",
-    "PreparedData": "spark_hvd.spark.data.prepare",
-    "ColumnInfo": "spark_hvd.spark.data.prepare",
-    "make_reader": "spark_hvd.spark.data.reader",
-    "BatchReader": "spark_hvd.spark.data.reader",
+    **_data_exports,
     "ParamSpec": "spark_hvd.spark.estimator.params",
     "params_mixin": "spark_hvd.spark.estimator.params",
     "EstimatorParams": "spark_hvd.spark.estimator.params",

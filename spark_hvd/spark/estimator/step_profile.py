@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import resource
 import time
-from typing import Dict, Tuple
+from typing import Any, Dict, List, Tuple
 
 __all__ = ["StepProfile", "NoProfile", "step_profile", "TORCH_PHASES", "LIGHTNING_PHASES", "KERAS_PHASES"]
 
@@ -67,6 +67,11 @@ class StepProfile:
         out["steps"] = float(self.steps)
         out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
         return out
+
+    def gathered(self, hvd: Any, size: int, name: str) -> List[Dict[str, float]]:
+        """Every rank's :meth:`summary`, in rank order (a collective: every rank calls it, with one ``name``)."""
+        mine = self.summary()
+        return [mine] if size == 1 else list(hvd.allgather_object(mine, name=name))
 
 
 class NoProfile:

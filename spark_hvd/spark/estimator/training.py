@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["TrainingSpec", "RunFiles", "adapt_batch", "rank_threads"]
+__all__ = ["TrainingSpec", "RunFiles", "adapt_batch", "rank_threads", "run_trainer"]
 
 
 @dataclass(kw_only=True)
@@ -171,3 +171,13 @@ def rank_threads(local_size: int) -> int:
     shared = max(1, cpus // max(1, local_size))
     given = config.read_setting("task_cpus")
     return min(shared, given) if given is not None and given > 0 else shared
+
+
+def run_trainer(hvd: Any, trainer_class: Callable[[Any, Any], Any], spec: Any) -> Any:
+    """On a rank: ``init()`` the framework binding ``hvd``, run ``trainer_class(spec, hvd).run()``
+    and shut the binding down, also when training fails; what ``run()`` returned."""
+    hvd.init()
+    try:
+        return trainer_class(spec, hvd).run()
+    finally:
+        hvd.shutdown()

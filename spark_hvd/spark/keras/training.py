@@ -27,7 +27,7 @@ from spark_hvd.spark.keras import checks
 from spark_hvd.spark.keras.checkpoint import checkpoint_bytes, load_model_bytes
 from spark_hvd.spark.estimator.progress import ProgressReporter
 from spark_hvd.spark.estimator.step_profile import KERAS_PHASES, step_profile
-from spark_hvd.spark.estimator.training import RunFiles, TrainingSpec, rank_threads
+from spark_hvd.spark.estimator.training import RunFiles, TrainingSpec, rank_threads, run_trainer
 
 __all__ = ["KerasTrainingSpec", "train_on_rank", "scaled_optimizer"]
 
@@ -290,9 +290,8 @@ def _recorder(trainer: _Trainer) -> Any:
             values["rows_per_s"] = rows / trained if trained > 0 else math.inf
             values["seconds"] = seconds
             if trainer.profile.enabled:
-                mine = trainer.profile.summary()
-                values["profile"] = [mine] if trainer.size == 1 else list(
-                    trainer.hvd.allgather_object(mine, name=f"spark_hvd.keras.profile.{epoch}"))
+                values["profile"] = trainer.profile.gathered(trainer.hvd, trainer.size,
+                                                             f"spark_hvd.keras.profile.{epoch}")
             trainer.history.append({"epoch": epoch + 1, **values})
             if trainer.rank == 0:
                 trainer.checkpoint(epoch + 1)
@@ -305,8 +304,4 @@ def train_on_rank(spec: KerasTrainingSpec) -> Optional[Dict[str, Any]]:
     """Train on this rank; rank 0 returns ``{"weights": [...], "history": [...]}``, others None."""
     import spark_hvd.keras as hvd
 
-    hvd.init()
-    try:
-        return _Trainer(spec, hvd).run()
-    finally:
-        hvd.shutdown()
+    return run_trainer(hvd, _Trainer, spec)

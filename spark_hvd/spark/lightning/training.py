@@ -196,9 +196,8 @@ class _EpochEnd(Checkpoint):
         logs["rows_per_s"] = rows / seconds if seconds > 0 else math.inf
         logs["seconds"] = seconds
         if self.profile.enabled:
-            mine = self.profile.summary()
-            logs["profile"] = [mine] if self.size == 1 else list(
-                self.hvd.allgather_object(mine, name=f"spark_hvd.lightning.profile.{len(self.history)}"))
+            logs["profile"] = self.profile.gathered(self.hvd, self.size,
+                                                    f"spark_hvd.lightning.profile.{len(self.history)}")
         self.history.append({"epoch": epoch + 1, **logs})
         self._checkpoint(trainer)
         self.reporter.epoch(epoch, logs)

@@ -26,7 +26,7 @@ from spark_hvd.spark.torch.batches import (LossFunction, feature_tensors, label_
 from spark_hvd.spark.torch.callbacks import TrainingState, call_hook
 from spark_hvd.spark.estimator.progress import ProgressReporter
 from spark_hvd.spark.estimator.step_profile import TORCH_PHASES, step_profile
-from spark_hvd.spark.estimator.training import TrainingSpec, rank_threads
+from spark_hvd.spark.estimator.training import TrainingSpec, rank_threads, run_trainer
 
 __all__ = ["OptimizerSpec", "TorchTrainingSpec", "train_on_rank", "CHECKPOINT_FORMAT", "checkpoint_bytes",
            "load_checkpoint"]
@@ -360,10 +360,7 @@ class _Trainer:
         """Every rank's step profile of the epoch, in rank order; None when profiling is off."""
         if not self.profile.enabled:
             return None
-        mine = self.profile.summary()
-        if self.size == 1:
-            return [mine]
-        return list(self.hvd.allgather_object(mine, name=f"spark_hvd.fit.profile.{epoch}"))
+        return self.profile.gathered(self.hvd, self.size, f"spark_hvd.fit.profile.{epoch}")
 
     def _stop_requested(self, epoch: int) -> bool:
         # One rank's callback may ask to stop; all ranks must agree, or the next epoch's
@@ -378,8 +375,4 @@ def train_on_rank(spec: TorchTrainingSpec) -> Optional[Dict[str, Any]]:
     """Train on this rank; rank 0 returns ``{"model": state_dict, "history": [...]}``, others None."""
     import spark_hvd.torch as hvd
 
-    hvd.init()
-    try:
-        return _Trainer(spec, hvd).run()
-    finally:
-        hvd.shutdown()
+    return run_trainer(hvd, _Trainer, spec)

@@ -74,6 +74,22 @@ def retry_lines(printed):
     return [line for line in printed.splitlines() if "spark-hvd: retry" in line]
 
 
+def fit_with_harm_in_epoch_2(harm, run_id, store, frame, hosts, directory, capsys):
+    """Fit while ``harm`` runs once rank 1 paused after its third batch of epoch 2; the fit must
+    complete with every epoch after one retry from the checkpoint whose report names the harmed host.
+    The retry's report line."""
+    fault = FaultThread(harm)
+    fault.start()
+    model = estimator(store, run_id, callbacks=[PauseAt(directory, rank=1, epoch=1, step=2)]).fit(frame)
+    fault.finish()
+    host = paused_host(directory, hosts, timeout=0)
+    assert_continuous(model)
+    (retry,) = retry_lines(capsys.readouterr().out)
+    assert "retry 1/3" in retry and "resuming from epoch 2, step" in retry
+    assert host.name in retry or host.address in retry
+    return retry
+
+
 def cut_when_paused(directory, hosts, seconds=CUT_S):
     def harm():
         host = paused_host(directory, hosts)
@@ -123,15 +139,8 @@ def test_a_host_cut_off_during_training_is_retried_from_the_checkpoint(spark_2x1
     """Rank 1's host loses its links after rank 1's third batch of epoch 2, for 15 s: the ranks give
     up on each other, the retry report names the host and says its network path was lost (not that
     a process exited), and the next attempt resumes from the checkpoint once the host is back."""
-    fault = FaultThread(cut_when_paused(tmp_path, hosts))
-    fault.start()
-    model = estimator(store, "cut-in-training", callbacks=[PauseAt(tmp_path, rank=1, epoch=1, step=2)]).fit(frame)
-    fault.finish()
-    host = paused_host(tmp_path, hosts, timeout=0)
-    assert_continuous(model)
-    (retry,) = retry_lines(capsys.readouterr().out)
-    assert "retry 1/3" in retry and "resuming from epoch 2, step" in retry
-    assert host.name in retry or host.address in retry
+    retry = fit_with_harm_in_epoch_2(cut_when_paused(tmp_path, hosts), "cut-in-training", store, frame, hosts,
+                                     tmp_path, capsys)
     assert "network path" in retry and "exited or was killed" not in retry
 
 
@@ -163,12 +172,4 @@ def test_a_worker_host_whose_processes_are_all_killed_is_replaced_when_it_return
         cluster.start_worker(host)
         cluster.wait_worker(host)
 
-    fault = FaultThread(harm)
-    fault.start()
-    model = estimator(store, "host-killed", callbacks=[PauseAt(tmp_path, rank=1, epoch=1, step=2)]).fit(frame)
-    fault.finish()
-    host = paused_host(tmp_path, hosts, timeout=0)
-    assert_continuous(model)
-    (retry,) = retry_lines(capsys.readouterr().out)
-    assert "retry 1/3" in retry and "resuming from epoch 2, step" in retry
-    assert host.name in retry or host.address in retry
+    fit_with_harm_in_epoch_2(harm, "host-killed", store, frame, hosts, tmp_path, capsys)
