@@ -4,7 +4,7 @@ The package is in parts: ``launch`` (barrier stages, elastic stages, retries, ta
 ``data`` (stores, preparation, readers), ``estimator`` (the kit every estimator shares), and one
 subpackage of hooks per framework (``torch``, ``keras``, ``lightning``)."""
 
-from spark_hvd.spark.data import _EXPORTS as _data_exports
+from spark_hvd.spark.data import EXPORTS as _data_exports
 from spark_hvd.spark.exports import lazy_exports
 
 _EXPORTS = {

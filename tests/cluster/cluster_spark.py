@@ -31,6 +31,9 @@ _STOP_GRACE_S = 20.0
 _FAST_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 """Short-lived JVMs on a busy two-core machine start sooner with the C1 compiler alone."""
 
+_DRIVER_ENVIRON = ("SPARK_LOCAL_IP", "PYSPARK_PYTHON", "SPARK_CONNECT_MODE_ENABLED")
+"""What the cluster's sessions set in this process's environment; restored when the cluster closes."""
+
 SESSION_KINDS = {"2x1": 1, "2x2": 2}
 """Classic session kinds: task slots on each host."""
 
@@ -67,6 +70,7 @@ class SparkCluster:
     def __init__(self, hosts: Hosts, cores: int = 2, worker_memory: str = "3g",
                  env: Optional[Mapping[str, str]] = None) -> None:
         self.hosts = hosts
+        self._saved_environ = {name: os.environ.get(name) for name in _DRIVER_ENVIRON}
         self.cores = cores
         self.worker_memory = worker_memory
         self.extra_env = dict(env or {})
@@ -323,6 +327,33 @@ class SparkCluster:
         for log in self._logs:
             log.close()
         self._logs = []
+        self._forget_driver_jvm()
+        for name, value in self._saved_environ.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+    @staticmethod
+    def _forget_driver_jvm() -> None:
+        """End the driver JVM this process started for the cluster's sessions: it was started with the
+        cluster's address in its environment, which is gone with the hosts, so the next SparkSession of
+        this process (another test module's local one) must start a JVM of its own."""
+        from pyspark import SparkContext
+
+        gateway = SparkContext._gateway
+        if gateway is None:
+            return
+        process = getattr(gateway, "proc", None)
+        try:
+            gateway.shutdown()
+        except Exception:  # a JVM that is already gone
+            pass
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait(timeout=_STOP_GRACE_S)
+        SparkContext._gateway = None
+        SparkContext._jvm = None
 
 
 def _stop(process: subprocess.Popen) -> None:

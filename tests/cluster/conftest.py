@@ -1,4 +1,5 @@
-"""Fixtures of the cluster tests: one cluster of two hosts for the whole test session.
+"""Fixtures of the cluster tests: one cluster of two hosts for the tests of this folder (a package, so
+the cluster ends, and restores this process's environment, before the other folders' tests run).
 
 The hosts are network namespaces on a bridge (see cluster_hosts.py), each link shaped to 1 Gbit/s;
 a Spark standalone master runs on the machine and a two-core worker on each host (cluster_spark.py).
@@ -28,7 +29,7 @@ LEFTOVER_WAIT_S = 60.0
 """How long a finished test's rank processes may take to exit (a task Spark killed ends its rank)."""
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def hosts() -> Iterator[Hosts]:
     with Hosts(2) as made:
         made.shape("1gbit")
@@ -36,7 +37,7 @@ def hosts() -> Iterator[Hosts]:
     assert made.leftovers() == {}, f"the cluster left network devices behind: {made.leftovers()}"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def cluster(hosts) -> Iterator[SparkCluster]:
     with SparkCluster(hosts, cores=2) as made:
         yield made

@@ -3,7 +3,7 @@ Parquet for training (columns, identity, preparation), and how ranks read it bac
 
 from spark_hvd.spark.exports import lazy_exports
 
-_EXPORTS = {
+EXPORTS = {
     "Store": "spark_hvd.spark.data.store",
     "LocalStore": "spark_hvd.spark.data.store",
     "FsspecStore": "spark_hvd.spark.data.store",
@@ -16,7 +16,8 @@ _EXPORTS = {
     "make_reader": "spark_hvd.spark.data.reader",
     "BatchReader": "spark_hvd.spark.data.reader",
 }
-"""Each public name and the module that defines it (imported on first use)."""
+"""Each public name and the module that defines it (imported on first use); spark_hvd.spark
+exports them too."""
 
-__all__ = list(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+__all__ = list(EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, EXPORTS, globals())

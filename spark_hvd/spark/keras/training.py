@@ -127,31 +127,44 @@ class _Trainer:
             return x, y
         return x, y, np.asarray(batch[spec.sample_weight_col]).reshape(-1).astype(spec.dtype, copy=False)
 
-    def _blocks(self, reader: Any) -> Iterator[List[np.ndarray]]:
-        """The reader's blocks of batches, each batch as Keras takes it and the block's batches
-        stacked: one flat list of ``(batches, batch_size, ...)`` arrays per block. One stream over
-        every remaining epoch: Keras takes steps_per_epoch batches per epoch."""
+    def _blocks(self, reader: Any, epoch: int) -> Iterator[List[np.ndarray]]:
+        """The reader's blocks of batches of ``epoch``, each batch as Keras takes it and the block's
+        batches stacked: one flat list of ``(batches, batch_size, ...)`` arrays per block."""
         import tensorflow as tf
 
-        for epoch in range(self.spec.start_epoch, self.spec.epochs):
-            for block in reader.iter_epoch_blocks(epoch):
-                flat = [tf.nest.flatten(self._keras_batch(batch)) for batch in block]
-                yield [np.stack(parts) for parts in zip(*flat)]
+        for block in reader.iter_epoch_blocks(epoch):
+            flat = [tf.nest.flatten(self._keras_batch(batch)) for batch in block]
+            yield [np.stack(parts) for parts in zip(*flat)]
 
-    def _dataset(self, reader: Any) -> Any:
+    def _dataset(self, reader: Any, per_pass: bool = False) -> Any:
         """A tf.data pipeline of the rank's batches: Python hands over whole blocks, tf.data cuts
         them into batches, so a step costs no call into Python (a generator of single batches
-        made each step wait for one)."""
+        made each step wait for one).
+
+        Training data is one stream over every remaining epoch: given steps_per_epoch, Keras keeps
+        one iterator and takes that many batches each epoch. Validation data (``per_pass``) is
+        iterated afresh every epoch, and a fresh iterator drops what the last one had read ahead,
+        so each pass over that dataset is the next epoch's data and nothing more."""
         import itertools
 
         import tensorflow as tf
 
-        blocks = self._blocks(reader)
-        first = next(blocks)
+        streams = [self._blocks(reader, epoch) for epoch in range(self.spec.start_epoch, self.spec.epochs)]
+        first = next(streams[0])
         structure = self._keras_batch_structure()
         signature = tuple(tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype)) for a in first)
-        stream = itertools.chain([first], blocks)
-        dataset = tf.data.Dataset.from_generator(lambda: (tuple(b) for b in stream), output_signature=signature)
+        streams[0] = itertools.chain([first], streams[0])
+        if per_pass:
+            passes = iter(streams)
+
+            def source() -> Iterator[Tuple[np.ndarray, ...]]:
+                return (tuple(b) for b in next(passes, ()))
+        else:
+            stream = itertools.chain(*streams)
+
+            def source() -> Iterator[Tuple[np.ndarray, ...]]:
+                return (tuple(b) for b in stream)
+        dataset = tf.data.Dataset.from_generator(source, output_signature=signature)
         dataset = dataset.flat_map(lambda *parts: tf.data.Dataset.from_tensor_slices(parts))
         return dataset.map(lambda *parts: tf.nest.pack_sequence_as(structure, list(parts))).prefetch(1)
 
@@ -193,7 +206,7 @@ class _Trainer:
         try:
             self.model.fit(self._dataset(train_reader), epochs=spec.epochs, initial_epoch=spec.start_epoch,
                            steps_per_epoch=spec.train_steps,
-                           validation_data=self._dataset(val_reader) if val_reader is not None else None,
+                           validation_data=self._dataset(val_reader, per_pass=True) if val_reader is not None else None,
                            validation_steps=spec.val_steps if val_reader is not None else None,
                            callbacks=callbacks, shuffle=False, verbose=0)  # the reader shuffles
         finally:

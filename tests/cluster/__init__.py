@@ -1,0 +1,1 @@
+"""Tests on a Spark standalone cluster of network-namespace hosts (see conftest.py)."""
