@@ -55,7 +55,16 @@ def run_rank(plan: Dict[str, Any]) -> Dict[str, Any]:
     cpu = pin_to_cpu(read_setting("local_rank") or 0, plan["pin"])
     hvd.init()
     try:
-        result = measure(_SparkHvd(hvd), plan)
+        try:
+            result = measure(_SparkHvd(hvd), plan)
+        except BaseException:
+            # Said before shutdown(), which waits for the other ranks: the cause is seen even if that wait is cut short.
+            import sys
+            import traceback
+
+            traceback.print_exc(file=sys.stderr)
+            sys.stderr.flush()
+            raise
         result["rank"] = hvd.rank()
         result["cpu"] = cpu
         result["version"] = getattr(spark_hvd, "__version__", "unknown")
