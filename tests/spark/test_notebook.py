@@ -14,8 +14,8 @@ NOTEBOOK = Path(__file__).resolve().parents[2] / "examples" / "notebooks" / "fra
 def _text(cell) -> str:
     parts = []
     for output in cell.get("outputs", []):
-        if output.get("output_type") == "stream":
-            parts.append(output.get("text", ""))
+        if output.get("output_type") == "stream" and output.get("name") == "stdout":
+            parts.append(output.get("text", ""))  # stderr carries the JVM's and libraries' logs
         elif "data" in output:
             parts.append(str(output["data"].get("text/plain", "")))
     return "".join(parts)

@@ -290,7 +290,12 @@ class _JobGroup:
 class _QuietTaskFailures:
     """While the stage runs, a driver JVM in this process (a local master) logs nothing of the
     executor's and scheduler's task failures: a failing rank's Python traceback and some 40 lines of
-    Java stack from each of them. The failure reaches the caller once, as the rank's own error."""
+    Java stack from each of them. The failure reaches the caller once, as the rank's own error.
+
+    Afterwards the logging configuration is as it was: a logger that had no configuration of its own
+    loses the one set here. (Setting it back to the level it inherited would not do: Spark's console
+    filter lets through whatever a logger is explicitly configured for, and the scheduler's INFO lines
+    would then follow every later job of the session.)"""
 
     _LOGGERS = ("org.apache.spark.executor.Executor", "org.apache.spark.scheduler.TaskSetManager",
                 "org.apache.spark.scheduler.TaskSchedulerImpl")
@@ -300,15 +305,17 @@ class _QuietTaskFailures:
 
         context = SparkContext._active_spark_context
         self._jvm = getattr(context, "_jvm", None) if context is not None else None
-        self._saved: Dict[str, Any] = {}
+        self._saved: Dict[str, Any] = {}  # name -> its own configured level, or None: it had no config
 
     def __enter__(self) -> "_QuietTaskFailures":
         if self._jvm is None:
             return self
         try:
             log4j = self._jvm.org.apache.logging.log4j
+            configured = log4j.LogManager.getContext(False).getConfiguration().getLoggers()
             for name in self._LOGGERS:
-                self._saved[name] = log4j.LogManager.getLogger(name).getLevel()
+                own = configured.containsKey(name)
+                self._saved[name] = configured.get(name).getLevel() if own else None
                 log4j.core.config.Configurator.setLevel(name, log4j.Level.OFF)
         except Exception:  # another logging backend: its messages stay as they are
             self._saved.clear()
@@ -318,8 +325,14 @@ class _QuietTaskFailures:
         if not self._saved:
             return
         log4j = self._jvm.org.apache.logging.log4j
+        context = log4j.LogManager.getContext(False)
+        configuration = context.getConfiguration()
         for name, level in self._saved.items():
-            log4j.core.config.Configurator.setLevel(name, level)
+            if level is None:
+                configuration.removeLogger(name)
+            else:
+                log4j.core.config.Configurator.setLevel(name, level)
+        context.updateLoggers()
 
 
 def check_controller(use_mpi: Optional[bool], use_gloo: Optional[bool], extra_mpi_args: Optional[str]) -> None:

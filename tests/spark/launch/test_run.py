@@ -231,6 +231,26 @@ def test_a_crashed_rank_process_is_reported_with_its_signal_and_output(spark):
     assert any("rank 1 about to crash" in line for line in error.output_tail)
 
 
+def _configured_loggers() -> Dict[str, str]:
+    from pyspark import SparkContext
+
+    # the driver JVM of this process (under Spark Connect, the local server's)
+    log4j = SparkContext._active_spark_context._jvm.org.apache.logging.log4j
+    loggers = log4j.LogManager.getContext(False).getConfiguration().getLoggers()
+    return {name: str(loggers.get(name).getLevel()) for name in loggers.keySet()}
+
+
+def test_the_driver_logging_configuration_is_as_before_after_a_run_and_a_failed_run(spark):
+    """While a stage runs the scheduler's task-failure logs are off; afterwards no logger keeps a
+    level set for that (an explicit level would let the scheduler's INFO lines through the console
+    filter of every later job)."""
+    before = _configured_loggers()
+    run(_talk, num_proc=2, use_gpu=False, verbose=0)
+    with pytest.raises(RankFailedError):
+        run(_crash_on_rank_1, num_proc=2, use_gpu=False, verbose=0)
+    assert _configured_loggers() == before
+
+
 @pytest.mark.parametrize("call, error, pattern", [
     (dict(fn=42), TypeError, "fn must be callable"),
     (dict(fn=_talk, args=5), TypeError, "args must be a tuple or list"),
