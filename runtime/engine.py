@@ -415,8 +415,15 @@ class Engine:
                 if frame[:1] == BYE:
                     links.left.setdefault(peer, "shut down")
         for peer in peers:
+            if peer in links.left:
+                # A peer that said goodbye had finished every collective, so everything it sent is
+                # on its way (a host link can hold the last of it long after the goodbye, which
+                # travels on another connection); wait while its channel can still deliver.
+                if not self._may_still_deliver(peer):
+                    raise links.lost(peer)
+                continue
             reader = links.links.get(peer)
-            if peer in links.left or (reader is not None and reader.closed):
+            if reader is not None and reader.closed:
                 raise links.lost(peer)
         if self.rank != 0 and links[0].closed and 0 not in links.left:
             raise links.lost(0)  # the coordinator crashed: nothing can complete
@@ -429,6 +436,14 @@ class Engine:
                 if alive is not None and not alive():
                     raise CollectiveError(f"rank {peer} was lost: its process is gone", lost_rank=peer)
         self._check_data_stall(peers, idle)
+
+    def _may_still_deliver(self, peer: int) -> bool:
+        """Whether data ``peer`` sent before it left may still arrive: over TCP until its end of the
+        connection closes (which the receive notices); over shared memory while its ring holds
+        slots not yet read."""
+        channel = self.world.transport.channels.get(peer)
+        pending = getattr(channel, "unread", None)
+        return pending() > 0 if pending is not None else channel is not None
 
     def _check_data_stall(self, peers: Sequence[int], idle: float) -> None:
         check, shutdown = self.config.stall_check_seconds, self.config.stall_shutdown_seconds
@@ -449,6 +464,8 @@ class Engine:
                         "stopped or hung", self.rank, what, idle, waited_on)
 
     def _abort(self, error: CollectiveError) -> None:
+        if error.lost_rank is not None and self.links.left.get(error.lost_rank) == "shut down":
+            error = self.links.lost(error.lost_rank)  # its connection closed after a goodbye: it shut down
         if self._failure is None:
             self._failure = error
         self.links.send_quietly(self.links.abort_frame(error), skip=error.lost_rank)

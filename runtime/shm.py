@@ -186,6 +186,11 @@ class ShmChannel:
         op.progress()
         return op
 
+    def unread(self) -> int:
+        """Slots the peer has published that this rank has not read yet."""
+        counters = self.incoming.counters
+        return counters[0] - counters[8]
+
     def peer_alive(self) -> bool:
         """False once the peer process is gone (or a zombie): the ring will never move again."""
         if self.peer_pid is None:

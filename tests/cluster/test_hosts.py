@@ -138,3 +138,29 @@ def test_two_ranks_per_host_share_memory_inside_a_host_and_tcp_across(spark_2x2,
                 assert link["address"].split(":")[0] == by_name[host_of(ranks, link["rank"])].address
         expected = {p: "shm" if host_of(ranks, p) == r["hostname"] else "tcp" for p in range(4) if p != r["rank"]}
         assert transports == expected
+
+
+def end_on_large_allreduces(count: int, elements: int):
+    """On each rank: ``count`` allreduces of ``elements`` float32 as the last collectives before
+    shutdown (nothing after them holds a faster rank back); whether each sum was exact."""
+    import spark_hvd.runtime as hvd
+
+    hvd.init()
+    try:
+        exact = []
+        for _ in range(count):
+            total = hvd.allreduce(np.full(elements, hvd.rank() + 1, dtype=np.float32), op=hvd.Sum, name="last")
+            exact.append(bool(np.all(total == sum(range(1, hvd.size() + 1)))))
+        return exact
+    finally:
+        hvd.shutdown()
+
+
+def test_a_rank_that_finished_first_and_shut_down_does_not_fail_the_ranks_still_receiving(spark_2x2):
+    """Flat ring of four ranks on two hosts over 1 Gbit/s links: a rank whose last allreduce ends
+    early (its last chunk came over shared memory) shuts down while its host-link neighbour is still
+    receiving that rank's last chunk over TCP. Its goodbye, on another connection, arrives first;
+    the neighbour still completes the allreduce with the data in flight."""
+    results = run(end_on_large_allreduces, args=(25, 4 << 20), num_proc=4,
+                  env={"SPARK_HVD_HIERARCHICAL_ALLREDUCE": "0"})
+    assert results == [[True] * 25] * 4
