@@ -75,6 +75,15 @@ class TrainingSpec:
         """A reader batch as the model's code receives it (see :func:`adapt_batch`)."""
         return adapt_batch(batch, self.transformation_fn, self.removed_fields, self.label_cols, self.label_shapes)
 
+    def open_readers(self, rank: int, size: int, reporter: Any) -> Tuple[Any, Any]:
+        """This rank's training reader and validation reader (None without held-out rows), with the
+        progress ``reporter`` told what the run will read."""
+        train = self.open_reader(rank, size)
+        val = self.open_reader(rank, size, validation=True) if self.val_url else None
+        reporter.start(epochs=self.epochs, start_epoch=self.start_epoch, steps=self.train_steps,
+                       val_steps=self.val_steps if val else 0, size=size, batch_size=self.batch_size)
+        return train, val
+
     def open_reader(self, rank: int, size: int, validation: bool = False) -> Any:
         """This rank's reader of the training split (or, with ``validation``, of the held-out rows,
         never shuffled)."""

@@ -317,11 +317,7 @@ class _Trainer:
 
     def run(self) -> Optional[Dict[str, Any]]:
         spec = self.spec
-        train_reader = spec.open_reader(self.rank, self.size)
-        val_reader = spec.open_reader(self.rank, self.size, validation=True) if spec.val_url else None
-        self.reporter.start(epochs=spec.epochs, start_epoch=spec.start_epoch, steps=spec.train_steps,
-                            val_steps=spec.val_steps if val_reader else 0, size=self.size,
-                            batch_size=spec.batch_size)
+        train_reader, val_reader = spec.open_readers(self.rank, self.size, self.reporter)
         call_hook(spec.callbacks, "on_train_begin", self.state)
         try:
             for epoch in range(spec.start_epoch, spec.epochs):
