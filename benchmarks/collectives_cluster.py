@@ -12,6 +12,10 @@ same sweep runs in three layouts, spark-hvd and gloo in the same hosts, one afte
 - ``2x2 hierarchical``: spark-hvd with SPARK_HVD_HIERARCHICAL_ALLREDUCE (shared memory inside a
   host, a ring across hosts).
 
+With one rank per host, a third column is the floor of the machine and link: two Python processes
+that exchange the buffer over one TCP connection and add (``_peers_tcp.py``), what any two-rank
+allreduce must at least do.
+
 Line rate is the tbf rate: a ring allreduce of N bytes between two hosts moves N bytes each way
 over each link (bus bandwidth = algbw x 2(n-1)/n per rank link; with one rank per host that is
 N bytes per direction), so "of line" is bytes over time against the link's bytes per second.
@@ -30,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 HERE = Path(__file__).resolve().parent
 CLUSTER = HERE.parent / "tests" / "cluster"
 
-__all__ = ["run_cluster", "LAYOUTS", "line_rate_share"]
+__all__ = ["run_cluster", "run_world_on_hosts", "LAYOUTS", "line_rate_share"]
 
 LAYOUTS = (("2x1", 1, False), ("2x2 flat", 2, False), ("2x2 hierarchical", 2, True))
 """(name, ranks per host, hierarchical) of each layout."""
@@ -59,7 +63,7 @@ def line_rate_share(nbytes: int, seconds: float, rate_bits: Optional[int], ranks
     return carried / seconds / (rate_bits / 8)
 
 
-def _world(hosts: Any, framework: str, per_host: int, hierarchical: bool, plan: Dict[str, Any],
+def run_world_on_hosts(hosts: Any, framework: str, per_host: int, hierarchical: bool, plan: Dict[str, Any],
            work: Path) -> List[Dict[str, Any]]:
     """Start one world of ``framework`` on the hosts (ranks in host order), wait, read every rank's result."""
     from collectives import WorldFailed, _child_env, _stop, _tail
@@ -91,8 +95,9 @@ def _world(hosts: Any, framework: str, per_host: int, hierarchical: bool, plan: 
             else:
                 env = _child_env({"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(local),
                                   "LOCAL_WORLD_SIZE": str(per_host), "MASTER_ADDR": hosts.hosts[0].address,
-                                  "MASTER_PORT": "29511", "GLOO_SOCKET_IFNAME": "eth0"})
-                script = "_peers_gloo.py"
+                                  "MASTER_PORT": "29511" if framework == "gloo" else "29512",
+                                  "GLOO_SOCKET_IFNAME": "eth0"})
+                script = "_peers_gloo.py" if framework == "gloo" else "_peers_tcp.py"
             log = work / f"output{rank}.txt"
             logs.append(log)
             with open(log, "wb") as f:
@@ -139,6 +144,10 @@ def _row_cells(nbytes: int, fws: Dict[str, Dict[str, Any]], rate_bits: Optional[
     cells.append(_fmt(hvd / gloo, 3) if hvd and gloo else "-")
     share = line_rate_share(nbytes, hvd, rate_bits, per_host, hierarchical) if hvd else None
     cells.append(f"{share * 100:.1f}%" if share is not None else "-")
+    floor = fws.get("tcp", {}).get("sizes", {}).get(str(nbytes))
+    cells.append(_fmt(floor["median_s"] * 1e6, 1) if floor else "-")
+    floor_share = line_rate_share(nbytes, floor["median_s"], rate_bits, per_host) if floor else None
+    cells.append(f"{floor_share * 100:.1f}%" if floor_share is not None else "-")
     return cells
 
 
@@ -155,13 +164,15 @@ def run_cluster(args: Any, plan: Dict[str, Any], out: Callable[[str], None]) -> 
             for layout, per_host, hierarchical in LAYOUTS:
                 key = f"{rate or 'unshaped'} {layout}"
                 fws: Dict[str, Dict[str, Any]] = {}
-                for framework in ("spark-hvd", "gloo"):
+                for framework in ("spark-hvd", "gloo", "tcp"):
                     if framework == "gloo" and hierarchical:
                         continue  # gloo has no hierarchical allreduce of its own
+                    if framework == "tcp" and per_host != 1:
+                        continue  # the floor is one pair of processes, one per host
                     t0 = time.monotonic()
                     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
                         try:
-                            fws[framework] = combine(_world(hosts, framework, per_host, hierarchical, plan,
+                            fws[framework] = combine(run_world_on_hosts(hosts, framework, per_host, hierarchical, plan,
                                                             Path(tmp)), per_host * 2)
                             out(f"{key} {framework}: done in {time.monotonic() - t0:.1f} s")
                         except WorldFailed as exc:
@@ -177,7 +188,8 @@ def run_cluster(args: Any, plan: Dict[str, Any], out: Callable[[str], None]) -> 
         if "hierarchical" in key:
             fws = dict(fws, gloo=results.get(key.replace("hierarchical", "flat"), {}).get("gloo", {}))
         out(f"\n== cluster, 2 hosts, {key}: float32 Sum allreduce, median of the slowest rank ==")
-        header = ["size", "spark-hvd us", "busbw", "gloo us", "busbw", "time/gloo", "of line rate"]
+        header = ["size", "spark-hvd us", "busbw", "gloo us", "busbw", "time/gloo", "of line rate",
+                  "raw TCP us", "of line rate"]
         rows = [_row_cells(int(n), fws, bits, per_host, "hierarchical" in key) for n in plan["sizes"]]
         widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
         out("  ".join(h.rjust(w) for h, w in zip(header, widths)))
