@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Protocol, Sequence
 
-__all__ = ["Collectives", "measure", "iterations_for", "warmup_for", "write_rank_result", "read_plan", "pin_to_cpu", "MiB"]
+__all__ = ["Collectives", "NumpyBuffers", "measure", "iterations_for", "warmup_for", "write_rank_result", "read_plan", "pin_to_cpu", "MiB"]
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -44,6 +44,24 @@ class Collectives(Protocol):
 
     def max_scalar(self, value: float) -> float:
         """The largest ``value`` over all ranks."""
+
+
+class NumpyBuffers:
+    """The buffer part of :class:`Collectives` on numpy float32 arrays, for the adapters whose
+    framework reduces numpy arrays (spark-hvd, mpi4py, the raw TCP pair)."""
+
+    def buffer(self, nbytes: int) -> Any:
+        import numpy as np
+
+        return np.zeros(nbytes // 4, dtype=np.float32)
+
+    def fill(self, buf: Any, value: float) -> None:
+        buf.fill(value)
+
+    def holds(self, buf: Any, value: float) -> bool:
+        import numpy as np
+
+        return bool(np.all(buf == value))
 
 
 def warmup_for(nbytes: int, quick: bool) -> int:

@@ -8,27 +8,18 @@ from typing import Any, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from _peers_common import measure, pin_to_cpu, read_plan, write_rank_result
+from _peers_common import NumpyBuffers, measure, pin_to_cpu, read_plan, write_rank_result
 
 __all__ = ["main"]
 
 
-class _Mpi:
+class _Mpi(NumpyBuffers):
     """In-place Allreduce (MPI.IN_PLACE, MPI.SUM) on numpy float32 buffers."""
 
     def __init__(self, comm: Any) -> None:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-
-    def buffer(self, nbytes: int) -> np.ndarray:
-        return np.zeros(nbytes // 4, dtype=np.float32)
-
-    def fill(self, buf: np.ndarray, value: float) -> None:
-        buf.fill(value)
-
-    def holds(self, buf: np.ndarray, value: float) -> bool:
-        return bool(np.all(buf == value))
 
     def allreduce(self, buf: np.ndarray) -> None:
         self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)

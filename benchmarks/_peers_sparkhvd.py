@@ -7,27 +7,18 @@ from typing import Any, Dict, Sequence
 
 import numpy as np
 
-from _peers_common import measure, pin_to_cpu, read_plan, write_rank_result
+from _peers_common import NumpyBuffers, measure, pin_to_cpu, read_plan, write_rank_result
 
 __all__ = ["run_rank", "main"]
 
 
-class _SparkHvd:
+class _SparkHvd(NumpyBuffers):
     """In-place Sum allreduce on numpy float32 buffers, through the spark-hvd engine."""
 
     def __init__(self, hvd: Any) -> None:
         self.hvd = hvd
         self.rank = hvd.rank()
         self.size = hvd.size()
-
-    def buffer(self, nbytes: int) -> np.ndarray:
-        return np.zeros(nbytes // 4, dtype=np.float32)
-
-    def fill(self, buf: np.ndarray, value: float) -> None:
-        buf.fill(value)
-
-    def holds(self, buf: np.ndarray, value: float) -> bool:
-        return bool(np.all(buf == value))
 
     def allreduce(self, buf: np.ndarray) -> None:
         # A stable name per size, as a training loop's gradients have.

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from _peers_common import measure, read_plan, write_rank_result
+from _peers_common import NumpyBuffers, measure, read_plan, write_rank_result
 
 __all__ = ["main"]
 
@@ -44,7 +44,7 @@ def _connect(rank: int, address: str, port: int) -> socket.socket:
     return sock
 
 
-class _TcpPair:
+class _TcpPair(NumpyBuffers):
     """Sum allreduce of numpy float32 buffers between the two ranks of one connection."""
 
     def __init__(self, sock: socket.socket, rank: int) -> None:
@@ -75,15 +75,6 @@ class _TcpPair:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"exchange of {n} bytes did not finish in {_EXCHANGE_TIMEOUT_S:.0f} s")
                 select.select([self.sock] if got < n else [], [self.sock] if sent < n else [], [], 1.0)
-
-    def buffer(self, nbytes: int) -> np.ndarray:
-        return np.zeros(nbytes // 4, dtype=np.float32)
-
-    def fill(self, buf: np.ndarray, value: float) -> None:
-        buf.fill(value)
-
-    def holds(self, buf: np.ndarray, value: float) -> bool:
-        return bool(np.all(buf == value))
 
     def allreduce(self, buf: np.ndarray) -> None:
         if len(self._incoming) < buf.nbytes:
