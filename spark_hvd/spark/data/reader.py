@@ -127,7 +127,7 @@ def arrow_to_numpy(column: Any, shape: Optional[Tuple[int, ...]], name: str) -> 
     n = len(column)
     if pa.types.is_list(column.type) or pa.types.is_large_list(column.type) \
             or pa.types.is_fixed_size_list(column.type):
-        offsets = np.asarray(column.offsets) if not pa.types.is_fixed_size_list(column.type) else None
+        offsets = column.offsets.to_numpy() if not pa.types.is_fixed_size_list(column.type) else None
         values = np.asarray(column.flatten().to_numpy(zero_copy_only=False))
         if offsets is not None and n:
             lengths = np.diff(offsets)
@@ -151,18 +151,26 @@ def _from_petastorm(value: np.ndarray, shape: Optional[Tuple[int, ...]]) -> np.n
     return value
 
 
+Picked = Tuple[Chunk, Optional[np.ndarray]]
+"""Rows waiting to be cut into batches: columns, and the order their rows leave in (None: as stored)."""
+
+
 class _ShuffleBuffer:
     """Bounded shuffle across chunks: rows leave in random order once more than ``capacity``
-    rows have arrived, so memory stays at ``capacity`` rows plus one chunk."""
+    rows have arrived, so memory stays at ``capacity`` rows plus one chunk.
+
+    What leaves is a chunk with the order of its leaving rows: the rows are gathered batch by
+    batch (:class:`Batcher`), each straight into the batch's own array, instead of gathering the
+    whole chunk in a new order first."""
 
     def __init__(self, capacity: int, rng: Optional[np.random.Generator]) -> None:
         self.capacity = capacity
         self.rng = rng
         self.rows: Optional[Chunk] = None
 
-    def add(self, chunk: Chunk) -> Optional[Chunk]:
+    def add(self, chunk: Chunk) -> Optional[Picked]:
         if self.rng is None:
-            return chunk
+            return chunk, None
         rows = chunk if self.rows is None else {k: np.concatenate([self.rows[k], v]) for k, v in chunk.items()}
         count = len(next(iter(rows.values())))
         surplus = count - self.capacity
@@ -170,15 +178,16 @@ class _ShuffleBuffer:
             self.rows = rows
             return None
         order = self.rng.permutation(count)
-        out, keep = order[:surplus], order[surplus:]
-        self.rows = _gather(rows, keep)
-        return _gather(rows, out)
+        self.rows = _gather(rows, order[surplus:])
+        return rows, order[:surplus]
 
-    def drain(self) -> Optional[Chunk]:
+    def drain(self) -> Optional[Picked]:
         rows, self.rows = self.rows, None
-        if rows is None or self.rng is None:
-            return rows
-        return _gather(rows, self.rng.permutation(len(next(iter(rows.values())))))
+        if rows is None:
+            return None
+        if self.rng is None:
+            return rows, None
+        return rows, self.rng.permutation(len(next(iter(rows.values()))))
 
 
 def _gather(rows: Chunk, order: np.ndarray) -> Chunk:
@@ -186,48 +195,71 @@ def _gather(rows: Chunk, order: np.ndarray) -> Chunk:
     return {k: np.take(v, order, axis=0) for k, v in rows.items()}
 
 
+def _count(picked: Picked) -> int:
+    chunk, order = picked
+    return len(order) if order is not None else len(next(iter(chunk.values())))
+
+
 class Batcher:
     """Cuts a stream of chunks into batches of exactly ``batch_size`` rows.
 
-    A batch that lies within one chunk is a view of it (no copy); only a batch that straddles
-    two chunks is gathered. Rows are never copied more than once, whatever the chunk size.
+    A batch that lies within one chunk kept in its stored order is a view of it (no copy); one
+    of a chunk with an order of its own (shuffled) is gathered in that order into the batch's
+    own arrays; only a batch that straddles two chunks is joined. Rows are never copied more
+    than once on the way, except the few of a straddling batch.
     """
 
     def __init__(self, batch_size: int) -> None:
         self.batch_size = batch_size
-        self.pending: Deque[Chunk] = deque()
+        self.pending: Deque[Picked] = deque()
         self.count = 0
 
-    def push(self, chunk: Optional[Chunk]) -> Iterator[Batch]:
+    def push(self, chunk: Optional[Chunk], order: Optional[np.ndarray] = None) -> Iterator[Batch]:
+        """The batches that are complete once ``chunk`` arrived; ``order``, when given, is the
+        order in which its rows leave (indices into it; rows not in it are left out)."""
         if chunk is None:
             return
-        n = len(next(iter(chunk.values())))
+        picked = (chunk, order)
+        n = _count(picked)
         if n == 0:
             return
-        self.pending.append(chunk)
+        self.pending.append(picked)
         self.count += n
         size = self.batch_size
         while self.count >= size:
-            first = self.pending[0]
-            if len(next(iter(first.values()))) >= size:
+            if _count(self.pending[0]) >= size:
                 yield self._take(size)
             else:
                 parts = []
                 need = size
                 while need:
-                    rows = min(need, len(next(iter(self.pending[0].values()))))
+                    rows = min(need, _count(self.pending[0]))
                     parts.append(self._take(rows))
                     need -= rows
                 yield {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
             self.count -= size
 
+    def push_picked(self, picked: Optional[Picked]) -> Iterator[Batch]:
+        """:meth:`push` of what a shuffle buffer let go (nothing, or a chunk and its order)."""
+        if picked is None:
+            return iter(())
+        return self.push(*picked)
+
     def _take(self, rows: int) -> Chunk:
-        """The first ``rows`` rows of the first pending chunk (at most all of it), as views."""
-        first = self.pending[0]
-        if len(next(iter(first.values()))) <= rows:
-            return self.pending.popleft()
-        self.pending[0] = {k: v[rows:] for k, v in first.items()}
-        return {k: v[:rows] for k, v in first.items()}
+        """The next ``rows`` rows of the first pending chunk (at most all of it): views of a chunk
+        in stored order, the rows gathered for one with an order of its own."""
+        chunk, order = self.pending[0]
+        if order is None:
+            if len(next(iter(chunk.values()))) <= rows:
+                self.pending.popleft()
+                return chunk
+            self.pending[0] = ({k: v[rows:] for k, v in chunk.items()}, None)
+            return {k: v[:rows] for k, v in chunk.items()}
+        if len(order) <= rows:
+            self.pending.popleft()
+        else:
+            self.pending[0] = (chunk, order[rows:])
+        return _gather(chunk, order[:rows])
 
 
 _DONE = object()
@@ -272,6 +304,7 @@ class BatchReader:
         self.block_rows = block_rows
         """Rows the reader thread hands over at once (whole batches; at least one batch)."""
         self._threads: List[Tuple[threading.Thread, threading.Event]] = []
+        self._started: Optional[Tuple[int, threading.Thread, threading.Event, "queue.Queue[Any]"]] = None
 
     def iter_epoch(self, epoch: int) -> Iterator[Batch]:
         """Exactly :attr:`steps_per_epoch` batches of epoch ``epoch``; a background thread reads
@@ -285,12 +318,13 @@ class BatchReader:
         """The batches of :meth:`iter_epoch` (the same ones, in the same order) in the blocks the
         reading thread hands over, for a consumer that takes several batches at once (a tf.data
         pipeline cuts a stacked block into batches without a Python call per batch)."""
-        blocks: "queue.Queue[Any]" = queue.Queue(maxsize=self.prefetch_batches)
-        stop = threading.Event()
-        thread = threading.Thread(target=self._produce, args=(epoch, blocks, stop),
-                                  name=f"spark-hvd-reader-rank{self.rank}-epoch{epoch}", daemon=True)
-        self._threads.append((thread, stop))
-        thread.start()
+        started, self._started = self._started, None
+        if started is not None and started[0] == epoch:
+            _, thread, stop, blocks = started
+        else:
+            if started is not None:
+                self._stop(*started[1:])
+            thread, stop, blocks = self._start(epoch)
         try:
             left = self.steps_per_epoch
             while left > 0:
@@ -302,6 +336,25 @@ class BatchReader:
                 yield block
         finally:
             self._stop(thread, stop, blocks)
+
+    def prefetch(self, epoch: int) -> None:
+        """Start reading epoch ``epoch`` now, in the background, so its first batches are ready when
+        :meth:`iter_epoch` asks for them (e.g. while the model is broadcast). Starting another epoch
+        instead, or :meth:`close`, stops that reading."""
+        if self._started is not None:
+            if self._started[0] == epoch:
+                return
+            self._stop(*self._started[1:])
+        self._started = (epoch, *self._start(epoch))
+
+    def _start(self, epoch: int) -> Tuple[threading.Thread, threading.Event, "queue.Queue[Any]"]:
+        blocks: "queue.Queue[Any]" = queue.Queue(maxsize=self.prefetch_batches)
+        stop = threading.Event()
+        thread = threading.Thread(target=self._produce, args=(epoch, blocks, stop),
+                                  name=f"spark-hvd-reader-rank{self.rank}-epoch{epoch}", daemon=True)
+        self._threads.append((thread, stop))
+        thread.start()
+        return thread, stop, blocks
 
     def __iter__(self) -> Iterator[Batch]:
         return self.iter_epoch(0)
@@ -362,13 +415,13 @@ class BatchReader:
                 try:
                     for chunk in chunks:
                         rows_seen += len(next(iter(chunk.values())))
-                        if not emit(batcher.push(buffer.add(chunk))):
+                        if not emit(batcher.push_picked(buffer.add(chunk))):
                             return
                 finally:
                     close = getattr(chunks, "close", None)
                     if close is not None:
                         close()
-                if not emit(batcher.push(buffer.drain())):
+                if not emit(batcher.push_picked(buffer.drain())):
                     return
                 if rows_seen == 0:
                     raise ValueError(f"rank {self.rank} of {self.size} has no rows to read: the dataset has "
@@ -390,6 +443,7 @@ class BatchReader:
 
     def close(self) -> None:
         """Stop any reading thread still running."""
+        self._started = None
         for thread, stop in list(self._threads):
             stop.set()
             thread.join(timeout=30.0)
@@ -452,7 +506,7 @@ def _builtin_source(layout: ParquetLayout, rank: int, size: int, columns: Sequen
                 if rg.file not in opened:
                     handle = fs.open(rg.file, "rb")
                     opened[rg.file] = (handle, pq.ParquetFile(handle))
-                table = opened[rg.file][1].read_row_group(rg.index, columns=list(columns))
+                table = opened[rg.file][1].read_row_group(rg.index, columns=list(columns), use_threads=False)
                 chunk = {c: arrow_to_numpy(table.column(c), shapes.get(c), c) for c in columns}
                 if cache_all:
                     cache[index] = chunk

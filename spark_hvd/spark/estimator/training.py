@@ -77,8 +77,10 @@ class TrainingSpec:
 
     def open_readers(self, rank: int, size: int, reporter: Any) -> Tuple[Any, Any]:
         """This rank's training reader and validation reader (None without held-out rows), with the
-        progress ``reporter`` told what the run will read."""
+        progress ``reporter`` told what the run will read. The training reader starts reading the
+        first epoch at once, so its first batches are ready by the time the loop asks for them."""
         train = self.open_reader(rank, size)
+        train.prefetch(self.start_epoch)
         val = self.open_reader(rank, size, validation=True) if self.val_url else None
         reporter.start(epochs=self.epochs, start_epoch=self.start_epoch, steps=self.train_steps,
                        val_steps=self.val_steps if val else 0, size=size, batch_size=self.batch_size)

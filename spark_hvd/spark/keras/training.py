@@ -78,6 +78,21 @@ class _Trainer:
         self.spec = spec
         self.hvd = hvd
         self.rank, self.size = hvd.rank(), hvd.size()
+        self.reporter = ProgressReporter(self.rank == 0, spec.progress, spec.progress_interval_s)
+        # Opened first: the first epoch's rows are read while the model is built and compiled.
+        self.train_reader, self.val_reader = spec.open_readers(self.rank, self.size, self.reporter)
+        try:
+            self._set_up(spec, hvd, tf)
+        except BaseException:
+            self._close_readers()
+            raise
+
+    def _close_readers(self) -> None:
+        self.train_reader.close()
+        if self.val_reader is not None:
+            self.val_reader.close()
+
+    def _set_up(self, spec: KerasTrainingSpec, hvd: Any, tf: Any) -> None:
         threads = rank_threads(hvd.local_size())
         try:
             tf.config.threading.set_intra_op_parallelism_threads(threads)
@@ -100,7 +115,6 @@ class _Trainer:
                            loss_weights=spec.loss_weights, metrics=spec.metrics or None, jit_compile=False)
         if spec.optimizer_variables is not None:
             self._restore_optimizer(spec.optimizer_variables)
-        self.reporter = ProgressReporter(self.rank == 0, spec.progress, spec.progress_interval_s)
         self.profile = step_profile(KERAS_PHASES)
         self.history: List[Dict[str, Any]] = list(spec.history)
 
@@ -194,7 +208,7 @@ class _Trainer:
     # -- fit -------------------------------------------------------------------------------------
     def run(self) -> Optional[Dict[str, Any]]:
         spec = self.spec
-        train_reader, val_reader = spec.open_readers(self.rank, self.size, self.reporter)
+        train_reader, val_reader = self.train_reader, self.val_reader
         files = RunFiles(spec.store, spec.run_path)
         callbacks = [self.hvd.callbacks.BroadcastGlobalVariablesCallback(0),
                      self.hvd.callbacks.MetricAverageCallback(), _recorder(self),
@@ -206,9 +220,7 @@ class _Trainer:
                            validation_steps=spec.val_steps if val_reader is not None else None,
                            callbacks=callbacks, shuffle=False, verbose=0)  # the reader shuffles
         finally:
-            train_reader.close()
-            if val_reader is not None:
-                val_reader.close()
+            self._close_readers()
         if self.rank != 0:
             return None
         weights = self._checkpointed_weights() or self.model.get_weights()

@@ -157,6 +157,16 @@ class _Trainer:
         self.hvd = hvd
         self.rank, self.size = hvd.rank(), hvd.size()
         torch.set_num_threads(rank_threads(hvd.local_size()))
+        self.reporter = ProgressReporter(self.rank == 0, spec.progress, spec.progress_interval_s)
+        # Opened first: the first epoch's rows are read while the model is set up and broadcast.
+        self.train_reader, self.val_reader = spec.open_readers(self.rank, self.size, self.reporter)
+        try:
+            self._set_up(spec, hvd)
+        except BaseException:
+            self._close_readers()
+            raise
+
+    def _set_up(self, spec: TorchTrainingSpec, hvd: Any) -> None:
         if spec.model_seed is not None:
             torch.manual_seed(spec.model_seed)
         self.device = _device(spec.use_gpu)
@@ -180,7 +190,6 @@ class _Trainer:
             kwargs["compression"] = spec.compression
         self.optimizer = hvd.DistributedOptimizer(optimizer, **kwargs)
         self.loss_fn = LossFunction(spec.losses, spec.loss_weights)
-        self.reporter = ProgressReporter(self.rank == 0, spec.progress, spec.progress_interval_s)
         self.profile = step_profile(TORCH_PHASES)
         self.state = TrainingState(model=self.model, optimizer=self.optimizer, rank=self.rank, size=self.size,
                                    epoch=spec.start_epoch, epochs=spec.epochs, history=list(spec.history))
@@ -317,7 +326,7 @@ class _Trainer:
 
     def run(self) -> Optional[Dict[str, Any]]:
         spec = self.spec
-        train_reader, val_reader = spec.open_readers(self.rank, self.size, self.reporter)
+        train_reader, val_reader = self.train_reader, self.val_reader
         call_hook(spec.callbacks, "on_train_begin", self.state)
         try:
             for epoch in range(spec.start_epoch, spec.epochs):
@@ -344,13 +353,16 @@ class _Trainer:
                 if self._stop_requested(epoch):
                     break
         finally:
-            train_reader.close()
-            if val_reader is not None:
-                val_reader.close()
+            self._close_readers()
         call_hook(spec.callbacks, "on_train_end", self.state)
         if self.rank != 0:
             return None
         return {"model": _to_cpu(self.model.state_dict()), "history": self.state.history}
+
+    def _close_readers(self) -> None:
+        self.train_reader.close()
+        if self.val_reader is not None:
+            self.val_reader.close()
 
     def _gathered_profiles(self, epoch: int) -> Optional[List[Dict[str, float]]]:
         """Every rank's step profile of the epoch, in rank order; None when profiling is off."""

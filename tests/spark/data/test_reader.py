@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections import Counter
 from typing import Dict, List
 
@@ -207,3 +208,53 @@ def test_handing_batches_over_in_blocks_changes_no_batch(tmp_path, shuffle):
         reader.close()
     assert got[1] == got[40] == got[10_000]
     assert len(got[1][0]) == steps_for(102, 1, 4)
+
+
+def test_a_chunk_with_an_order_leaves_in_that_order_gathered_into_batches_of_their_own():
+    """A shuffled chunk's rows leave in its order, each batch gathered into new, writable arrays
+    (nothing to copy again on the way to a tensor); a batch across two chunks joins both orders."""
+    from spark_hvd.spark.data.reader import Batcher
+
+    batcher = Batcher(4)
+    first = {"x": np.arange(0, 10, dtype=np.float64)}
+    second = {"x": np.arange(10, 16, dtype=np.float64)}
+    order_a = np.array([9, 3, 5, 1, 0, 2, 8])  # rows 4, 6 and 7 are kept back: not in the order
+    order_b = np.array([5, 4, 3, 2, 1])
+    batches = list(batcher.push(first, order_a)) + list(batcher.push(second, order_b))
+    assert [b["x"].tolist() for b in batches] == [[9, 3, 5, 1], [0, 2, 8, 15], [14, 13, 12, 11]]
+    for batch in batches:
+        assert batch["x"].flags.writeable and batch["x"].flags.c_contiguous
+        assert not np.shares_memory(batch["x"], first["x"]) and not np.shares_memory(batch["x"], second["x"])
+    assert batcher.count == 0 and not batcher.pending
+
+
+def _epoch_threads(epoch: int) -> List[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == f"spark-hvd-reader-rank0-epoch{epoch}" and t.is_alive()]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefetch_reads_an_epoch_ahead_and_changes_no_batch(tmp_path, kind):
+    """prefetch(e) starts reading epoch e before iter_epoch(e) asks; the batches are those of a
+    reader that did not prefetch; prefetching another epoch, or closing, stops that reading."""
+    write_dataset(tmp_path / "d", files=2, groups_per_file=3, rows_per_group=17)
+    options = dict(rank=0, size=1, batch_size=4, feature_cols=["x"], label_cols=["id"], shuffle=True, seed=3,
+                   shuffle_buffer_rows=20, block_rows=4, prefetch_batches=2)
+    with make_reader(kind, str(tmp_path / "d"), **options) as plain:
+        expected = [[b["id"].tolist() for b in plain.iter_epoch(e)] for e in (0, 1)]
+    with make_reader(kind, str(tmp_path / "d"), **options) as reader:
+        reader.prefetch(1)
+        assert _epoch_threads(1), "prefetch(1) started no reading thread"
+        reader.prefetch(0)  # another epoch: the first reading stops
+        deadline = time.monotonic() + 30
+        while _epoch_threads(1) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not _epoch_threads(1)
+        got0 = [b["id"].tolist() for b in reader.iter_epoch(0)]
+        reader.prefetch(1)
+        got1 = [b["id"].tolist() for b in reader.iter_epoch(1)]
+        assert [got0, got1] == expected
+        reader.prefetch(0)
+    deadline = time.monotonic() + 30
+    while _epoch_threads(0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _epoch_threads(0), "close() left the prefetching thread running"
