@@ -151,8 +151,9 @@ def _from_petastorm(value: np.ndarray, shape: Optional[Tuple[int, ...]]) -> np.n
     return value
 
 
-Picked = Tuple[Chunk, Optional[np.ndarray]]
-"""Rows waiting to be cut into batches: columns, and the order their rows leave in (None: as stored)."""
+Picked = Tuple[Optional[Chunk], Optional[np.ndarray]]
+"""Rows on their way to batches: columns (None: no rows), and the order their rows leave in (None:
+as stored); ``Batcher.push(*picked)`` takes them."""
 
 
 class _ShuffleBuffer:
@@ -168,7 +169,7 @@ class _ShuffleBuffer:
         self.rng = rng
         self.rows: Optional[Chunk] = None
 
-    def add(self, chunk: Chunk) -> Optional[Picked]:
+    def add(self, chunk: Chunk) -> Picked:
         if self.rng is None:
             return chunk, None
         rows = chunk if self.rows is None else {k: np.concatenate([self.rows[k], v]) for k, v in chunk.items()}
@@ -176,15 +177,15 @@ class _ShuffleBuffer:
         surplus = count - self.capacity
         if surplus <= 0:
             self.rows = rows
-            return None
+            return None, None
         order = self.rng.permutation(count)
         self.rows = _gather(rows, order[surplus:])
         return rows, order[:surplus]
 
-    def drain(self) -> Optional[Picked]:
+    def drain(self) -> Picked:
         rows, self.rows = self.rows, None
         if rows is None:
-            return None
+            return None, None
         if self.rng is None:
             return rows, None
         return rows, self.rng.permutation(len(next(iter(rows.values()))))
@@ -238,12 +239,6 @@ class Batcher:
                     need -= rows
                 yield {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
             self.count -= size
-
-    def push_picked(self, picked: Optional[Picked]) -> Iterator[Batch]:
-        """:meth:`push` of what a shuffle buffer let go (nothing, or a chunk and its order)."""
-        if picked is None:
-            return iter(())
-        return self.push(*picked)
 
     def _take(self, rows: int) -> Chunk:
         """The next ``rows`` rows of the first pending chunk (at most all of it): views of a chunk
@@ -415,13 +410,13 @@ class BatchReader:
                 try:
                     for chunk in chunks:
                         rows_seen += len(next(iter(chunk.values())))
-                        if not emit(batcher.push_picked(buffer.add(chunk))):
+                        if not emit(batcher.push(*buffer.add(chunk))):
                             return
                 finally:
                     close = getattr(chunks, "close", None)
                     if close is not None:
                         close()
-                if not emit(batcher.push_picked(buffer.drain())):
+                if not emit(batcher.push(*buffer.drain())):
                     return
                 if rows_seen == 0:
                     raise ValueError(f"rank {self.rank} of {self.size} has no rows to read: the dataset has "

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["TrainingSpec", "RunFiles", "adapt_batch", "rank_threads", "run_trainer"]
+__all__ = ["TrainingSpec", "RunFiles", "adapt_batch", "close_readers", "rank_threads", "run_trainer"]
 
 
 @dataclass(kw_only=True)
@@ -103,6 +103,14 @@ class TrainingSpec:
                            sample_weight_col=self.sample_weight_col, shuffle=self.shuffle and not validation,
                            seed=self.seed, steps_per_epoch=self.val_steps if validation else self.train_steps,
                            shapes=self.column_shapes, storage_options=self.storage_options, **extra)
+
+
+def close_readers(*readers: Any) -> None:
+    """Stop the reading threads of ``readers`` (None entries, such as a fit's missing validation
+    reader, are skipped)."""
+    for reader in readers:
+        if reader is not None:
+            reader.close()
 
 
 class RunFiles:

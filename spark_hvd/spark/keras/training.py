@@ -27,7 +27,7 @@ from spark_hvd.spark.keras import checks
 from spark_hvd.spark.keras.checkpoint import checkpoint_bytes, load_model_bytes
 from spark_hvd.spark.estimator.progress import ProgressReporter
 from spark_hvd.spark.estimator.step_profile import KERAS_PHASES, step_profile
-from spark_hvd.spark.estimator.training import RunFiles, TrainingSpec, rank_threads, run_trainer
+from spark_hvd.spark.estimator.training import RunFiles, TrainingSpec, close_readers, rank_threads, run_trainer
 
 __all__ = ["KerasTrainingSpec", "train_on_rank", "scaled_optimizer"]
 
@@ -84,13 +84,8 @@ class _Trainer:
         try:
             self._set_up(spec, hvd, tf)
         except BaseException:
-            self._close_readers()
+            close_readers(self.train_reader, self.val_reader)
             raise
-
-    def _close_readers(self) -> None:
-        self.train_reader.close()
-        if self.val_reader is not None:
-            self.val_reader.close()
 
     def _set_up(self, spec: KerasTrainingSpec, hvd: Any, tf: Any) -> None:
         threads = rank_threads(hvd.local_size())
@@ -220,7 +215,7 @@ class _Trainer:
                            validation_steps=spec.val_steps if val_reader is not None else None,
                            callbacks=callbacks, shuffle=False, verbose=0)  # the reader shuffles
         finally:
-            self._close_readers()
+            close_readers(self.train_reader, self.val_reader)
         if self.rank != 0:
             return None
         weights = self._checkpointed_weights() or self.model.get_weights()

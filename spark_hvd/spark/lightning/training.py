@@ -27,7 +27,7 @@ from pytorch_lightning.callbacks import Checkpoint, ModelCheckpoint
 from spark_hvd.spark.torch.batches import feature_tensors, model_dtype, weight_tensor
 from spark_hvd.spark.estimator.progress import ProgressReporter
 from spark_hvd.spark.estimator.step_profile import LIGHTNING_PHASES, step_profile
-from spark_hvd.spark.estimator.training import RunFiles, TrainingSpec, rank_threads
+from spark_hvd.spark.estimator.training import RunFiles, TrainingSpec, close_readers, rank_threads
 
 __all__ = ["LightningTrainingSpec", "fit_on_rank", "CHECKPOINT_KEY", "history_entry"]
 
@@ -282,9 +282,7 @@ def fit_on_rank(spec: LightningTrainingSpec) -> Optional[Dict[str, Any]]:
                 trainer.fit(module, train_dataloaders=_loader(_ShardBatches(train_reader, convert, spec.start_epoch)),
                             val_dataloaders=val_loader, ckpt_path=ckpt_path, weights_only=False if ckpt_path else None)
             finally:
-                train_reader.close()
-                if val_reader is not None:
-                    val_reader.close()
+                close_readers(train_reader, val_reader)
             if rank != 0:
                 return None
             files.upload()

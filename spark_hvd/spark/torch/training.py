@@ -26,7 +26,7 @@ from spark_hvd.spark.torch.batches import (LossFunction, feature_tensors, label_
 from spark_hvd.spark.torch.callbacks import TrainingState, call_hook
 from spark_hvd.spark.estimator.progress import ProgressReporter
 from spark_hvd.spark.estimator.step_profile import TORCH_PHASES, step_profile
-from spark_hvd.spark.estimator.training import TrainingSpec, rank_threads, run_trainer
+from spark_hvd.spark.estimator.training import TrainingSpec, close_readers, rank_threads, run_trainer
 
 __all__ = ["OptimizerSpec", "TorchTrainingSpec", "train_on_rank", "CHECKPOINT_FORMAT", "checkpoint_bytes",
            "load_checkpoint"]
@@ -163,7 +163,7 @@ class _Trainer:
         try:
             self._set_up(spec, hvd)
         except BaseException:
-            self._close_readers()
+            close_readers(self.train_reader, self.val_reader)
             raise
 
     def _set_up(self, spec: TorchTrainingSpec, hvd: Any) -> None:
@@ -353,16 +353,11 @@ class _Trainer:
                 if self._stop_requested(epoch):
                     break
         finally:
-            self._close_readers()
+            close_readers(self.train_reader, self.val_reader)
         call_hook(spec.callbacks, "on_train_end", self.state)
         if self.rank != 0:
             return None
         return {"model": _to_cpu(self.model.state_dict()), "history": self.state.history}
-
-    def _close_readers(self) -> None:
-        self.train_reader.close()
-        if self.val_reader is not None:
-            self.val_reader.close()
 
     def _gathered_profiles(self, epoch: int) -> Optional[List[Dict[str, float]]]:
         """Every rank's step profile of the epoch, in rank order; None when profiling is off."""

@@ -253,6 +253,10 @@ def test_prefetch_reads_an_epoch_ahead_and_changes_no_batch(tmp_path, kind):
         reader.prefetch(1)
         got1 = [b["id"].tolist() for b in reader.iter_epoch(1)]
         assert [got0, got1] == expected
+        deadline = time.monotonic() + 30
+        while _epoch_threads(1) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not _epoch_threads(1), "iter_epoch(1) read with a thread of its own, not the prefetching one"
         reader.prefetch(0)
     deadline = time.monotonic() + 30
     while _epoch_threads(0) and time.monotonic() < deadline:
