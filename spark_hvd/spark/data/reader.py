@@ -48,6 +48,8 @@ class RowGroup:
     """Index of the row group within the file."""
     num_rows: int
     """Rows in the row group."""
+    byte_size: int = 0
+    """Bytes of its column data, uncompressed (the footer's ``total_byte_size``; 0: not known)."""
 
 
 @dataclass(frozen=True)
@@ -108,8 +110,24 @@ def scan_parquet(urls: Union[str, Sequence[str]],
             if not names:
                 names = tuple(meta.schema.to_arrow_schema().names)
             for i in range(meta.num_row_groups):
-                row_groups.append(RowGroup(file, i, meta.row_group(i).num_rows))
+                group = meta.row_group(i)
+                row_groups.append(RowGroup(file, i, group.num_rows, group.total_byte_size))
     return ParquetLayout(tuple(files), tuple(row_groups), names)
+
+
+_PIECE_BYTES = 2 << 20
+"""About how much of a row group's column data the builtin reader decodes at a time: a whole row
+group (Spark writes them up to 128 MiB) decoded at once costs twice the CPU per row of pieces that
+stay in the core's cache, and holds the whole group in memory while its batches leave."""
+_PIECE_ROWS = 16_384
+"""Rows per piece where the footer gives no size."""
+
+
+def _piece_rows(group: RowGroup) -> int:
+    """Rows the builtin reader decodes at a time from ``group``: about :data:`_PIECE_BYTES` of it."""
+    if group.byte_size <= 0 or group.num_rows <= 0:
+        return _PIECE_ROWS
+    return max(1, min(group.num_rows, _PIECE_BYTES * group.num_rows // group.byte_size))
 
 
 def steps_for(total_rows: int, size: int, batch_size: int) -> int:
@@ -158,7 +176,8 @@ as stored); ``Batcher.push(*picked)`` takes them."""
 
 class _ShuffleBuffer:
     """Bounded shuffle across chunks: rows leave in random order once more than ``capacity``
-    rows have arrived, so memory stays at ``capacity`` rows plus one chunk.
+    rows have arrived, so memory stays at ``capacity`` rows plus one chunk. With ``capacity`` 0
+    rows leave in their stored order (only the order of the row groups is shuffled).
 
     What leaves is a chunk with the order of its leaving rows: the rows are gathered batch by
     batch (:class:`Batcher`), each straight into the batch's own array, instead of gathering the
@@ -170,7 +189,7 @@ class _ShuffleBuffer:
         self.rows: Optional[Chunk] = None
 
     def add(self, chunk: Chunk) -> Picked:
-        if self.rng is None:
+        if self.rng is None or self.capacity == 0:
             return chunk, None
         rows = chunk if self.rows is None else {k: np.concatenate([self.rows[k], v]) for k, v in chunk.items()}
         count = len(next(iter(rows.values())))
@@ -480,7 +499,7 @@ def _builtin_source(layout: ParquetLayout, rank: int, size: int, columns: Sequen
     groups = layout.row_groups
     fixed = deal_row_groups(groups, size, None, seed)[rank]
     shard_rows = sum(groups[i].num_rows for i in fixed)
-    cache: Dict[int, Chunk] = {}  # row group index -> its columns, with cache_all
+    cache: Dict[int, List[Chunk]] = {}  # row group index -> its pieces, with cache_all
 
     def read_pass(epoch: int, pass_index: int) -> Iterator[Chunk]:
         import pyarrow.parquet as pq
@@ -495,17 +514,23 @@ def _builtin_source(layout: ParquetLayout, rank: int, size: int, columns: Sequen
             for j in order:
                 index = shard[j]
                 if index in cache:
-                    yield cache[index]
+                    yield from cache[index]
                     continue
                 rg = groups[index]
                 if rg.file not in opened:
                     handle = fs.open(rg.file, "rb")
                     opened[rg.file] = (handle, pq.ParquetFile(handle))
-                table = opened[rg.file][1].read_row_group(rg.index, columns=list(columns), use_threads=False)
-                chunk = {c: arrow_to_numpy(table.column(c), shapes.get(c), c) for c in columns}
+                pieces: List[Chunk] = []
+                # Decoded in pieces on this thread alone (pyarrow's pool threads would compete
+                # with the ranks of the host), each handed on before the next is decoded.
+                for table in opened[rg.file][1].iter_batches(batch_size=_piece_rows(rg), row_groups=[rg.index],
+                                                             columns=list(columns), use_threads=False):
+                    chunk = {c: arrow_to_numpy(table.column(c), shapes.get(c), c) for c in columns}
+                    if cache_all:
+                        pieces.append(chunk)
+                    yield chunk
                 if cache_all:
-                    cache[index] = chunk
-                yield chunk
+                    cache[index] = pieces
         finally:
             for handle, _ in opened.values():
                 handle.close()

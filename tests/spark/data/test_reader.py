@@ -262,3 +262,39 @@ def test_prefetch_reads_an_epoch_ahead_and_changes_no_batch(tmp_path, kind):
     while _epoch_threads(0) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not _epoch_threads(0), "close() left the prefetching thread running"
+
+
+def test_a_large_row_group_is_decoded_in_pieces_and_read_whole(tmp_path, monkeypatch):
+    """One row group of 1,000 rows of ~32 bytes, pieces of about 2 KiB: the source hands it on in
+    pieces of about 64 rows (never the whole group at once), every row once, in stored order; with
+    cache_all the second epoch yields the same pieces from memory."""
+    from spark_hvd.spark.data import reader as reader_module
+
+    write_dataset(tmp_path / "d", files=1, groups_per_file=1, rows_per_group=1000)
+    layout = scan_parquet(str(tmp_path / "d"))
+    (group,) = layout.row_groups
+    assert group.num_rows == 1000 and group.byte_size > 0
+    monkeypatch.setattr(reader_module, "_PIECE_BYTES", 2048)
+    rows = reader_module._piece_rows(group)
+    assert 16 <= rows <= 256, rows
+    for cache_all in (False, True):
+        source, shard_rows = reader_module._builtin_source(
+            layout, 0, 1, ["id", "x"], {}, shuffle=False, seed=0, storage_options=None,
+            url=str(tmp_path / "d"), cache_all=cache_all)
+        assert shard_rows == 1000
+        for epoch in (0, 1):
+            pieces = list(source(epoch, 0))
+            assert len(pieces) == -(-1000 // rows) and max(len(p["id"]) for p in pieces) == rows
+            ids = np.concatenate([p["id"] for p in pieces])
+            assert ids.tolist() == list(range(1000))
+            assert np.array_equal(np.concatenate([p["x"] for p in pieces])[:, 1], 2.0 * ids)
+
+
+def test_a_shuffle_buffer_of_zero_rows_shuffles_row_groups_only(tmp_path):
+    """shuffle_buffer_rows=0: the row groups come in a shuffled order, each one's rows as stored."""
+    write_dataset(tmp_path / "d", files=2, groups_per_file=4, rows_per_group=10)
+    (batches,) = read_epoch(tmp_path / "d", "builtin", 1, batch_size=10, shuffle=True, shuffle_buffer_rows=0)
+    groups = [b["id"].tolist() for b in batches]
+    assert all(g == list(range(g[0], g[0] + 10)) and g[0] % 10 == 0 for g in groups)
+    assert sorted(g[0] for g in groups) == list(range(0, 80, 10))
+    assert [g[0] for g in groups] != list(range(0, 80, 10))
