@@ -598,7 +598,10 @@ def make_reader(kind: str, urls: Union[str, Sequence[str]], *, rank: int, size: 
     ``reshuffle`` (the default) deals the row groups to the ranks anew every epoch (a seeded
     permutation, balanced by rows; see :func:`deal_row_groups`), so over the epochs every rank
     sees all of the data; ``reshuffle=False`` keeps row group ``i`` on rank ``i % size``.
-    ``cache_all`` keeps every row group read in memory for the next epochs. Batches hold
+    ``cache_all`` keeps every row group read in memory for the next epochs. The builtin reader
+    decodes each row group in pieces of about 2 MiB of column data, so its memory is the shuffle
+    buffer of ``shuffle_buffer_rows`` rows plus a piece, however large the row groups; rows leave
+    the buffer in random order (with 0 rows, each row group's rows leave as stored). Batches hold
     ``feature_cols``, ``label_cols`` and ``sample_weight_col``, each reshaped to ``shapes[col]``
     per row when given (e.g. the shapes recorded by ``prepare_data``). ``steps_per_epoch``
     defaults to ``ceil(total_rows / (size * batch_size))`` on every rank. A background thread
