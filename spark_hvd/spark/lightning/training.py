@@ -271,6 +271,8 @@ def fit_on_rank(spec: LightningTrainingSpec) -> Optional[Dict[str, Any]]:
                                     spec.feature_shapes, dtype, spec.adapt_batch)
 
             train_reader = spec.open_reader(rank, size)
+            # Reading starts now, while Trainer.fit sets up the strategy and broadcasts the model.
+            train_reader.prefetch(spec.start_epoch)
             val_reader = spec.open_reader(rank, size, validation=True) if spec.val_url else None
             try:
                 ckpt_path = None
