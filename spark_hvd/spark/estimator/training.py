@@ -75,15 +75,17 @@ class TrainingSpec:
         """A reader batch as the model's code receives it (see :func:`adapt_batch`)."""
         return adapt_batch(batch, self.transformation_fn, self.removed_fields, self.label_cols, self.label_shapes)
 
-    def open_readers(self, rank: int, size: int, reporter: Any) -> Tuple[Any, Any]:
+    def open_readers(self, rank: int, size: int, reporter: Any = None) -> Tuple[Any, Any]:
         """This rank's training reader and validation reader (None without held-out rows), with the
-        progress ``reporter`` told what the run will read. The training reader starts reading the
-        first epoch at once, so its first batches are ready by the time the loop asks for them."""
+        progress ``reporter``, when given, told what the run will read. The training reader starts
+        reading the first epoch at once, so its first batches are ready by the time the loop asks
+        for them (while the model is set up and broadcast)."""
         train = self.open_reader(rank, size)
         train.prefetch(self.start_epoch)
         val = self.open_reader(rank, size, validation=True) if self.val_url else None
-        reporter.start(epochs=self.epochs, start_epoch=self.start_epoch, steps=self.train_steps,
-                       val_steps=self.val_steps if val else 0, size=size, batch_size=self.batch_size)
+        if reporter is not None:
+            reporter.start(epochs=self.epochs, start_epoch=self.start_epoch, steps=self.train_steps,
+                           val_steps=self.val_steps if val else 0, size=size, batch_size=self.batch_size)
         return train, val
 
     def open_reader(self, rank: int, size: int, validation: bool = False) -> Any:

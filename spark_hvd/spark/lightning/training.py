@@ -270,10 +270,8 @@ def fit_on_rank(spec: LightningTrainingSpec) -> Optional[Dict[str, Any]]:
                 return module_batch(batch, spec.feature_cols, spec.label_cols, spec.sample_weight_col,
                                     spec.feature_shapes, dtype, spec.adapt_batch)
 
-            train_reader = spec.open_reader(rank, size)
-            # Reading starts now, while Trainer.fit sets up the strategy and broadcasts the model.
-            train_reader.prefetch(spec.start_epoch)
-            val_reader = spec.open_reader(rank, size, validation=True) if spec.val_url else None
+            # The progress reporter starts in on_train_start, from the epoch Lightning resumes at.
+            train_reader, val_reader = spec.open_readers(rank, size)
             try:
                 ckpt_path = None
                 if spec.resume:
