@@ -12,7 +12,7 @@ from pyspark.ml.util import MLReadable, MLWritable
 from spark_hvd.spark.estimator import checks
 from spark_hvd.spark.estimator.inference import (InferencePlan, Predictor, allow_vector_inputs, feature_args,
                                                  output_is_scalar, prediction_udf)
-from spark_hvd.spark.estimator.outputs import check_task, column_kinds
+from spark_hvd.spark.estimator.outputs import ONE_VALUE_TASKS, check_task, column_kinds, spark_columns
 from spark_hvd.spark.estimator.params import ModelParams
 from spark_hvd.spark.estimator.persistence import ParamsReader, ParamsWriter
 
@@ -175,6 +175,15 @@ class FittedModel(Model, ModelParams, MLReadable, MLWritable):
         from pyspark.sql import functions as F
 
         task = self.getTask()
+        if task in ONE_VALUE_TASKS:
+            # The UDF returns the model's one value per row; Spark makes the columns from it.
+            result = dataset.withColumn(_PACKED, predicted)
+            value = F.col(_PACKED)
+            made = spark_columns(task, value)
+            columns = [made[role].alias(name) for (role, _), name in zip(column_kinds(task), self._task_columns())]
+            if self._raw_outputs():
+                columns.append(value.alias(output_cols[0]))
+            return result.select(*[F.col(f"`{c}`") for c in dataset.columns], *columns)
         if task != "none":
             result = dataset.withColumn(_PACKED, predicted)
             columns = []

@@ -24,7 +24,7 @@ import pandas as pd
 import pyarrow as pa
 
 from spark_hvd.spark.data.columns import inspect_column, is_vector, quote, stack_rows, vector_as_array
-from spark_hvd.spark.estimator.outputs import column_kinds, standard_columns
+from spark_hvd.spark.estimator.outputs import ONE_VALUE_TASKS, column_kinds, standard_columns
 
 __all__ = ["InferencePlan", "Predictor", "output_is_scalar", "prediction_udf", "feature_args", "allow_vector_inputs"]
 
@@ -140,6 +140,9 @@ def _predict_arrow(plan: InferencePlan, payload: Any, predictor: Predictor, batc
         arrays = batch if isinstance(batch, tuple) else (batch,)
         columns = [_arrow_to_numpy(a, c) for a, c in zip(arrays, plan.feature_cols)]
         predicted = predictor.predict(model, device, plan, columns)
+        if plan.task in ONE_VALUE_TASKS:
+            yield pa.array(predicted[0].reshape(-1))
+            continue
         if plan.task != "none":
             fields = _task_fields(plan, predicted[0]) + _raw_fields(plan, predicted)
             yield pa.StructArray.from_arrays([_arrow_output(v.reshape(len(v), -1), s) for _, v, s in fields],
@@ -162,6 +165,9 @@ def _predict_pandas(plan: InferencePlan, payload: Any, predictor: Predictor, bat
         series = batch if isinstance(batch, tuple) else (batch,)
         columns = [_series_to_numpy(s, c) for s, c in zip(series, plan.feature_cols)]
         predicted = predictor.predict(model, device, plan, columns)
+        if plan.task in ONE_VALUE_TASKS:
+            yield pd.Series(predicted[0].reshape(-1))
+            continue
         if plan.task != "none":
             fields = _task_fields(plan, predicted[0]) + _raw_fields(plan, predicted)
             yield pd.DataFrame({name: _series(v.reshape(len(v), -1), s) for name, v, s in fields})
@@ -174,13 +180,16 @@ def _predict_pandas(plan: InferencePlan, payload: Any, predictor: Predictor, bat
 
 
 def prediction_udf(plan: InferencePlan, payload: Any, predictor: Predictor) -> Any:
-    """The UDF predicting from the feature arguments: with a task, a struct with one field per
-    Spark ML column role; else a double or array<double> column for one output, a struct with
-    fields ``o0, o1, ...`` for several."""
+    """The UDF predicting from the feature arguments: for a task of one value per row
+    (``ONE_VALUE_TASKS``), that value as a double, from which Spark makes the task's columns; for
+    another task, a struct with one field per Spark ML column role; else a double or
+    array<double> column for one output, a struct with fields ``o0, o1, ...`` for several."""
     from pyspark.sql.types import ArrayType, DataType, DoubleType, StructField, StructType
 
     return_type: DataType
-    if plan.task != "none":
+    if plan.task in ONE_VALUE_TASKS:
+        return_type = DoubleType()
+    elif plan.task != "none":
         fields = [StructField(role, DoubleType() if kind == "double" else ArrayType(DoubleType()))
                   for role, kind in column_kinds(plan.task)]
         if plan.raw_outputs:

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["TASKS", "infer_task", "check_task", "standard_columns", "column_kinds"]
+__all__ = ["TASKS", "ONE_VALUE_TASKS", "infer_task", "check_task", "standard_columns", "spark_columns", "column_kinds"]
 
 TASKS = ("auto", "binary", "binary_probability", "multiclass", "multiclass_log_probability", "multiclass_probability",
          "regression", "none")
@@ -28,6 +28,10 @@ TASKS = ("auto", "binary", "binary_probability", "multiclass", "multiclass_log_p
 - ``none``: only the raw output columns (``<label>__output``).
 - ``auto``: inferred from the loss of a single label column; ``none`` when it cannot be.
 """
+
+ONE_VALUE_TASKS = ("binary", "binary_probability", "regression")
+"""Tasks whose columns all follow from one value per row: ``transform`` takes that value from the
+model and builds the columns in Spark (:func:`spark_columns`), instead of shipping them from Python."""
 
 _BY_LOSS = {
     "BCEWithLogitsLoss": "binary",
@@ -114,3 +118,27 @@ def standard_columns(task: str, values: np.ndarray) -> Dict[str, np.ndarray]:
     probability = _softmax(values)  # log-probabilities give the same distribution back
     return {"raw_prediction": values, "probability": probability,
             "prediction": probability.argmax(axis=1).astype(np.float64)}
+
+
+def spark_columns(task: str, value: Any) -> Dict[str, Any]:
+    """The columns of a task in :data:`ONE_VALUE_TASKS` as Spark expressions over ``value``, a
+    double column of the model's raw output; the same numbers as :func:`standard_columns`, with
+    Vectors (rawPrediction, probability) made in the JVM from two doubles each."""
+    from pyspark.ml.functions import array_to_vector
+    from pyspark.sql import functions as F
+
+    if task == "regression":
+        return {"prediction": value}
+    if task == "binary":
+        p = F.lit(0.5) * (F.lit(1.0) + F.tanh(value * F.lit(0.5)))
+        raw = F.array(-value, value)
+    elif task == "binary_probability":
+        # NaN stays NaN, as with np.clip (Spark orders NaN above every number).
+        p = F.when(F.isnan(value), value).otherwise(F.least(F.greatest(value, F.lit(0.0)), F.lit(1.0)))
+        raw = F.array(F.lit(1.0) - p, p)
+    else:
+        raise ValueError(f"task={task!r} is not one of {ONE_VALUE_TASKS}")
+    # NaN > 0.5 is true in Spark and false in numpy: a NaN probability predicts class 0 in both.
+    prediction = F.when(~F.isnan(p) & (p > F.lit(0.5)), F.lit(1.0)).otherwise(F.lit(0.0))
+    return {"raw_prediction": array_to_vector(raw), "probability": array_to_vector(F.array(F.lit(1.0) - p, p)),
+            "prediction": prediction}

@@ -174,3 +174,21 @@ def test_nightly_job_loads_a_saved_pipeline_in_a_fresh_process_and_scores_the_ni
         assert [r["id"] for r in written] == list(range(ROWS)), name
         np.testing.assert_allclose([r["p"][1] for r in written], [r["p"][1] for r in here], rtol=1e-6, err_msg=name)
         assert [r["prediction"] for r in written] == [r["prediction"] for r in here], name
+
+
+@pytest.mark.parametrize("task", ["binary", "binary_probability", "regression"])
+def test_columns_made_in_spark_equal_the_numpy_ones(spark, task):
+    """transform builds a one-value task's Vectors and prediction in Spark from the model's double:
+    they equal standard_columns on the same values, at the extremes, at 0.5 and for NaN (which
+    Spark orders above every number, numpy below none)."""
+    from spark_hvd.spark.estimator.outputs import column_kinds, spark_columns, standard_columns
+
+    values = [-1000.0, -2.0, -0.0, 0.0, 0.3, 0.5, 1.0, 1.7, 3.0, 1000.0, float("inf"), float("-inf"), float("nan")]
+    frame = spark.createDataFrame([(i, v) for i, v in enumerate(values)], "i long, z double")
+    made = spark_columns(task, F.col("z"))
+    roles = [role for role, _ in column_kinds(task)]
+    rows = frame.select("i", *[made[r].alias(r) for r in roles]).orderBy("i").collect()
+    expected = standard_columns(task, np.array(values).reshape(-1, 1))
+    for role, kind in column_kinds(task):
+        got = np.array([r[role].toArray() if kind == "vector" else r[role] for r in rows], dtype=np.float64)
+        np.testing.assert_allclose(got, expected[role].reshape(got.shape), rtol=1e-12, atol=0, equal_nan=True)
