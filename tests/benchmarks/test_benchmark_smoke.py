@@ -79,3 +79,19 @@ def test_estimator_scale_benchmark_quick_run_prints_every_floor(tmp_path):
     assert all(rank["step"] > 0 and rank["peak_rss_mib"] > 0 for rank in fit["profile"])
     assert fit["bare"]["rows_per_s"] > 0 and record["results"][0]["transform"]["floor_rows_per_s"] > 0
     assert set(record["ratios"]) >= {"torch training vs bare loops, batch 1024", "transform vs the constant pandas UDF"}
+
+
+def test_training_sources_runs_every_mode_and_times_the_allreduce(tmp_path):
+    """A quick run prints each mode's row and records the allreduce waits of the distributed modes
+    only, for both ranks."""
+    out = tmp_path / "sources.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "training_sources.py"), "--quick", "--batch", "256",
+                           "--json", str(out)], capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    record = json.loads(out.read_text())
+    for mode in ("bare, memory", "bare, reader", "hvd, memory", "hvd, reader"):
+        assert f"| {mode} |" in proc.stdout
+        (run,) = record["runs"][mode]
+        assert run["rows_per_s"] > 0 and len(run["ranks"]) == 2
+        assert all(bool(rank) == mode.startswith("hvd") for rank in run["ranks"])
+    assert all(rank["median_ms"] > 0 for rank in record["runs"]["hvd, reader"][0]["ranks"])
