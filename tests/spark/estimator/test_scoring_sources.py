@@ -179,8 +179,8 @@ def test_nightly_job_loads_a_saved_pipeline_in_a_fresh_process_and_scores_the_ni
 @pytest.mark.parametrize("task", ["binary", "binary_probability", "regression"])
 def test_columns_made_in_spark_equal_the_numpy_ones(spark, task):
     """transform builds a one-value task's Vectors and prediction in Spark from the model's double:
-    they equal standard_columns on the same values, at the extremes, at 0.5 and for NaN (which
-    Spark orders above every number, numpy below none)."""
+    they equal standard_columns on the same values, at the extremes, at 0.5 and for NaN (Spark
+    orders NaN above every number, where numpy's comparisons with it are false)."""
     from spark_hvd.spark.estimator.outputs import column_kinds, spark_columns, standard_columns
 
     values = [-1000.0, -2.0, -0.0, 0.0, 0.3, 0.5, 1.0, 1.7, 3.0, 1000.0, float("inf"), float("-inf"), float("nan")]
