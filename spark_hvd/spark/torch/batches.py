@@ -16,6 +16,7 @@ sees the same tensors in training and in inference:
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -126,21 +127,29 @@ def _accepts_reduction(fn: Callable[..., Any]) -> bool:
     return "reduction" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-def _per_row(fn: Callable[..., Any], output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
-    """The loss of each row: ``reduction='none'`` where the loss supports it."""
+def _unreduced(fn: Callable[..., Any]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``fn`` giving a loss per element: a torch.nn loss copied with ``reduction='none'`` (the copy
+    shares the original's tensors, such as ``pos_weight``), a function that takes ``reduction``
+    called with it, any other function as it is. Made once per loss, not every step."""
     if isinstance(fn, torch.nn.Module) and hasattr(fn, "reduction"):
         unreduced = copy.copy(fn)
         unreduced.reduction = "none"
-        values = unreduced(output, label)
-    elif _accepts_reduction(fn):
-        values = fn(output, label, reduction="none")
-    else:
-        values = fn(output, label)
+        return unreduced
+    if _accepts_reduction(fn):
+        return functools.partial(fn, reduction="none")
+    return fn
+
+
+def _per_row(unreduced: Callable[..., Any], output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    """The loss of each row, from the loss's per-element form (see :func:`_unreduced`)."""
+    values = unreduced(output, label)
     rows = output.shape[0]
     if values.dim() == 0 or values.shape[0] != rows:
         raise ValueError(f"the loss returned shape {tuple(values.shape)} for {rows} rows: with sample_weight_col "
                          "the loss must give one value per row; use a torch.nn loss, a function taking "
                          "reduction='none', or one that returns per-row losses")
+    if values.numel() == rows:
+        return values.reshape(rows)  # one value per row already: its mean is itself
     return values.reshape(rows, -1).mean(dim=1)
 
 
@@ -155,15 +164,21 @@ class LossFunction:
     def __init__(self, losses: Sequence[Callable[..., Any]], loss_weights: Sequence[float]) -> None:
         self.losses = list(losses)
         self.loss_weights = [float(w) for w in loss_weights]
+        self._unreduced: Optional[List[Callable[..., Any]]] = None  # made at the first weighted batch
 
     def __call__(self, outputs: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
                  sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         total: Optional[torch.Tensor] = None
-        for fn, weight, output, label in zip(self.losses, self.loss_weights, outputs, labels):
+        unreduced = self.losses
+        if sample_weights is not None:
+            if self._unreduced is None:
+                self._unreduced = [_unreduced(fn) for fn in self.losses]
+            unreduced = self._unreduced
+        for fn, per_element, weight, output, label in zip(self.losses, unreduced, self.loss_weights, outputs, labels):
             if sample_weights is None:
                 value = fn(output, label)
             else:
-                value = (_per_row(fn, output, label) * sample_weights.to(output.dtype)).mean()
+                value = (_per_row(per_element, output, label) * sample_weights.to(output.dtype)).mean()
             if value.dim() != 0:
                 value = value.mean()
             term = value * weight if weight != 1.0 else value

@@ -178,6 +178,34 @@ def test_sample_weights_scale_each_rows_loss():
         batches.LossFunction([lambda o, l: ((o - l) ** 2).mean()], [1.0])([out], [lab], w)
 
 
+
+def test_weighted_loss_is_the_same_at_every_step_and_leaves_the_users_loss_alone():
+    """The per-row form of a loss is made once and reused: every step gives the hand-computed value
+    and gradient, for one value per row and for several (averaged per row first), while the
+    user's loss module keeps its own reduction and shares its tensors (pos_weight) with that form."""
+    pos_weight = torch.tensor([2.0])
+    module = torch.nn.BCEWithLogitsLoss(pos_weight=pos_weight)
+    loss = batches.LossFunction([module], [1.0])
+    for step in range(3):
+        out = torch.linspace(-1.0, 1.0, 4).reshape(4, 1).requires_grad_(True)
+        lab = torch.tensor([[1.0], [0.0], [1.0], [0.0]])
+        w = torch.tensor([1.0, 2.0, 0.5, float(step)])
+        value = loss([out], [lab], w)
+        value.backward()
+        reference = out.detach().clone().requires_grad_(True)
+        per_row = torch.nn.functional.binary_cross_entropy_with_logits(reference, lab, pos_weight=pos_weight,
+                                                                       reduction="none").reshape(-1)
+        (per_row * w).mean().backward()
+        assert torch.equal(value.detach(), (per_row * w).mean().detach())
+        assert torch.equal(out.grad, reference.grad)
+    assert module.reduction == "mean"
+    pos_weight.fill_(5.0)  # the user changes the tensor in place: the loss follows
+    out, lab = torch.zeros(2, 1), torch.ones(2, 1)
+    assert torch.isclose(loss([out], [lab], torch.ones(2)), 5.0 * torch.log(torch.tensor(2.0)))
+    several = batches.LossFunction([torch.nn.MSELoss()], [1.0])
+    out3, lab3, w2 = torch.arange(6.0).reshape(2, 3), torch.zeros(2, 3), torch.tensor([1.0, 3.0])
+    assert torch.isclose(several([out3], [lab3], w2), ((out3 ** 2).mean(dim=1) * w2).mean())
+
 def test_feature_tensors_cast_to_model_dtype_and_shape():
     """Read-only float64 arrays become (rows, *shape) tensors of the model's dtype."""
     values = np.arange(12, dtype=np.float64).reshape(2, 6)
