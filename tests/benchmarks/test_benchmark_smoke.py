@@ -95,3 +95,15 @@ def test_training_sources_runs_every_mode_and_times_the_allreduce(tmp_path):
         assert run["rows_per_s"] > 0 and len(run["ranks"]) == 2
         assert all(bool(rank) == mode.startswith("hvd") for rank in run["ranks"])
     assert all(rank["median_ms"] > 0 for rank in record["runs"]["hvd, reader"][0]["ranks"])
+
+
+def test_fraud_floor_runs_two_bare_loops_of_the_demos_model():
+    """The fraud benchmark's floor: both bare loops train the example's model on their rows."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fraud_before_after", ROOT / "benchmarks" / "fraud_before_after.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    one = module.bare_fraud_loop(str(ROOT / "examples" / "fraud_detection.py"), 1000, 256, 0)
+    assert one["rows"] == 768 and one["seconds"] > 0  # three whole batches of 256
+    assert module.floor_rate(ROOT, rows=2048) > 0
