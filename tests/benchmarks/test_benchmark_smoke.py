@@ -106,4 +106,5 @@ def test_fraud_floor_runs_two_bare_loops_of_the_demos_model():
     spec.loader.exec_module(module)
     one = module.bare_fraud_loop(str(ROOT / "examples" / "fraud_detection.py"), 1000, 256, 0)
     assert one["rows"] == 768 and one["seconds"] > 0  # three whole batches of 256
+    assert module.bare_fraud_loop(str(ROOT / "examples" / "fraud_detection.py"), 1000, 256, 0, 2)["rows"] == 1536
     assert module.floor_rate(ROOT, rows=2048) > 0
