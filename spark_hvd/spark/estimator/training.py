@@ -88,6 +88,13 @@ class TrainingSpec:
                            val_steps=self.val_steps if val else 0, size=size, batch_size=self.batch_size)
         return train, val
 
+    def prefetch_next(self, train_reader: Any, epoch: int) -> None:
+        """Start reading epoch ``epoch + 1`` of ``train_reader`` as soon as epoch ``epoch``'s
+        training steps are done, so its first batches are ready while this epoch validates,
+        averages its metrics and checkpoints (nothing after the run's last epoch)."""
+        if epoch + 1 < self.epochs:
+            train_reader.prefetch(epoch + 1)
+
     def open_reader(self, rank: int, size: int, validation: bool = False) -> Any:
         """This rank's reader of the training split (or, with ``validation``, of the held-out rows,
         never shuffled)."""

@@ -81,10 +81,13 @@ class _ShardBatches(torch.utils.data.IterableDataset):
     """One epoch of this rank's batches per iteration, exactly ``steps_per_epoch`` of them."""
 
     def __init__(self, reader: Any, convert: Callable[[Dict[str, np.ndarray]], Dict[str, torch.Tensor]],
-                 first_epoch: int) -> None:
+                 first_epoch: int, prefetch_next: Optional[Callable[[Any, int], None]] = None) -> None:
         self.reader = reader
         self.convert = convert
         self.epoch = first_epoch
+        self.prefetch_next = prefetch_next
+        """Called with the reader and the epoch once the epoch's last batch is converted, before it
+        is handed over (the training loader's: the next epoch is read while this one validates)."""
 
     def __len__(self) -> int:
         return int(self.reader.steps_per_epoch)
@@ -92,8 +95,15 @@ class _ShardBatches(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
         # One pass per epoch: the epoch number seeds the shuffle, the same on every rank.
         epoch, self.epoch = self.epoch, self.epoch + 1
+        left = int(self.reader.steps_per_epoch)
         for batch in self.reader.iter_epoch(epoch):
-            yield self.convert(batch)
+            left -= 1
+            if left == 0 and self.prefetch_next is not None:
+                converted = self.convert(batch)
+                self.prefetch_next(self.reader, epoch)
+                yield converted
+            else:
+                yield self.convert(batch)
 
 
 def _number(value: Any) -> Optional[float]:
@@ -279,7 +289,8 @@ def fit_on_rank(spec: LightningTrainingSpec) -> Optional[Dict[str, Any]]:
                     with open(ckpt_path, "wb") as f:
                         f.write(spec.store.read(spec.checkpoint_path))
                 val_loader = _loader(_ShardBatches(val_reader, convert, spec.start_epoch)) if val_reader else None
-                trainer.fit(module, train_dataloaders=_loader(_ShardBatches(train_reader, convert, spec.start_epoch)),
+                trainer.fit(module, train_dataloaders=_loader(_ShardBatches(train_reader, convert, spec.start_epoch,
+                                                                         spec.prefetch_next)),
                             val_dataloaders=val_loader, ckpt_path=ckpt_path, weights_only=False if ckpt_path else None)
             finally:
                 close_readers(train_reader, val_reader)

@@ -337,6 +337,7 @@ class _Trainer:
                 logs = self._run_epoch(epoch, train_reader, spec.start_batch if resumed else 0,
                                        spec.partial if resumed else None)
                 train_seconds = time.monotonic() - started
+                spec.prefetch_next(train_reader, epoch)
                 if val_reader is not None:
                     logs.update(self._validate(epoch, val_reader))
                 logs = self._average(logs, epoch)

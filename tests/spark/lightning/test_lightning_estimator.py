@@ -22,7 +22,7 @@ from pyspark.sql import functions as F_sql
 
 from spark_hvd.spark import Store
 from spark_hvd.spark.lightning import LightningEstimator, LightningModel, checks
-from spark_hvd.spark.lightning.training import history_entry
+from spark_hvd.spark.lightning.training import _ShardBatches, history_entry
 from spark_helpers import nothing_materialized, spark_jobs
 
 ROWS = 96
@@ -145,6 +145,40 @@ def test_history_entry_keeps_epoch_values_of_what_was_logged():
     logged = {"loss_step": torch.tensor(9.0), "loss_epoch": torch.tensor(0.5), "loss": torch.tensor(9.0),
               "acc": torch.tensor([0.25, 0.75]), "lr": 1e-3, "name": "text"}
     assert history_entry(logged) == {"loss": 0.5, "acc": 0.5, "lr": 1e-3}
+
+
+def test_the_training_loader_starts_the_next_epoch_before_handing_over_the_last_batch():
+    """Lightning's training batches of an epoch: exactly the reader's, and the next epoch's reading
+    is asked for once the last one is converted, before Lightning gets it (so it overlaps the
+    epoch's validation); a loader without the hook asks for nothing."""
+    log = []
+
+    class Reader:
+        steps_per_epoch = 3
+
+        def iter_epoch(self, epoch):
+            log.append(("iter", epoch))
+            for step in range(self.steps_per_epoch):
+                yield {"x": np.full(2, 10 * epoch + step)}
+
+    def convert(batch):
+        log.append(("convert", int(batch["x"][0])))
+        return {"x": torch.from_numpy(batch["x"])}
+
+    reader = Reader()
+    loader = _ShardBatches(reader, convert, 1, lambda r, e: log.append(("prefetch", e, r is reader)))
+    handed = []
+    for _ in range(2):
+        for batch in loader:
+            handed.append(int(batch["x"][0]))
+            log.append(("handed", handed[-1]))
+    assert handed == [10, 11, 12, 20, 21, 22]
+    assert log[:8] == [("iter", 1), ("convert", 10), ("handed", 10), ("convert", 11), ("handed", 11),
+                       ("convert", 12), ("prefetch", 1, True), ("handed", 12)]
+    assert ("prefetch", 2, True) in log and log.index(("prefetch", 2, True)) < log.index(("handed", 22))
+    log.clear()
+    assert [int(b["x"][0]) for b in _ShardBatches(reader, convert, 0)] == [0, 1, 2]
+    assert not [e for e in log if e[0] == "prefetch"]
 
 
 @pytest.fixture(scope="module")

@@ -462,3 +462,63 @@ def test_local_master_uses_the_driver_python_when_the_configured_one_lacks_spark
     # A remote cluster's executors are not this machine's: nothing to probe here.
     remote = SessionInfo(connect=True, master="spark://h:7077", slots=None, default_parallelism=2, client_is_local=False)
     common.ensure_executor_python(session, remote, ("torch",))
+
+
+class _Recorder:
+    """A reader that logs prefetch and iter_epoch calls (with its name) before passing them on."""
+
+    def __init__(self, reader, name, log):
+        self.reader, self.name, self.log = reader, name, log
+        self.steps_per_epoch = reader.steps_per_epoch
+
+    def prefetch(self, epoch):
+        self.log.append((self.name, "prefetch", epoch))
+        self.reader.prefetch(epoch)
+
+    def iter_epoch(self, epoch):
+        self.log.append((self.name, "iter", epoch))
+        yield from self.reader.iter_epoch(epoch)
+
+    def close(self):
+        self.reader.close()
+
+
+class _RecordingSpec(TorchTrainingSpec):
+    """Opens readers that log into ``log`` (a class attribute, set by the test)."""
+
+    log: list = []
+
+    def open_reader(self, rank, size, validation=False):
+        return _Recorder(super().open_reader(rank, size, validation), "val" if validation else "train", self.log)
+
+
+class _NoPrefetchSpec(TorchTrainingSpec):
+    """Reads each epoch only when it starts."""
+
+    def prefetch_next(self, train_reader, epoch):
+        pass
+
+
+def test_the_next_epoch_is_read_while_this_one_validates_and_none_after_the_last(tmp_path):
+    """Epoch e+1's reading starts right after epoch e's last step, before its validation, and
+    the last epoch starts no reading; the weights equal those of a fit that reads each epoch when
+    it starts (one process, a world of one)."""
+    _write_shards(tmp_path / "train", rows_per_file=32, files=1)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    spec, _ = _spec(tmp_path, model, opt, epochs=3, train_steps=4, shuffle=True,
+                    val_url=str(tmp_path / "train"), val_steps=1)
+
+    def fields(model_copy):
+        return {**{f: getattr(spec, f) for f in spec.__dataclass_fields__}, "model": model_copy}
+
+    _RecordingSpec.log = log = []
+    trained = train_on_rank(_RecordingSpec(**fields(pickle.loads(pickle.dumps(model)))))["model"]
+    assert log == [("train", "prefetch", 0),
+                   ("train", "iter", 0), ("train", "prefetch", 1), ("val", "iter", 0),
+                   ("train", "iter", 1), ("train", "prefetch", 2), ("val", "iter", 1),
+                   ("train", "iter", 2), ("val", "iter", 2)]
+    plain = train_on_rank(_NoPrefetchSpec(**fields(pickle.loads(pickle.dumps(model)))))["model"]
+    assert not torch.equal(trained["weight"], model.weight.detach())
+    assert torch.equal(plain["weight"], trained["weight"]) and torch.equal(plain["bias"], trained["bias"])
