@@ -9,6 +9,7 @@ from .api import (
     allgather_object,
     allreduce,
     allreduce_async,
+    allreduce_lockstep,
     alltoall,
     alltoall_async,
     barrier,
@@ -63,7 +64,7 @@ from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "is_homogeneous", "Handle", "poll", "synchronize",
-    "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
+    "allreduce", "allreduce_async", "allreduce_lockstep", "grouped_allreduce", "grouped_allreduce_async",
     "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
     "broadcast", "broadcast_async", "alltoall", "alltoall_async",
     "reducescatter", "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async",

@@ -26,7 +26,7 @@ from .kinds import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN, RED
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "is_homogeneous", "Handle", "poll", "synchronize",
-    "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
+    "allreduce", "allreduce_async", "allreduce_lockstep", "grouped_allreduce", "grouped_allreduce_async",
     "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
     "broadcast", "broadcast_async", "alltoall", "alltoall_async",
     "reducescatter", "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async",
@@ -282,6 +282,28 @@ def allreduce_async(array: np.ndarray, op: int = Average, name: Optional[str] = 
     ``array`` (scaled by prescale before and postscale after). ``out=array`` reduces in place."""
     return _reduce(ALLREDUCE, [array], op, name, prescale_factor, postscale_factor, [out], dtype,
                    process_set, grouped=False)
+
+
+def allreduce_lockstep(array: np.ndarray, op: int = Average, name: str = "lockstep",
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: Optional[ProcessSet] = None) -> Optional[Handle]:
+    """Reduce ``array`` in place the way :func:`allreduce_async` with ``out=array`` would, without
+    negotiating it, when every rank of the job is on this host: a finished handle, or None (nothing
+    done) when it must go through :func:`allreduce_async` instead.
+
+    For reductions that every rank issues in the same program order, e.g. the single gradient
+    buffer of each training step. Issued out of order, the ranks fail with RankMismatchError
+    instead of reducing unrelated data; every rank gets the same answer (None or a handle) for the
+    same request. Bytes above SPARK_HVD_LOCKSTEP_BYTES, other dtypes than float16/32/64, process
+    sets and Product always get None, and so does every request after a rank has joined.
+    """
+    session = _session(ALLREDUCE)
+    if not session.lockstep_allreduce(array, op=op, name=name, prescale=prescale_factor,
+                                      postscale=postscale_factor, ps=_ps_id(process_set)):
+        return None
+    handle = Handle(name)
+    handle._set(0, array)
+    return handle
 
 
 def allreduce(array: np.ndarray, op: int = Average, name: Optional[str] = None, prescale_factor: float = 1.0,

@@ -127,6 +127,9 @@ SETTINGS: Tuple[Setting, ...] = (
             ("HOROVOD_HIERARCHICAL_ALLREDUCE",)),
     Setting("eager_threshold", "SPARK_HVD_EAGER_THRESHOLD", int, 32768,
             "Allreduces up to this many bytes travel inside the negotiation messages (0 disables)."),
+    Setting("lockstep_bytes", "SPARK_HVD_LOCKSTEP_BYTES", int, 1 << 20,
+            "Gradient buffers up to this many bytes, of a world whose ranks share one host, are reduced through "
+            "shared-memory mailboxes in program order, without negotiation (0 disables)."),
     Setting("cache_capacity", "SPARK_HVD_CACHE_CAPACITY", int, 1024,
             "Request signatures remembered so steady-state negotiation sends ids, not metadata (0 disables).",
             ("HOROVOD_CACHE_CAPACITY",)),
@@ -224,6 +227,7 @@ class RuntimeConfig:
     autotune_max_samples: int = _default("autotune_max_samples")
     hierarchical_allreduce: bool = _default("hierarchical_allreduce")
     eager_threshold: int = _default("eager_threshold")
+    lockstep_bytes: int = _default("lockstep_bytes")
     cache_capacity: int = _default("cache_capacity")
     timeline: Optional[str] = _default("timeline")
     timeline_mark_cycles: bool = _default("timeline_mark_cycles")
@@ -249,6 +253,7 @@ class RuntimeConfig:
             ("autotune_max_samples", self.autotune_max_samples >= 1, "a count >= 1"),
             ("cache_capacity", self.cache_capacity >= 0, "a count >= 0"),
             ("eager_threshold", self.eager_threshold >= 0, "a byte count >= 0"),
+            ("lockstep_bytes", self.lockstep_bytes >= 0, "a byte count >= 0"),
             ("stall_check_seconds", self.stall_check_seconds >= 0, "seconds >= 0"),
             ("stall_shutdown_seconds", self.stall_shutdown_seconds >= 0, "seconds >= 0"),
             ("start_timeout", self.start_timeout > 0, "seconds > 0"),

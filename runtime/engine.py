@@ -64,7 +64,8 @@ _PARKED = 0.005
 control links anyway: aborts and goodbyes of other ranks, and frames that must not pile up."""
 
 
-def _usable_cpus() -> int:
+def usable_cpus() -> int:
+    """CPUs this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -77,7 +78,7 @@ Cycle = Union[WorkerCycle, CoordinatorCycle]
 def build_engine(world: Any, config: Any) -> "Engine":
     """The engine of ``world``: its data plane, request book, control links, executor and the
     negotiation round of this rank (coordinator on rank 0), wired together."""
-    engine_spin = _CALLER_SPIN if world.local_size <= _usable_cpus() else 0.0
+    engine_spin = _CALLER_SPIN if world.local_size <= usable_cpus() else 0.0
     book = RequestBook()
     links = ControlLinks(dict(world.control))
     timeline = TimelineSlot()
@@ -400,7 +401,7 @@ class Engine:
         assert self.cycle is not None
         return self._stall_period if self.cycle.waiting() else None
 
-    def check_while_waiting(self, peers: Sequence[int] = (), idle: float = 0.0) -> None:
+    def check_while_waiting(self, peers: Sequence[int] = (), idle: float = 0.0, what: Optional[str] = None) -> None:
         """Called by the transport while a collective waits on ``peers`` (global ranks), nothing
         having moved for ``idle`` seconds: notice aborts announced by others, the loss of a peer
         this collective still needs, and stalls."""
@@ -435,7 +436,24 @@ class Engine:
                 alive = getattr(channel, "peer_alive", None)
                 if alive is not None and not alive():
                     raise CollectiveError(f"rank {peer} was lost: its process is gone", lost_rank=peer)
-        self._check_data_stall(peers, idle)
+        self._check_data_stall(peers, idle, what)
+
+    def look_while_waiting(self, peers: Sequence[int], idle: float, what: str) -> None:
+        """:meth:`check_while_waiting` for a wait outside the engine's own collectives (the
+        one-host fast path of :mod:`~spark_hvd.runtime.lockstep`): the engine's recorded failure,
+        then, unless a cycle is reading the links right now, aborts, lost peers and stalls. A
+        failure found here fails the job on every rank, as one found by a collective does."""
+        if self._failure is not None:
+            raise copy.copy(self._failure)
+        if not self._progress.acquire(blocking=False):
+            return
+        try:
+            self.check_while_waiting(peers, idle, what)
+        except CollectiveError as exc:
+            self._abort(exc)
+            raise
+        finally:
+            self._progress.release()
 
     def _may_still_deliver(self, peer: int) -> bool:
         """Whether data ``peer`` sent before it left may still arrive: over TCP until its end of the
@@ -445,13 +463,14 @@ class Engine:
         pending = getattr(channel, "unread", None)
         return pending() > 0 if pending is not None else channel is not None
 
-    def _check_data_stall(self, peers: Sequence[int], idle: float) -> None:
+    def _check_data_stall(self, peers: Sequence[int], idle: float, what: Optional[str] = None) -> None:
         check, shutdown = self.config.stall_check_seconds, self.config.stall_shutdown_seconds
         if idle <= 0 or (check <= 0 and shutdown <= 0):
             return
-        executing = self.executor.executing if self.executor is not None else None
-        kind, names = executing or ("collective", ())
-        what = f"{kind} {', '.join(repr(n) for n in names[:5])}{' ...' if len(names) > 5 else ''}"
+        if what is None:
+            executing = self.executor.executing if self.executor is not None else None
+            kind, names = executing or ("collective", ())
+            what = f"{kind} {', '.join(repr(n) for n in names[:5])}{' ...' if len(names) > 5 else ''}"
         waited_on = sorted(set(peers))
         if shutdown > 0 and idle >= shutdown:
             raise CollectiveError(

@@ -12,7 +12,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .engine import build_engine
+from .engine import build_engine, usable_cpus
+from .lockstep import Lockstep
 from .handles import Entry, Handle
 from .messages import Meta
 from .ops import check_op, storage_dtype, wire_dtype
@@ -51,6 +52,11 @@ def _target(raw: np.ndarray, array: np.ndarray, out: Optional[np.ndarray], what:
     return _check_out(out, array, what) if out is not None else np.empty_like(array)
 
 
+_LOCKSTEP_SPIN = 0.002
+"""Seconds a one-host fast-path reduction polls (yielding the core) before it sleeps between looks,
+when each rank has a core: the ranks of a step usually arrive within this of each other."""
+
+
 class Session:
     """A rank's runtime between ``init()`` and ``shutdown()``."""
 
@@ -59,6 +65,11 @@ class Session:
         self.config = config
         self.engine = build_engine(world, config)
         self._counters: Dict[Tuple[str, int], itertools.count] = {}
+        self.lockstep: Optional[Lockstep] = None
+        boxes = getattr(world, "mailboxes", None)
+        if boxes:
+            spin = _LOCKSTEP_SPIN if world.local_size <= usable_cpus() else 0.0
+            self.lockstep = Lockstep(world.rank, boxes, config.lockstep_bytes, spin, self.engine.look_while_waiting)
 
     @property
     def rank(self) -> int:
@@ -110,6 +121,18 @@ class Session:
         ]
         self.engine.submit(entries, will_wait)
         return handle
+
+    def lockstep_allreduce(self, array: np.ndarray, *, op: int, name: str, prescale: float, postscale: float,
+                           ps: int) -> bool:
+        """Reduce ``array`` in place through the one-host mailboxes (see :mod:`.lockstep`); False,
+        with ``array`` untouched, when it must take the negotiated path."""
+        lockstep = self.lockstep
+        if lockstep is None or ps != 0 or not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
+            return False
+        wire = wire_dtype(array, None)
+        if not lockstep.eligible(array, wire, op):
+            return False
+        return lockstep.allreduce(array, name, wire, op, float(prescale), float(postscale))
 
     # -- the request kinds ------------------------------------------------------------------------
     def reduce(self, kind: str, arrays: Sequence[np.ndarray], *, op: int, name: Optional[str], prescale: float,
@@ -204,6 +227,8 @@ class Session:
                             False, will_wait, ps)
 
     def join(self) -> Handle:
+        if self.lockstep is not None:
+            self.lockstep.leave()
         return self._submit(JOIN, f"join.{self.rank}", [(Meta(kind=JOIN, dtype="", shape=()), None, None)],
                             False, False)
 

@@ -24,6 +24,7 @@ from .control import ControlLink, SocketLink
 from .errors import CollectiveError, PeerUnreachableError, RendezvousTimeout, SparkHvdError
 from .net import advertised_address
 from .rendezvous import RendezvousClient
+from .lockstep import MAILBOX_HEADER, SLOTS as MAILBOX_SLOTS, mailbox_tag
 from .shm import ShmChannel, ShmRing, ring_tag, shm_available
 from .transport import Channel, TcpChannel, Transport
 from .wire import SMALL_FRAME_LIMIT, connect, describe_broken, is_network_error, listen, secret_bytes, send_frame, \
@@ -72,6 +73,9 @@ class World:
     """A data plane of the world's own (the MPI backend); None: the built-in rings over ``transport``."""
     on_close: Optional[Callable[[], None]] = None
     """What else ending the world takes (freeing MPI communicators)."""
+    mailboxes: Optional[List[ShmRing]] = None
+    """Every rank's shared-memory mailbox, in rank order, when all ranks share this host (see
+    :mod:`~spark_hvd.runtime.lockstep`); None otherwise."""
 
     def links(self) -> List[PeerLink]:
         """How data reaches every other rank, in rank order."""
@@ -93,6 +97,8 @@ class World:
         for link in self.control.values():
             link.close()
         self.transport.close()
+        for box in self.mailboxes or ():
+            box.close()
         if self.on_close is not None:
             self.on_close()
 
@@ -154,6 +160,7 @@ def connect_world(cfg: RuntimeConfig, generation: int = 1) -> World:
     # Rank 0 also takes control connections from its own host on a Unix socket (lower latency).
     unix_listener, unix_name = _unix_listener(cfg.secret, generation) if rank == 0 else (None, None)
     rings: Dict[int, ShmRing] = {}
+    boxes: Dict[int, ShmRing] = {}
     channels: Dict[int, Channel] = {}
     control: Dict[int, socket.socket] = {}
     client = RendezvousClient(cfg.rendezvous_addr, cfg.secret, cfg.start_timeout)  # type: ignore[arg-type]
@@ -162,34 +169,36 @@ def connect_world(cfg: RuntimeConfig, generation: int = 1) -> World:
         me = {"host": address, "port": listener.getsockname()[1], "host_key": host_key, "unix": unix_name,
               **_local_identity()}
         peers = _announce(client, gen, generation, rank, size, me, deadline)
-        local = _map_shared_memory(client, cfg, gen, key, generation, me, peers, rings, channels, deadline)
+        local = _map_shared_memory(client, cfg, gen, key, generation, me, peers, rings, boxes, channels,
+                                   deadline)
         _dial(cfg, key, peers, local, host_key, control, channels, deadline)
         expected = {(p, "data") for p in range(rank + 1, size) if p not in local}
         if rank == 0:
             expected |= {(p, "control") for p in range(1, size)}
         listeners = [listener] + ([unix_listener] if unix_listener is not None else [])
         rejected = _accept(listeners, key, expected, control, channels, cfg, peers, deadline)
-        _meet_connected(client, gen, rank, size, rings, deadline)
+        _meet_connected(client, gen, rank, size, [*rings.values(), *boxes.values()], deadline)
         per_host: Dict[str, int] = {}
         for peer in peers:
             per_host[peer["host_key"]] = per_host.get(peer["host_key"], 0) + 1
         links = {peer: SocketLink(sock, what=_where(peer, peers[peer])) for peer, sock in control.items()}
         world = World(rank, size, cfg.local_rank, cfg.local_size, cfg.cross_rank, cfg.cross_size,  # type: ignore[arg-type]
                       Transport(rank, size, channels), links, rejected, len(set(per_host.values())) == 1,
-                      hosts=[peer["host_key"] for peer in peers])
+                      hosts=[peer["host_key"] for peer in peers],
+                      mailboxes=[boxes[r] for r in range(size)] if len(boxes) == size else None)
         if log.isEnabledFor(logging.INFO):
             log.info("rank %d on %s (%s): %s", rank, host_key, address, ", ".join(
                 f"rank {p.rank} {p.transport}" + (f" {p.address}" if p.address else "") for p in world.links()))
         return world
     except OSError as exc:
-        _close_all(control, channels, rings)
+        _close_all(control, channels, [*rings.values(), *boxes.values()])
         if isinstance(exc, SparkHvdError) or not is_network_error(exc):
             raise
         # Whatever start-up step it broke, a network error is the host's or the path's, not the job's.
         raise PeerUnreachableError(f"rank {rank} on host {cfg.host_key or socket.gethostname()} ({address}) lost a "
                                    f"connection during start-up: {describe_broken(exc, 'a peer')}") from None
     except BaseException:
-        _close_all(control, channels, rings)
+        _close_all(control, channels, [*rings.values(), *boxes.values()])
         raise
     finally:
         client.close()
@@ -198,12 +207,12 @@ def connect_world(cfg: RuntimeConfig, generation: int = 1) -> World:
             unix_listener.close()
 
 
-def _close_all(control: Dict[int, socket.socket], channels: Dict[int, Channel], rings: Dict[int, ShmRing]) -> None:
+def _close_all(control: Dict[int, socket.socket], channels: Dict[int, Channel], rings: List[ShmRing]) -> None:
     for sock in control.values():
         sock.close()
     for channel in channels.values():
         channel.close()
-    for ring in rings.values():
+    for ring in rings:
         ring.close()
 
 
@@ -239,21 +248,42 @@ def _get_ranks(client: RendezvousClient, gen: str, kind: str, ranks: Any, deadli
 
 def _map_shared_memory(client: RendezvousClient, cfg: RuntimeConfig, gen: str, key: bytes, generation: int,
                        me: Dict[str, Any], peers: List[Dict[str, Any]], rings: Dict[int, ShmRing],
-                       channels: Dict[int, Channel], deadline: float) -> List[int]:
-    """Rings with every rank of this host that can map this process's memory; those ranks."""
+                       boxes: Dict[int, ShmRing], channels: Dict[int, Channel], deadline: float) -> List[int]:
+    """Rings with every rank of this host that can map this process's memory; those ranks. When
+    that is every other rank, also every rank's mailbox (``boxes``, this rank's own included)."""
     rank, size = cfg.rank, cfg.size
     assert rank is not None and size is not None
     use_shm = cfg.shm and shm_available()
     local = [r for r in range(size) if r != rank and use_shm and _same_machine_view(me, peers[r])]
     for peer in local:
         rings[peer] = ShmRing.create(_SHM_SLOTS, cfg.chunk_bytes, ring_tag(key, generation, rank, peer))
+    box_bytes = _mailbox_bytes(cfg.lockstep_bytes)
+    if local and box_bytes and len(local) == size - 1:
+        boxes[rank] = ShmRing.create(MAILBOX_SLOTS, box_bytes, mailbox_tag(key, generation, rank))
     if local:
-        client.put(f"{gen}shm/{rank}", json.dumps({str(p): ring.fd for p, ring in rings.items()}))
+        mine = {str(p): ring.fd for p, ring in rings.items()}
+        if rank in boxes:
+            mine["box"] = boxes[rank].fd
+        client.put(f"{gen}shm/{rank}", json.dumps(mine))
         fds = [json.loads(v) for v in _get_ranks(client, gen, "shm", local, deadline)]
         for peer, theirs in zip(local, fds):
-            incoming = _open_ring(peers[peer]["pid"], theirs[str(rank)], cfg, ring_tag(key, generation, peer, rank))
+            incoming = _open_shared(peers[peer]["pid"], theirs[str(rank)], cfg, _SHM_SLOTS, cfg.chunk_bytes,
+                                    ring_tag(key, generation, peer, rank))
             channels[peer] = ShmChannel(peer, rings[peer], incoming, peers[peer]["pid"])
+        if rank in boxes and all("box" in theirs for theirs in fds):
+            for peer, theirs in zip(local, fds):
+                boxes[peer] = _open_shared(peers[peer]["pid"], theirs["box"], cfg, MAILBOX_SLOTS, box_bytes,
+                                           mailbox_tag(key, generation, peer))
+        elif rank in boxes:
+            boxes.pop(rank).close()  # a rank without one (SPARK_HVD_LOCKSTEP_BYTES=0 there): nobody uses them
     return local
+
+
+def _mailbox_bytes(lockstep_bytes: int) -> int:
+    """A mailbox slot's size: the header and ``lockstep_bytes`` of data, in whole cache lines."""
+    if lockstep_bytes <= 0:
+        return 0
+    return MAILBOX_HEADER + -(-lockstep_bytes // 64) * 64
 
 
 def _dial(cfg: RuntimeConfig, key: bytes, peers: List[Dict[str, Any]], local: List[int], host_key: str,
@@ -284,22 +314,22 @@ def _dial(cfg: RuntimeConfig, key: bytes, peers: List[Dict[str, Any]], local: Li
             channels[peer] = TcpChannel(peer, sock, cfg.chunk_bytes, where)
 
 
-def _meet_connected(client: RendezvousClient, gen: str, rank: int, size: int, rings: Dict[int, ShmRing],
+def _meet_connected(client: RendezvousClient, gen: str, rank: int, size: int, rings: List[ShmRing],
                     deadline: float) -> None:
     """Wait until every rank has connected: then every ring has been mapped by its reader, and
     nobody needs to reach the memory files any more."""
     client.put(f"{gen}connected/{rank}", "1")
     _get_ranks(client, gen, "connected", range(size), deadline)
-    for ring in rings.values():
+    for ring in rings:
         ring.release_fd()
 
 
-def _open_ring(pid: int, fd: int, cfg: RuntimeConfig, tag: bytes) -> ShmRing:
+def _open_shared(pid: int, fd: int, cfg: RuntimeConfig, slots: int, slot_bytes: int, tag: bytes) -> ShmRing:
     try:
-        return ShmRing.open_peer(pid, fd, _SHM_SLOTS, cfg.chunk_bytes, tag)
+        return ShmRing.open_peer(pid, fd, slots, slot_bytes, tag)
     except OSError as exc:
         raise CollectiveError(
-            f"rank {cfg.rank} could not map the shared-memory ring of the process {pid} on its host ({exc}); "
+            f"rank {cfg.rank} could not map the shared memory of the process {pid} on its host ({exc}); "
             "set SPARK_HVD_SHM=0 to move data between the ranks of one host over sockets instead"
         ) from None
 

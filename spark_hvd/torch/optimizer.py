@@ -408,12 +408,19 @@ class _DistributedOptimizer:
         sent, ctx = self._compression.compress(buffer.fill(grads))
         pre, post = self._scales()
         name = self._parameter_names[group[members[0]]] + ".flat"
-        if sent is buffer.flat and buffer.array is not None:
+        own = sent is buffer.flat and buffer.array is not None
+        handle: Any = None
+        if own and len(members) == len(group) and len(self._group_ready) == 1 and not self._ungrouped:
+            # The step's only reduction (the same on every rank, in the same order): ranks that
+            # share one host exchange it through shared memory, without negotiating it.
+            handle = _rt.allreduce_lockstep(buffer.array, op=self.op, name=name, prescale_factor=pre,
+                                            postscale_factor=post, process_set=self.process_set)
+        if handle is None and own:
             # The buffer is this optimizer's own, contiguous tensor: the runtime reduces its
             # memory in place, with none of the checks and staging a caller's tensor needs.
-            handle: Any = _rt.allreduce_async(buffer.array, op=self.op, name=name, prescale_factor=pre,
-                                              postscale_factor=post, out=buffer.array, process_set=self.process_set)
-        else:
+            handle = _rt.allreduce_async(buffer.array, op=self.op, name=name, prescale_factor=pre,
+                                         postscale_factor=post, out=buffer.array, process_set=self.process_set)
+        elif handle is None:
             handle = enqueue(ALLREDUCE, [sent], inplace=True, name=name, op=self.op, prescale_factor=pre,
                              postscale_factor=post, process_set=self.process_set)
         views = buffer.views if sent is buffer.flat else None

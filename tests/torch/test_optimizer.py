@@ -530,11 +530,51 @@ def check_argument_errors(hvd, rank, size):
         raise AssertionError("op=Adasum did not raise NotImplementedError")
 
 
+def check_one_bucket_takes_the_one_host_path(hvd, rank, size):
+    """A model whose gradients fill one bucket reduces them through the one-host fast path at every
+    step (when it is on), trains like single-process training and ends identical on every rank; a
+    model of several buckets negotiates each of them."""
+    import spark_hvd.runtime as rt
+    from spark_hvd.runtime.api import runtime_config
+
+    calls = []
+    original = rt.allreduce_lockstep
+
+    def counting(*args, **kwargs):
+        handle = original(*args, **kwargs)
+        calls.append(handle is not None)
+        return handle
+
+    rt.allreduce_lockstep = counting
+    try:
+        data = _data(size, steps=5)
+        want = _reference(_model(), data, _sgd)
+        model = _model()
+        _distributed(hvd, rank, model, data, _sgd)
+        _assert_same_params(model, want, 1e-5, "one bucket")
+        _assert_equal_across_ranks(hvd, model)
+        on = size > 1 and runtime_config().lockstep_bytes > 0 and runtime_config().shm
+        assert calls == ([True] * 5 if on else [False] * 5 if size > 1 else []), calls
+        calls.clear()
+        model = _model()
+        _distributed(hvd, rank, model, data, _sgd, bucket_cap_mb=0.0001)
+        _assert_same_params(model, want, 1e-5, "several buckets")
+        assert calls == [], calls
+    finally:
+        rt.allreduce_lockstep = original
+
+
+def test_one_bucket_without_the_fast_path():
+    """With SPARK_HVD_LOCKSTEP_BYTES=0 the same check negotiates every step and trains the same."""
+    results = launch([check_one_bucket_takes_the_one_host_path], np=2, settings={"lockstep_bytes": 0})
+    assert_passed(results, check_one_bucket_takes_the_one_host_path)
+
+
 ALL = [check_matches_single_process_training, check_backward_passes_per_step, check_fp16_compression,
        check_allreduce_starts_during_backward, check_unused_parameters, check_clipping_between_synchronize_and_step,
        check_zero_grad_between_backward_and_step, check_groups_and_predivide, check_bucket_cap_mb,
        check_buckets_flat_and_split, check_flat_buffer_is_never_handed_out, check_wrapping_keeps_optimizer_identity,
-       check_sparse_gradients, check_argument_errors]
+       check_sparse_gradients, check_argument_errors, check_one_bucket_takes_the_one_host_path]
 
 
 @pytest.mark.parametrize("check", ALL, ids=lambda c: c.__name__[len("check_"):])

@@ -1,0 +1,180 @@
+"""Allreduces that ranks of one host run in the same order every step, without negotiation.
+
+A training step of a small model reduces its gradients in one buffer, the same buffer at every
+step and in every rank's program order. Negotiating each of them (announce it to the coordinator,
+wait for the answer) costs a round trip through every layer of the engine, several times what
+moving the bytes does. When every rank of the world is on one host, each rank also owns a mailbox
+in shared memory: two slots (steps alternate between them) of a header and the data, and a counter
+of the steps it has published. Step ``k`` of a rank writes its slot ``k % 2``, publishes ``k``,
+waits until every other rank has published ``k``, and sums all slots in rank order, so every rank
+computes the same bits. A rank that is at step ``k + 1`` has seen everyone's step ``k``, so nobody
+still reads the slot it overwrites.
+
+The header names the request (a hash of its name), its byte count, dtype and op: a rank whose
+step ``k`` is not the same request as another's raises :class:`RankMismatchError` on every rank,
+instead of reducing unrelated buffers. A rank that joins (``join()``) marks its mailbox; the
+others fall back to the negotiated path for the step it did not publish, and every rank stays on
+that path from then on, where joined ranks contribute zeros. Waiting follows the engine's rules:
+aborts, lost peers and stalls end it with a :class:`CollectiveError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import threading
+import time
+from typing import Callable, Dict, List, Sequence
+
+import numpy as np
+
+from .errors import RankMismatchError
+from .ops import ReduceOp, average_inplace, reduce_into, scale_inplace
+from .shm import ShmRing
+
+__all__ = ["Lockstep", "mailbox_tag", "MAILBOX_HEADER", "SLOTS"]
+
+MAILBOX_HEADER = 64
+"""Bytes before a slot's data: request hash, byte count, dtype code and op (int64 each)."""
+SLOTS = 2
+_WIRES = ("float32", "float64", "float16")
+_CHECK_EVERY = 0.001
+"""Seconds of waiting between looks at the engine (aborts, lost peers, stalls)."""
+_PUBLISHED = 0  # counters index: steps this rank has published
+_LEFT = 8  # counters index: 1 once this rank has joined and publishes no more
+
+
+def mailbox_tag(key: bytes, generation: int, rank: int) -> bytes:
+    """The tag of rank ``rank``'s mailbox in one generation (checked by every rank that maps it)."""
+    return hmac.new(key, f"spark-hvd mailbox {generation} {rank}".encode(), hashlib.sha256).digest()
+
+
+def _name_hash(name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+class Lockstep:
+    """This rank's side of the mailboxes of a world whose ranks all share one host.
+
+    ``boxes`` holds every rank's mailbox in rank order (this rank's own included); ``check(peers,
+    idle, what)`` is the engine's look at aborts, lost peers and stalls while a wait lasts; ``spin``
+    is how long a wait polls before it starts to sleep between looks.
+    """
+
+    def __init__(self, rank: int, boxes: Sequence[ShmRing], capacity: int, spin: float,
+                 check: Callable[[Sequence[int], float, str], None]) -> None:
+        self.rank = rank
+        self.size = len(boxes)
+        self.boxes = list(boxes)
+        self.capacity = capacity
+        self.spin = spin
+        self._check = check
+        self._peers = [r for r in range(self.size) if r != rank]
+        self._step = 0
+        self._off = False
+        self._lock = threading.Lock()
+        self._hashes: Dict[str, int] = {}
+        self._dtype_codes = {wire: i + 1 for i, wire in enumerate(_WIRES)}
+
+    @property
+    def active(self) -> bool:
+        """Whether requests still take this path (False after a join, a mismatch or a failure)."""
+        return not self._off
+
+    def eligible(self, array: np.ndarray, wire: str, op: int) -> bool:
+        """Whether an allreduce of ``array`` can take this path: the same answer on every rank
+        for the same request, so all ranks take the same path."""
+        return (not self._off and wire in self._dtype_codes and array.nbytes <= self.capacity
+                and op in (ReduceOp.Sum, ReduceOp.Average, ReduceOp.Min, ReduceOp.Max))
+
+    def leave(self) -> None:
+        """This rank joins: it publishes no more steps, and the others stop waiting for it."""
+        with self._lock:
+            self._off = True
+            self.boxes[self.rank].counters[_LEFT] = 1
+
+    def allreduce(self, array: np.ndarray, name: str, wire: str, op: int, prescale: float,
+                  postscale: float) -> bool:
+        """Reduce ``array`` (C-contiguous, ``wire`` storage) in place over all ranks; False, with
+        ``array`` untouched, when this step must take the negotiated path instead (a rank joined)."""
+        with self._lock:
+            if self._off:
+                return False
+            step = self._step + 1
+            flat = array.reshape(-1)
+            header = self._header(name, flat, wire, op)
+            mine = self.boxes[self.rank]
+            slot = mine.slot(step % SLOTS)
+            head = slot[:MAILBOX_HEADER].cast("q")
+            head[0], head[1], head[2], head[3] = header
+            head.release()
+            data = np.frombuffer(slot, dtype=flat.dtype, count=flat.size, offset=MAILBOX_HEADER)
+            np.copyto(data, flat)
+            if prescale != 1.0:
+                scale_inplace(data, prescale, wire)
+            mine.counters[_PUBLISHED] = step  # after the data; x86 keeps store order
+            if not self._wait(step, name):
+                self._off = True  # everyone falls back at this same step, and stays there
+                return False
+            self._step = step
+            parts = [self._part(r, step, flat, header, name) for r in range(self.size)]
+            np.copyto(flat, parts[0])
+            reduce_op = ReduceOp(op)
+            for part in parts[1:]:
+                reduce_into(flat, part, reduce_op, wire)
+            if reduce_op == ReduceOp.Average:
+                average_inplace(flat, self.size, wire)
+            scale_inplace(flat, postscale, wire)
+            return True
+
+    def _header(self, name: str, flat: np.ndarray, wire: str, op: int) -> List[int]:
+        hashed = self._hashes.get(name)
+        if hashed is None:
+            hashed = self._hashes[name] = _name_hash(name)
+        return [hashed, flat.nbytes, self._dtype_codes[wire], int(op)]
+
+    def _part(self, r: int, step: int, flat: np.ndarray, header: List[int], name: str) -> np.ndarray:
+        slot = self.boxes[r].slot(step % SLOTS)
+        head = slot[:MAILBOX_HEADER].cast("q")
+        theirs = [head[0], head[1], head[2], head[3]]
+        head.release()
+        if theirs != header:
+            self._off = True
+            raise RankMismatchError(
+                f"rank {self.rank} reduced gradients {name!r} ({flat.nbytes} bytes, {flat.dtype}) at step {step} "
+                f"of the one-host fast path while rank {r} reduced a different request ({theirs[1]} bytes): the "
+                "ranks run different models or steps; run the same model and loop on every rank, or set "
+                "SPARK_HVD_LOCKSTEP_BYTES=0 to negotiate every reduction")
+        return np.frombuffer(slot, dtype=flat.dtype, count=flat.size, offset=MAILBOX_HEADER)
+
+    def _wait(self, step: int, name: str) -> bool:
+        """Until every rank has published ``step``: True; False when one of them joined first."""
+        boxes = self.boxes
+        waiting = [r for r in self._peers if boxes[r].counters[_PUBLISHED] < step]
+        if not waiting:
+            return True
+        start = time.perf_counter()
+        spin_until = start + self.spin
+        next_check = start + _CHECK_EVERY
+        pause = 0.0
+        while True:
+            waiting = [r for r in waiting if boxes[r].counters[_PUBLISHED] < step]
+            if not waiting:
+                return True
+            if any(boxes[r].counters[_LEFT] for r in waiting):
+                return False
+            now = time.perf_counter()
+            if now >= next_check:
+                next_check = now + _CHECK_EVERY
+                try:
+                    self._check(waiting, now - start, f"one-host allreduce {name!r} (step {step})")
+                except BaseException:
+                    self._off = True
+                    raise
+            if now < spin_until:
+                os.sched_yield()  # lets this core's other threads (a reader's) run, without the GIL
+            else:
+                pause = min(max(pause * 2, 20e-6), 0.001)
+                time.sleep(pause)
+

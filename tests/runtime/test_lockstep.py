@@ -1,0 +1,202 @@
+"""The one-host fast path (``allreduce_lockstep``): the same results as the negotiated allreduce,
+a mismatch fails every rank, a joined rank sends the others back to the negotiated path, and a
+lost or stalled peer ends the wait with CollectiveError."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from harness import assert_passed, launch
+from spark_hvd.runner import rank_environment
+from spark_hvd.runtime.config import new_secret
+from spark_hvd.runtime.rendezvous import RendezvousServer
+
+
+def _data(rank, dtype, n=1000):
+    return ((np.arange(n) % 17) * (rank + 1) - 5.0 * rank).astype(dtype)
+
+
+def matches_the_negotiated_allreduce(hvd, rank, size):
+    """Every dtype and op, with pre- and postscale factors: the fast path's result is the bits the
+    negotiated allreduce gives, on every rank; a world of one has no fast path."""
+    done = 0
+    for dtype in (np.float32, np.float64, np.float16):
+        for op in (hvd.Sum, hvd.Average, hvd.Min, hvd.Max):
+            for pre, post in ((1.0, 1.0), (0.5, 3.0)):
+                fast = _data(rank, dtype)
+                handle = hvd.allreduce_lockstep(fast, op=op, name="grads", prescale_factor=pre,
+                                                postscale_factor=post)
+                if size == 1:
+                    assert handle is None
+                    continue
+                assert handle is not None
+                assert handle.wait() is fast
+                slow = hvd.allreduce(_data(rank, dtype), op=op, name="slow", prescale_factor=pre,
+                                     postscale_factor=post)
+                assert fast.tobytes() == slow.tobytes(), (dtype, op, pre, post, fast[:5], slow[:5])
+                done += 1
+    return done
+
+
+def many_steps_in_a_row(hvd, rank, size):
+    """A thousand steps, alternating between the two slots, each with the right sum."""
+    if size == 1:
+        return 0
+    buf = np.empty(6209, np.float32)
+    for step in range(1000):
+        buf.fill(step + rank)
+        assert hvd.allreduce_lockstep(buf, op=hvd.Sum, name="grads") is not None
+        expected = size * step + size * (size - 1) / 2
+        assert buf[0] == expected and buf[-1] == expected, (step, buf[0], expected)
+    return 1000
+
+
+def what_takes_the_negotiated_path(hvd, rank, size):
+    """Over the byte limit, integer dtypes, Product and process sets: None, the array untouched."""
+    cases = [(np.ones(300_000, np.float32), hvd.Sum, None), (np.ones(8, np.int64), hvd.Sum, None),
+             (np.ones(8, np.float32), hvd.Product, None)]
+    if size > 1:
+        cases.append((np.ones(8, np.float32), hvd.Sum, hvd.add_process_set(list(range(size)))))
+    for array, op, ps in cases:
+        before = array.copy()
+        kwargs = {"process_set": ps} if ps is not None else {}
+        assert hvd.allreduce_lockstep(array, op=op, name="big", **kwargs) is None
+        assert np.array_equal(array, before)
+    return len(cases)
+
+
+def test_fast_path_results_and_limits():
+    """At np=2 and np=3, each of the checks above on every rank, in one world per size."""
+    checks = [matches_the_negotiated_allreduce, many_steps_in_a_row, what_takes_the_negotiated_path]
+    for np_ in (1, 2, 3):
+        results = launch(checks, np=np_, settings={"lockstep_bytes": 1 << 20})
+        counts = assert_passed(results, matches_the_negotiated_allreduce)
+        assert counts == [0 if np_ == 1 else 24] * np_
+        assert assert_passed(results, many_steps_in_a_row) == [0 if np_ == 1 else 1000] * np_
+        assert_passed(results, what_takes_the_negotiated_path)
+
+
+def off_when_disabled_or_across_hosts(hvd, rank, size):
+    return hvd.allreduce_lockstep(np.ones(8, np.float32), name="grads") is None
+
+
+@pytest.mark.parametrize("settings", [{"lockstep_bytes": 0}, {"shm": False}], ids=["disabled", "no-shm"])
+def test_no_fast_path_without_shared_memory_or_when_disabled(settings):
+    """SPARK_HVD_LOCKSTEP_BYTES=0, or ranks that do not share memory: every request gets None."""
+    results = launch([off_when_disabled_or_across_hosts], np=2, settings=settings)
+    assert assert_passed(results, off_when_disabled_or_across_hosts) == [True, True]
+
+
+def mismatch_fails_every_rank(hvd, rank, size):
+    """Rank 0 reduces another request than the others at the same step: RankMismatchError on every
+    rank, and from then on the negotiated path, which still works."""
+    buf = np.ones(100 if rank == 0 else 50, np.float32)
+    try:
+        hvd.allreduce_lockstep(buf, op=hvd.Sum, name="grads")
+    except hvd.RankMismatchError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("no mismatch raised")
+    assert hvd.allreduce_lockstep(np.ones(8, np.float32), name="grads") is None
+    assert float(hvd.allreduce(np.ones(1), op=hvd.Sum, name="after")[0]) == size
+    return message
+
+
+def join_falls_back_everywhere(hvd, rank, size):
+    """Rank 0 joins at once; the others' fast-path reduction returns None (it waited for a rank that
+    joined), the negotiated one completes with rank 0 contributing zeros, and the fast path stays
+    off on every rank after the join."""
+    if rank == 0:
+        hvd.join()
+    else:
+        buf = np.full(10, float(rank), np.float32)
+        assert hvd.allreduce_lockstep(buf, op=hvd.Sum, name="grads") is None
+        assert buf[0] == rank  # untouched
+        out = hvd.allreduce(buf, op=hvd.Sum, name="grads")
+        assert out[0] == sum(range(1, size)), out
+        hvd.join()
+    assert hvd.allreduce_lockstep(np.ones(8, np.float32), name="grads") is None
+    return True
+
+
+def test_a_mismatch_fails_every_rank_and_the_runtime_goes_on():
+    results = launch([mismatch_fails_every_rank], np=2)
+    messages = assert_passed(results, mismatch_fails_every_rank)
+    for message in messages:
+        assert "different request" in message and "SPARK_HVD_LOCKSTEP_BYTES=0" in message, message
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_a_joined_rank_sends_the_others_to_the_negotiated_path(np_):
+    results = launch([join_falls_back_everywhere], np=np_)
+    assert assert_passed(results, join_falls_back_everywhere) == [True] * np_
+
+
+VICTIM = textwrap.dedent(
+    """
+    import json, os, signal, sys, threading, time
+    import numpy as np
+    import spark_hvd.runtime as rt
+
+    out_dir, victim, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    rt.init()
+    rank = rt.rank()
+    data = np.ones(6209, np.float32)
+    assert rt.allreduce_lockstep(data, op=rt.Sum, name="grads") is not None
+    if rank == victim:
+        if mode == "kill":
+            time.sleep(1.0)
+            open(os.path.join(out_dir, "at"), "w").write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        open(os.path.join(out_dir, "at"), "w").write(repr(time.time()))
+        time.sleep(30)  # alive, but never arrives at the next step
+        sys.exit(0)
+    errors = []
+    steps = 0
+    try:
+        while True:
+            rt.allreduce_lockstep(data, op=rt.Sum, name="grads")
+            steps += 1
+    except rt.CollectiveError as exc:
+        errors.append((time.time(), str(exc), exc.lost_rank))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"errors": errors, "steps": steps}, f)
+    os._exit(0)
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["kill", "stall"])
+def test_a_lost_or_stalled_peer_ends_the_wait(tmp_path, mode):
+    """Rank 1 of 3 is killed (or stops taking part, with a stall shutdown time of 2 s) while the
+    others wait for its step: they raise CollectiveError naming rank 1 in bounded time."""
+    script = tmp_path / "victim.py"
+    script.write_text(VICTIM)
+    secret = new_secret()
+    server = RendezvousServer("127.0.0.1", secret)
+    settings = {"stall_shutdown_seconds": 2.0} if mode == "stall" else {}
+    procs = []
+    try:
+        for rank in range(3):
+            env = rank_environment(rank=rank, size=3, rendezvous_addr=server.address, secret=secret,
+                                   settings=settings)
+            procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path), "1", mode], env=env))
+        for rank in (0, 2):
+            procs[rank].wait(timeout=60)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        server.close()
+    at = float((tmp_path / "at").read_text())
+    for rank in (0, 2):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        (failed_at, message, lost), = report["errors"]
+        print(f"rank {rank} ({mode}): {failed_at - at:.2f} s: {message}")
+        assert "rank 1" in message or lost == 1, message
+        assert failed_at - at < (10.0 if mode == "kill" else 12.0)
