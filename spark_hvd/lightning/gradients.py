@@ -176,8 +176,14 @@ class GradientAverager:
             buffer = bucket.buffer = FlatBuffer(tuple(range(len(grads))), grads)
         sent, context = self._compression.compress(buffer.fill(grads))
         if sent is buffer.flat and buffer.array is not None:
-            # The averager's own contiguous CPU buffer: reduced in place, without a caller tensor's staging.
-            handle = _rt.allreduce_async(buffer.array, op=hvd.Average, name=bucket.name, out=buffer.array)
+            # The averager's own contiguous CPU buffer: reduced in place, without a caller tensor's
+            # staging; when it holds every gradient of the step (the same request on every rank, in
+            # the same order), ranks that share one host exchange it without negotiating it.
+            handle = None
+            if len(self._buckets) == 1 and len(bucket.params) == len(self._hooks):
+                handle = _rt.allreduce_lockstep(buffer.array, op=hvd.Average, name=bucket.name)
+            if handle is None:
+                handle = _rt.allreduce_async(buffer.array, op=hvd.Average, name=bucket.name, out=buffer.array)
             return _Pending(handle, None, None, buffer)
         return _Pending(hvd.allreduce_async_(sent, name=bucket.name, op=hvd.Average), sent, context, buffer)
 
