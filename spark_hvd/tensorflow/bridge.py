@@ -90,6 +90,7 @@ class _Call:
     root_rank: int = 0
     has_splits: bool = False
     process_set: Any = global_process_set
+    lockstep: bool = False
 
 
 # -- names of graph operations ----------------------------------------------------------------------
@@ -199,6 +200,13 @@ def _execute_unchecked(call: _Call, name: Optional[str], arrays: Sequence[np.nda
     common: Dict[str, Any] = dict(name=name, dtype=wire, process_set=ps)
     if kind in _REDUCTIONS:
         common.update(op=call.op, prescale_factor=call.prescale_factor, postscale_factor=call.postscale_factor)
+    if kind == ALLREDUCE and call.lockstep and len(staged) == 1 and wire is None:
+        # TensorFlow's input memory is not this op's to write: the fast path reduces a copy.
+        mine = np.array(staged[0], copy=True)
+        if _rt.allreduce_lockstep(mine, op=call.op, name=call.name or "allreduce.lockstep",
+                                  prescale_factor=call.prescale_factor, postscale_factor=call.postscale_factor,
+                                  process_set=ps) is not None:
+            return [_from_runtime(mine, call.dtypes[0], scalars[0])]
     if kind == ALLREDUCE:
         results = _rt.grouped_allreduce(staged, **common) if call.grouped else [_rt.allreduce(staged[0], **common)]
     elif kind == REDUCESCATTER:
@@ -260,12 +268,16 @@ def _out_dtypes(call: _Call) -> List[tf.dtypes.DType]:
 
 def collective(kind: str, tensors: Sequence[Any], *, grouped: bool = False, name: Optional[str] = None,
                op: int = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-               root_rank: int = 0, splits: Any = None, process_set: Any = global_process_set) -> List[tf.Tensor]:
+               root_rank: int = 0, splits: Any = None, process_set: Any = global_process_set,
+               lockstep: bool = False) -> List[tf.Tensor]:
     """Run ``kind`` over the ranks on ``tensors`` (eagerly, or as a graph op) and return the outputs.
 
     The outputs are one tensor per input (alltoall adds the received splits; join and barrier
     return one int32 scalar). Not differentiable by itself: :mod:`spark_hvd.tensorflow.mpi_ops`
-    adds the gradients.
+    adds the gradients. ``lockstep=True`` (an allreduce of one tensor) is the caller's promise
+    that every rank runs this op in the same program order, as a training step's only gradient
+    reduction: when all ranks share one host it then skips negotiation
+    (:func:`spark_hvd.runtime.allreduce_lockstep`).
     """
     if name is not None and not isinstance(name, str):
         raise InvalidArgument(f"name={name!r} is invalid: expected a string (or None for an automatic name)")
@@ -282,7 +294,8 @@ def collective(kind: str, tensors: Sequence[Any], *, grouped: bool = False, name
             )
     call = _Call(kind=kind, name=name or None, grouped=grouped, dtypes=tuple(t.dtype for t in tensors), op=op,
                  prescale_factor=float(prescale_factor), postscale_factor=float(postscale_factor),
-                 root_rank=int(root_rank), has_splits=splits is not None, process_set=process_set)
+                 root_rank=int(root_rank), has_splits=splits is not None, process_set=process_set,
+                 lockstep=bool(lockstep) and kind == ALLREDUCE and len(tensors) == 1)
     _wire(call)
     inputs = list(tensors)
     if splits is not None:

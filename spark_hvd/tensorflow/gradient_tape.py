@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from spark_hvd.tensorflow.basics import Adasum, Average, global_process_set, size
 from spark_hvd.tensorflow.compression import Compression, Compressor
+from spark_hvd.tensorflow.mpi_ops import _grouped_allreduce
 from spark_hvd.tensorflow.reductions import grouped_allreduce
 
 __all__ = ["GradientReduction", "DistributedGradientTape", "PartialDistributedGradientTape"]
@@ -88,21 +89,26 @@ class GradientReduction:
             for i, g in zip(sparse, grouped_allreduce([grads[i] for i in sparse], op=self.op,
                                                       process_set=self.process_set)):
                 out[i] = g
-        for group in self._groups(grads, variables):
-            reduced = self._reduce_group([grads[i] for i in group], pre, post)
+        groups = self._groups(grads, variables)
+        # The only request of this call, on every rank alike: it may skip negotiation.
+        alone = not sparse and len(groups) == 1 and self.process_set in (None, global_process_set)
+        for group in groups:
+            reduced = self._reduce_group([grads[i] for i in group], pre, post, alone)
             for i, g in zip(group, reduced):
                 out[i] = g
         return out
 
-    def _reduce_group(self, grads: List[Any], pre: float, post: float) -> List[Any]:
+    def _reduce_group(self, grads: List[Any], pre: float, post: float, alone: bool) -> List[Any]:
         """One group's dense gradients, reduced as one grouped operation.
 
         With an element-wise compression (none, fp16) the gradients of each dtype travel end to
         end in one flat tensor: one request for the runtime to negotiate, stage and fuse instead
         of one per gradient. A compressor of the user's own may depend on each tensor, so it gets
-        them one by one.
+        them one by one. When that flat tensor is the call's only request (``alone``), every rank
+        issues it in the same order, so ranks that share a host skip negotiating it (the one-host
+        fast path, :func:`spark_hvd.runtime.allreduce_lockstep`).
         """
-        if not _elementwise(self.compression) or len(grads) == 1:
+        if not _elementwise(self.compression):
             return grouped_allreduce(grads, compression=self.compression, op=self.op, prescale_factor=pre,
                                      postscale_factor=post, process_set=self.process_set)
         grads = [tf.convert_to_tensor(g) for g in grads]
@@ -112,8 +118,14 @@ class GradientReduction:
         parts = list(by_dtype.values())
         flats = [tf.concat([tf.reshape(grads[i], [-1]) for i in part], axis=0) if len(part) > 1 else grads[part[0]]
                  for part in parts]
-        reduced = grouped_allreduce(flats, compression=self.compression, op=self.op, prescale_factor=pre,
-                                    postscale_factor=post, process_set=self.process_set)
+        if alone and len(flats) == 1:
+            sent, ctx = self.compression.compress(flats[0])
+            out = _grouped_allreduce([sent], op=self.op, prescale_factor=pre, postscale_factor=post,
+                                     process_set=self.process_set, _lockstep=True)[0]
+            reduced = [self.compression.decompress(out, ctx)]
+        else:
+            reduced = grouped_allreduce(flats, compression=self.compression, op=self.op, prescale_factor=pre,
+                                        postscale_factor=post, process_set=self.process_set)
         out: List[Any] = [None] * len(grads)
         for part, flat in zip(parts, reduced):
             if len(part) == 1:

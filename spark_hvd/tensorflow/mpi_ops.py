@@ -65,14 +65,15 @@ def _allreduce(tensor: Any, name: Optional[str] = None, op: int = Sum, prescale_
 
 def _grouped_allreduce(tensors: Sequence[Any], name: Optional[str] = None, op: int = Sum,
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0, ignore_name_scope: bool = False,
-                       process_set: Any = global_process_set) -> List[tf.Tensor]:
+                       process_set: Any = global_process_set, _lockstep: bool = False) -> List[tf.Tensor]:
     """Reduce each tensor of ``tensors`` over the ranks as one operation (default op: Sum).
 
     Afterwards each result is identical on all ranks. Differentiable, like :func:`_allreduce`.
+    ``_lockstep``: see :func:`~spark_hvd.tensorflow.bridge.collective`.
     """
     def forward(*xs: tf.Tensor) -> Tuple[List[tf.Tensor], Any]:
         outs = collective(ALLREDUCE, xs, grouped=True, name=name, op=op, prescale_factor=prescale_factor,
-                          postscale_factor=postscale_factor, process_set=process_set)
+                          postscale_factor=postscale_factor, process_set=process_set, lockstep=_lockstep)
 
         def grad(*dys: tf.Tensor) -> List[tf.Tensor]:
             return _grouped_allreduce(dys, op=op, prescale_factor=prescale_factor,

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from keras_checks import (
+    _fit_pair,
     check_backward_passes_per_step,
     check_broadcast_callback_keeps_local_variables,
     check_callbacks,
@@ -128,9 +129,46 @@ def check_elastic_tensorflow_state(hvd, rank, size):
     assert variables[0].numpy().tolist() == [5.0, 5.0]
 
 
+def check_keras_fit_takes_the_one_host_path(hvd, rank, size):
+    """Keras model.fit with DistributedOptimizer reduces its one flat gradient tensor through the
+    one-host fast path at every step (when it is on), with the same weights as single-process
+    fitting on every rank; gradients split into two groups are negotiated."""
+    import keras
+
+    import spark_hvd.runtime as rt
+    from spark_hvd.runtime.api import runtime_config
+
+    calls = []
+    original = rt.allreduce_lockstep
+
+    def counting(*args, **kwargs):
+        handle = original(*args, **kwargs)
+        calls.append(handle is not None)
+        return handle
+
+    def sgd(micro):
+        return keras.optimizers.SGD(0.1, momentum=0.9)
+
+    rt.allreduce_lockstep = counting
+    try:
+        model, reference = _fit_pair(rank, size, sgd, steps=4)
+        for got, want in zip(model.get_weights(), reference.get_weights()):
+            close(got, want, 1e-5, "weights after fit")
+        on = size > 1 and runtime_config().lockstep_bytes > 0 and runtime_config().shm
+        assert calls == ([True] * 4 if on else [False] * 4 if size > 1 else []), calls
+        calls.clear()
+        model, reference = _fit_pair(rank, size, sgd, steps=4, groups=2)
+        for got, want in zip(model.get_weights(), reference.get_weights()):
+            close(got, want, 1e-5, "weights after fit in two groups")
+        assert calls == [], calls
+    finally:
+        rt.allreduce_lockstep = original
+
+
 CHECKS = [
     check_gradient_tape_matches_single_process,
     check_fit_matches_single_process,
+    check_keras_fit_takes_the_one_host_path,
     check_flat_gradients_of_mixed_dtypes,
     check_sync_batch_normalization,
     check_sync_batch_normalization_in_fit,
