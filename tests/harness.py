@@ -11,12 +11,14 @@ waiting on collectives it will never join), and its traceback is reported under 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import subprocess
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
-__all__ = ["SIZES", "Check", "run_checks", "launch", "assert_passed", "is_alive", "wait_until"]
+__all__ = ["SIZES", "Check", "run_checks", "launch", "assert_passed", "is_alive", "wait_until", "rank_processes"]
 
 SIZES = (1, 2, 3)
 
@@ -108,3 +110,34 @@ def wait_until(condition: Callable[[], Any], timeout: float, interval: float = 0
             return bool(condition())
         time.sleep(interval)
     return True
+
+
+@contextlib.contextmanager
+def rank_processes(size: int, command: Sequence[str], settings: Optional[Mapping[str, Any]] = None,
+                   rank_options: Optional[Callable[[int], Mapping[str, Any]]] = None,
+                   extra_env: Optional[Mapping[str, str]] = None, **popen: Any) -> Iterator[List[subprocess.Popen]]:
+    """``size`` processes running ``command`` as the ranks of one job, with a rendezvous server on
+    127.0.0.1: yields their Popen objects (rank order). ``rank_options(rank)`` gives more arguments
+    of ``rank_environment`` for one rank (its host, local rank, ...). On the way out every process
+    still running is killed, every process is waited for, and the server is closed."""
+    from spark_hvd.runner import rank_environment
+    from spark_hvd.runtime.config import new_secret
+    from spark_hvd.runtime.rendezvous import RendezvousServer
+
+    secret = new_secret()
+    server = RendezvousServer("127.0.0.1", secret)
+    procs: List[subprocess.Popen] = []
+    try:
+        for rank in range(size):
+            options = dict(rank_options(rank)) if rank_options is not None else {}
+            env = rank_environment(rank=rank, size=size, rendezvous_addr=server.address, secret=secret,
+                                   settings=dict(settings or {}), **options)
+            env.update(extra_env or {})
+            procs.append(subprocess.Popen(list(command), env=env, **popen))
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        server.close()

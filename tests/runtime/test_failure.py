@@ -2,15 +2,13 @@
 rejected without disturbing a running job."""
 
 import json
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from spark_hvd.runner import rank_environment
+from harness import rank_processes
 from spark_hvd.runtime.config import new_secret
-from spark_hvd.runtime.rendezvous import RendezvousServer
 
 VICTIM = textwrap.dedent(
     """
@@ -54,23 +52,10 @@ VICTIM = textwrap.dedent(
 def _run_job(tmp_path, size, victim, payload, settings=None):
     script = tmp_path / "victim.py"
     script.write_text(VICTIM)
-    secret = new_secret()
-    server = RendezvousServer("127.0.0.1", secret)
-    procs = []
-    try:
-        for rank in range(size):
-            env = rank_environment(rank=rank, size=size, rendezvous_addr=server.address, secret=secret,
-                                   settings=settings or {})
-            procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path), str(victim), str(payload)],
-                                          env=env))
-        for rank, proc in enumerate(procs):
-            proc.wait(timeout=60)
-    finally:
+    with rank_processes(size, [sys.executable, str(script), str(tmp_path), str(victim), str(payload)],
+                        settings) as procs:
         for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        server.close()
+            proc.wait(timeout=60)
     killed_at = float((tmp_path / "killed").read_text())
     reports = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(size) if r != victim}
     return killed_at, reports, [p.returncode for p in procs]
@@ -99,7 +84,7 @@ def _stranger_job():
     import spark_hvd.runtime as rt
     from spark_hvd.runtime.errors import AuthenticationError
     from spark_hvd.runtime.rendezvous import RendezvousClient
-    from spark_hvd.runtime.config import new_secret, read_setting
+    from spark_hvd.runtime.config import read_setting
 
     rt.init()
     outcomes = []

@@ -8,9 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from spark_hvd.runner import rank_environment
-from spark_hvd.runtime.config import new_secret
-from spark_hvd.runtime.rendezvous import RendezvousServer
+from harness import rank_processes
 
 JOB = textwrap.dedent(
     """
@@ -85,25 +83,14 @@ def _two_hosts(tmp_path, job: str, env_extra=None):
     each rank's last output line as JSON."""
     script = tmp_path / "job.py"
     script.write_text(job)
-    secret = new_secret()
-    server = RendezvousServer("127.0.0.1", secret)
-    procs = []
-    try:
-        for rank in range(4):
-            host = "hostA" if rank < 2 else "hostB"
-            env = rank_environment(rank=rank, size=4, local_rank=rank % 2, local_size=2, cross_rank=rank // 2,
-                                   cross_size=2, rendezvous_addr=server.address, secret=secret, host_key=host,
-                                   settings={"hierarchical_allreduce": True})
-            env.update(env_extra or {})
-            procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True))
+
+    def host(rank):
+        return dict(local_rank=rank % 2, local_size=2, cross_rank=rank // 2, cross_size=2,
+                    host_key="hostA" if rank < 2 else "hostB")
+
+    with rank_processes(4, [sys.executable, str(script)], {"hierarchical_allreduce": True}, rank_options=host,
+                        extra_env=env_extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as procs:
         outputs = [proc.communicate(timeout=180) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        server.close()
     reports = []
     for rank, (proc, (out, err)) in enumerate(zip(procs, outputs)):
         assert proc.returncode == 0, f"rank {rank}: {err[-3000:]}"

@@ -3,17 +3,13 @@ a mismatch fails every rank, a joined rank sends the others back to the negotiat
 lost or stalled peer ends the wait with CollectiveError."""
 
 import json
-import subprocess
 import sys
 import textwrap
 
 import numpy as np
 import pytest
 
-from harness import assert_passed, launch
-from spark_hvd.runner import rank_environment
-from spark_hvd.runtime.config import new_secret
-from spark_hvd.runtime.rendezvous import RendezvousServer
+from harness import assert_passed, launch, rank_processes
 
 
 def _data(rank, dtype, n=1000):
@@ -176,23 +172,10 @@ def test_a_lost_or_stalled_peer_ends_the_wait(tmp_path, mode):
     others wait for its step: they raise CollectiveError naming rank 1 in bounded time."""
     script = tmp_path / "victim.py"
     script.write_text(VICTIM)
-    secret = new_secret()
-    server = RendezvousServer("127.0.0.1", secret)
     settings = {"stall_shutdown_seconds": 2.0} if mode == "stall" else {}
-    procs = []
-    try:
-        for rank in range(3):
-            env = rank_environment(rank=rank, size=3, rendezvous_addr=server.address, secret=secret,
-                                   settings=settings)
-            procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path), "1", mode], env=env))
+    with rank_processes(3, [sys.executable, str(script), str(tmp_path), "1", mode], settings) as procs:
         for rank in (0, 2):
             procs[rank].wait(timeout=60)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-        server.close()
     at = float((tmp_path / "at").read_text())
     for rank in (0, 2):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
