@@ -18,7 +18,8 @@ import time
 import traceback
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
-__all__ = ["SIZES", "Check", "run_checks", "launch", "assert_passed", "is_alive", "wait_until", "rank_processes"]
+__all__ = ["SIZES", "Check", "run_checks", "launch", "assert_passed", "is_alive", "wait_until", "rank_processes",
+           "counting_lockstep"]
 
 SIZES = (1, 2, 3)
 
@@ -141,3 +142,24 @@ def rank_processes(size: int, command: Sequence[str], settings: Optional[Mapping
                 proc.kill()
             proc.wait()
         server.close()
+
+
+@contextlib.contextmanager
+def counting_lockstep() -> Iterator[List[bool]]:
+    """Inside the block every call of ``spark_hvd.runtime.allreduce_lockstep`` appends to the
+    yielded list whether it took the one-host fast path (True) or handed the request back (False)."""
+    import spark_hvd.runtime as rt
+
+    calls: List[bool] = []
+    original = rt.allreduce_lockstep
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        handle = original(*args, **kwargs)
+        calls.append(handle is not None)
+        return handle
+
+    rt.allreduce_lockstep = counting
+    try:
+        yield calls
+    finally:
+        rt.allreduce_lockstep = original

@@ -135,22 +135,13 @@ def check_keras_fit_takes_the_one_host_path(hvd, rank, size):
     fitting on every rank; gradients split into two groups are negotiated."""
     import keras
 
-    import spark_hvd.runtime as rt
+    from harness import counting_lockstep
     from spark_hvd.runtime.api import runtime_config
-
-    calls = []
-    original = rt.allreduce_lockstep
-
-    def counting(*args, **kwargs):
-        handle = original(*args, **kwargs)
-        calls.append(handle is not None)
-        return handle
 
     def sgd(micro):
         return keras.optimizers.SGD(0.1, momentum=0.9)
 
-    rt.allreduce_lockstep = counting
-    try:
+    with counting_lockstep() as calls:
         model, reference = _fit_pair(rank, size, sgd, steps=4)
         for got, want in zip(model.get_weights(), reference.get_weights()):
             close(got, want, 1e-5, "weights after fit")
@@ -161,8 +152,6 @@ def check_keras_fit_takes_the_one_host_path(hvd, rank, size):
         for got, want in zip(model.get_weights(), reference.get_weights()):
             close(got, want, 1e-5, "weights after fit in two groups")
         assert calls == [], calls
-    finally:
-        rt.allreduce_lockstep = original
 
 
 CHECKS = [

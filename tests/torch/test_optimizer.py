@@ -534,19 +534,10 @@ def check_one_bucket_takes_the_one_host_path(hvd, rank, size):
     """A model whose gradients fill one bucket reduces them through the one-host fast path at every
     step (when it is on), trains like single-process training and ends identical on every rank; a
     model of several buckets negotiates each of them."""
-    import spark_hvd.runtime as rt
+    from harness import counting_lockstep
     from spark_hvd.runtime.api import runtime_config
 
-    calls = []
-    original = rt.allreduce_lockstep
-
-    def counting(*args, **kwargs):
-        handle = original(*args, **kwargs)
-        calls.append(handle is not None)
-        return handle
-
-    rt.allreduce_lockstep = counting
-    try:
+    with counting_lockstep() as calls:
         data = _data(size, steps=5)
         want = _reference(_model(), data, _sgd)
         model = _model()
@@ -560,8 +551,6 @@ def check_one_bucket_takes_the_one_host_path(hvd, rank, size):
         _distributed(hvd, rank, model, data, _sgd, bucket_cap_mb=0.0001)
         _assert_same_params(model, want, 1e-5, "several buckets")
         assert calls == [], calls
-    finally:
-        rt.allreduce_lockstep = original
 
 
 def test_one_bucket_without_the_fast_path():
