@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PETASTORM_VENV := .venv-petastorm
 PETASTORM_STAMP := $(PETASTORM_VENV)/.installed
 
-.PHONY: demo cluster-demo test test-main test-petastorm venv bench lint clean
+.PHONY: demo cluster-demo test test-main test-quick test-petastorm venv bench lint clean
 
 venv: $(STAMP)
 
@@ -37,6 +37,11 @@ test: test-main test-petastorm
 test-main: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests -m "not petastorm"
+
+# The edit-test loop: every test that starts no Spark and forms no network-namespace host.
+test-quick: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q tests -m "not spark and not cluster and not petastorm"
 
 # The data and estimator tests again, on the pinned versions petastorm needs (pyarrow<15, numpy<2).
 test-petastorm: $(PETASTORM_STAMP)

@@ -1,8 +1,34 @@
-"""Make the shared check harness (tests/harness.py) importable from every test module and rank."""
+"""Make the shared check harness (tests/harness.py) importable from every test module and rank, and
+mark what each test needs beyond this machine's processes.
+
+``spark``: the test starts Spark (a local session, a cluster, or a program that starts one);
+``cluster``: it forms network-namespace hosts (root). Tests under tests/spark and tests/cluster, and
+those that take a ``spark*`` fixture, are marked here; a test elsewhere that starts Spark inside a
+subprocess carries ``@pytest.mark.spark`` itself. ``make test-quick`` runs ``-m "not spark and not
+cluster"``; ``make test`` runs everything.
+"""
 
 import os
 import sys
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+
+_SPARK_FOLDERS = ("spark", "cluster")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "spark: starts Spark (a session, a cluster, or a program that starts one)")
+    config.addinivalue_line("markers", "cluster: forms network-namespace hosts; needs root")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items) -> None:
+    for item in items:
+        parts = os.path.relpath(str(item.path), HERE).split(os.sep)
+        if parts[0] in _SPARK_FOLDERS or any(name.startswith("spark") for name in getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.spark)
+        if parts[0] == "cluster":
+            item.add_marker(pytest.mark.cluster)

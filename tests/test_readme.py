@@ -82,6 +82,7 @@ def test_python_blocks_run_on_their_own(tmp_path):
             assert done.returncode == 0, f"README line {line}:\n{done.stderr[-3000:]}"
 
 
+@pytest.mark.spark
 def test_spark_blocks_run_in_order_on_a_local_session(tmp_path):
     """The Spark blocks run one after the other in one process and namespace, as notebook cells."""
     blocks = [(code, line) for marker, code, line in _blocks() if marker == "spark"]

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -60,6 +62,7 @@ def test_step_breakdown_refuses_bad_arguments():
     assert proc.returncode == 2 and "--steps 0 must be at least 1" in proc.stderr
 
 
+@pytest.mark.spark
 def test_estimator_scale_benchmark_quick_run_prints_every_floor(tmp_path):
     """A tiny TorchEstimator run prints the step profile of both ranks, the bare loops, the Parquet
     write, the pyarrow read and the transform floor, and writes every ratio to its JSON."""

@@ -25,6 +25,9 @@ from cluster_spark import SparkCluster  # noqa: E402
 
 RANK_PROCESS = b"spark_hvd.runner.worker"
 """What the command line of a rank process contains."""
+PEER_TIMEOUT_S = 4.0
+"""SPARK_HVD_PEER_TIMEOUT of every process of the cluster: a cut link breaks connections in use after
+about this long (the default, 10 s, would make each network-fault test wait out 15 s cuts)."""
 LEFTOVER_WAIT_S = 60.0
 """How long a finished test's rank processes may take to exit (a task Spark killed ends its rank)."""
 
@@ -39,7 +42,7 @@ def hosts() -> Iterator[Hosts]:
 
 @pytest.fixture(scope="package")
 def cluster(hosts) -> Iterator[SparkCluster]:
-    with SparkCluster(hosts, cores=2) as made:
+    with SparkCluster(hosts, cores=2, env={"SPARK_HVD_PEER_TIMEOUT": str(PEER_TIMEOUT_S)}) as made:
         yield made
 
 

@@ -24,8 +24,11 @@ pytestmark = pytest.mark.timeout(600)
 ROWS = 256
 BATCH = 16
 EPOCHS = 3
-CUT_S = 15.0
-"""How long a cut lasts: longer than SPARK_HVD_PEER_TIMEOUT (10 s), so connections in use break."""
+CUT_S = 7.0
+"""How long a cut lasts: longer than the cluster's SPARK_HVD_PEER_TIMEOUT (conftest.PEER_TIMEOUT_S, 4 s),
+so connections in use break."""
+START_TIMEOUT_S = 4.0
+"""SPARK_HVD_START_TIMEOUT of the fit that a cut at start-up must fail: shorter than CUT_S."""
 RESTART_AFTER_S = 5.0
 """How long a killed host stays down before its worker starts again."""
 
@@ -103,7 +106,7 @@ def cut_when_paused(directory, hosts, seconds=CUT_S):
 
 
 def test_a_host_cut_off_while_the_ranks_start_delays_the_start(spark_2x1, hosts, frame, store, capsys):
-    """Rank 1's host loses its links the moment rank 1's process starts, for 15 s: rank 1's init()
+    """Rank 1's host loses its links the moment rank 1's process starts, for CUT_S: rank 1's init()
     keeps trying to reach the rendezvous and rank 0 until the links are back (well within the start
     timeout), and the fit trains every epoch without a retry."""
     cutter = CutWhenRankStarts(hosts, rank=1, seconds=CUT_S)
@@ -117,13 +120,13 @@ def test_a_host_cut_off_while_the_ranks_start_delays_the_start(spark_2x1, hosts,
 
 
 def test_a_host_cut_off_longer_than_the_start_timeout_fails_naming_it(spark_2x1, hosts, frame, store):
-    """With an 8 s start timeout and no retries, a 15 s cut at start-up fails the fit within the
-    timeout (not later) with a PeerUnreachableError that names the cut host's address and says its
+    """With a start timeout shorter than the cut and no retries, a cut at start-up fails the fit
+    within the timeout (not later) with a PeerUnreachableError that names the cut host's address and says its
     network path is down, not that a process exited."""
     cutter = CutWhenRankStarts(hosts, rank=1, seconds=CUT_S)
     fault = FaultThread(cutter)
     fault.start()
-    backend = SparkBackend(num_proc=2, env={"SPARK_HVD_START_TIMEOUT": "8"})
+    backend = SparkBackend(num_proc=2, env={"SPARK_HVD_START_TIMEOUT": str(START_TIMEOUT_S)})
     with pytest.raises(Exception) as raised:
         estimator(store, "cut-too-long", backend=backend, max_retries=0).fit(frame)
     fault.finish()
@@ -136,7 +139,7 @@ def test_a_host_cut_off_longer_than_the_start_timeout_fails_naming_it(spark_2x1,
 
 def test_a_host_cut_off_during_training_is_retried_from_the_checkpoint(spark_2x1, hosts, frame, store, tmp_path,
                                                                        capsys):
-    """Rank 1's host loses its links after rank 1's third batch of epoch 2, for 15 s: the ranks give
+    """Rank 1's host loses its links after rank 1's third batch of epoch 2, for CUT_S: the ranks give
     up on each other, the retry report names the host and says its network path was lost (not that
     a process exited), and the next attempt resumes from the checkpoint once the host is back."""
     retry = fit_with_harm_in_epoch_2(cut_when_paused(tmp_path, hosts), "cut-in-training", store, frame, hosts,
@@ -147,7 +150,7 @@ def test_a_host_cut_off_during_training_is_retried_from_the_checkpoint(spark_2x1
 def test_a_host_cut_off_while_results_are_collected_still_completes(spark_2x1, hosts, frame, store, tmp_path,
                                                                     capsys):
     """Rank 0's host (it serves the rendezvous and returns the model) loses its links when training
-    has ended, before the ranks return and shut down, for 15 s: the fit returns the model with every
+    has ended, before the ranks return and shut down, for CUT_S: the fit returns the model with every
     epoch's history once the host is back (retrying at most from the last checkpoint, which trains
     nothing more)."""
     fault = FaultThread(cut_when_paused(tmp_path, hosts))
