@@ -41,7 +41,7 @@ test-main: $(STAMP)
 # The edit-test loop: every test that starts no Spark and forms no network-namespace host.
 test-quick: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q tests -m "not spark and not cluster and not petastorm"
+	$(PY) -m pytest -q tests --ignore=tests/spark --ignore=tests/cluster -m "not spark and not cluster and not petastorm"
 
 # The data and estimator tests again, on the pinned versions petastorm needs (pyarrow<15, numpy<2).
 test-petastorm: $(PETASTORM_STAMP)
