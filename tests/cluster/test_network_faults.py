@@ -121,8 +121,8 @@ def test_a_host_cut_off_while_the_ranks_start_delays_the_start(spark_2x1, hosts,
 
 def test_a_host_cut_off_longer_than_the_start_timeout_fails_naming_it(spark_2x1, hosts, frame, store):
     """With a start timeout shorter than the cut and no retries, a cut at start-up fails the fit
-    within the timeout (not later) with a PeerUnreachableError that names the cut host's address and says its
-    network path is down, not that a process exited."""
+    within the timeout (not later) with a PeerUnreachableError that names the cut host's address
+    and says its network path is down, not that a process exited."""
     cutter = CutWhenRankStarts(hosts, rank=1, seconds=CUT_S)
     fault = FaultThread(cutter)
     fault.start()
