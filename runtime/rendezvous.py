@@ -1,8 +1,9 @@
 """A small authenticated key-value exchange through which ranks learn each other's addresses.
 
-The launcher (``spark-hvd-run``, ``spark_hvd.runner.run`` or rank 0's Spark task) serves it;
-workers ``put`` their own entry, ``get`` everyone's, and ``delete`` the keys of a generation they
-are done with. Requests are JSON frames, read only after the connection has proved knowledge of the
+The launcher (``spark-hvd-run``, ``spark_hvd.runner.run``, the driver of a classic Spark session,
+or rank 0's Spark task where the driver may be out of the executors' reach) serves it; workers
+``put`` their own entry, ``get`` everyone's, and ``delete`` the keys of a generation they are done
+with. Requests are JSON frames, read only after the connection has proved knowledge of the
 job secret. The server is one thread around one selector: handshakes run concurrently through an
 :class:`~.acceptor.Acceptor`, and a ``get`` whose keys are not all there yet is parked and answered
 when the last one arrives or at its deadline, so idle or waiting clients cost no threads.
@@ -61,14 +62,19 @@ class _Get:
 
 
 class RendezvousServer(ServerLoop):
-    """Serve the key-value exchange on ``host`` (an ephemeral port unless one is given)."""
+    """Serve the key-value exchange on ``host`` (an ephemeral port unless one is given).
+
+    ``address`` is what clients dial: ``host``, or ``advertised_host`` where the address clients
+    reach differs from the one listened on (a Spark driver's ``spark.driver.bindAddress`` and
+    ``spark.driver.host``).
+    """
 
     def __init__(self, host: str, secret: str, port: int = 0, auth_timeout: float = AUTH_TIMEOUT_S,
-                 max_connections: int = MAX_CONNECTIONS) -> None:
+                 max_connections: int = MAX_CONNECTIONS, advertised_host: Optional[str] = None) -> None:
         key = secret_bytes(secret)
         super().__init__(listen(host, port), key, what="rendezvous", thread_name="spark-hvd-rendezvous",
                          auth_timeout=auth_timeout)
-        self.host = host
+        self.host = advertised_host or host
         self.port = self._listener.getsockname()[1]
         self._max_connections = max_connections
         self._values: Dict[str, str] = {}

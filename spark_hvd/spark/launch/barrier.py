@@ -34,6 +34,7 @@ from spark_hvd.runner.payload import dumps_call
 from spark_hvd.runtime import config
 
 from spark_hvd.spark.launch.log_stream import LogCollector
+from spark_hvd.runtime.rendezvous import RendezvousServer
 from spark_hvd.runtime.seal import unseal
 from spark_hvd.spark.launch.store_log import STORE_CONTEXT, StoreLogCollector
 from spark_hvd.spark.launch.task import FAILURE_MARKER, RESULT_SCHEMA, TaskSpec, result_name, run_task
@@ -386,6 +387,24 @@ class TimestampedLines:
 # The public verb.
 
 
+def _driver_addresses(session: Any, info: SessionInfo) -> Tuple[str, str]:
+    """(address to listen on, address the executors dial) of a classic session's driver: Spark's
+    own ``spark.driver.bindAddress`` and ``spark.driver.host``."""
+    conf = session.sparkContext.getConf()
+    advertised = conf.get("spark.driver.host", None) or ("127.0.0.1" if info.local else socket.gethostname())
+    return conf.get("spark.driver.bindAddress", None) or advertised, advertised
+
+
+def _driver_rendezvous(session: Any, info: SessionInfo, secret: str) -> Optional[RendezvousServer]:
+    """The job's rendezvous server, served by a classic session's driver (which its executors reach:
+    they talk to it for Spark itself); None on Spark Connect, whose client may be out of their reach,
+    so that partition 0's task serves one instead."""
+    if info.connect:
+        return None
+    bind, advertised = _driver_addresses(session, info)
+    return RendezvousServer(bind, secret, advertised_host=advertised)
+
+
 def _output_channel(session: Any, info: SessionInfo, store: Optional[Store], secret: str, out: TextIO,
                     err: TextIO, verbose: int) -> Tuple[Any, Optional[str], Optional[Store], Optional[str]]:
     """(collector, collector address, log store, log directory) for the job's output.
@@ -394,10 +413,7 @@ def _output_channel(session: Any, info: SessionInfo, store: Optional[Store], sec
     executors' reach, so its output travels through the store (a temporary one on a local master).
     """
     if not info.connect:
-        sc = session.sparkContext
-        conf = sc.getConf()
-        advertised = conf.get("spark.driver.host", None) or ("127.0.0.1" if info.local else socket.gethostname())
-        bind = conf.get("spark.driver.bindAddress", None) or advertised
+        bind, advertised = _driver_addresses(session, info)
         collector = LogCollector(bind, advertised, secret, out, err, verbose)
         return collector, collector.address, None, None
     if store is None and info.local:
@@ -526,11 +542,17 @@ def run(
     if prefix_output_with_timestamp:
         out, err = TimestampedLines(out), TimestampedLines(err)
     collector, address, log_store, log_dir = _output_channel(session, info, store, secret, out, err, verbose)
+    try:
+        rendezvous = _driver_rendezvous(session, info, secret)
+    except BaseException:
+        collector.close()
+        raise
     spec = TaskSpec(
         num_proc=num_proc, payload=payload, driver_sys_path=tuple(p for p in sys.path if isinstance(p, str)),
         secret=secret, collector_address=address,
         settings={"start_timeout": start_timeout}, env=dict(env or {}), use_gpu=use_gpu, verbose=verbose,
         log_store=log_store, log_dir=log_dir, interfaces=interfaces, executable=executable,
+        rendezvous_address=rendezvous.address if rendezvous is not None else None,
     )
 
     def task(batches: Any) -> Any:
@@ -555,6 +577,8 @@ def run(
         collector.wait_closed(sum(1 for row in rows if row["streamed"]), _DRAIN_WAIT_S)
     finally:
         collector.close()
+        if rendezvous is not None:
+            rendezvous.close()
     if verbose >= 2:
         err.write(f"spark-hvd: {num_proc} ranks finished in {time.monotonic() - started:.1f} s\n")
     by_rank = {int(row["rank"]): bytes(row["result"]) for row in rows}

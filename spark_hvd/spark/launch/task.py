@@ -1,12 +1,16 @@
 """The body of one barrier task of ``spark_hvd.spark.run``: place the rank, start its process, report.
 
-Every task learns the hosts of all tasks through one ``BarrierTaskContext.allGather``; partition
-0 also publishes the address of the rendezvous server it starts. Ranks are numbered host by host
-(partition 0 is always rank 0), so ranks that share a host are neighbours in the ring. The rank's
-``fn`` then runs in a fresh interpreter (``python -m spark_hvd.runner.worker``, managed by
-:class:`spark_hvd.runner.RankProcesses`) whose output is streamed to the driver line by line (over
-a socket, or through the store for a Spark Connect client); a failed rank fails the task, which
-makes Spark abort the whole stage and kill the other tasks (and, with them, their rank
+Every task learns the hosts of all tasks through the job's rendezvous server. On a classic
+session the driver serves it (its address travels in the :class:`TaskSpec`); each task puts its
+host there and reads everyone's. Where the driver may be out of the executors' reach (Spark
+Connect), partition 0 starts the server, publishes its address through one
+``BarrierTaskContext.allGather`` and holds it until every task has passed a closing ``barrier()``;
+Spark answers each of those calls no sooner than a second after it is made. Ranks are numbered
+host by host (partition 0 is always rank 0), so ranks that share a host are neighbours in the
+ring. The rank's ``fn`` then runs in a fresh interpreter (``python -m spark_hvd.runner.worker``,
+managed by :class:`spark_hvd.runner.RankProcesses`) whose output is streamed to the driver line by
+line (over a socket, or through the store for a Spark Connect client); a failed rank fails the
+task, which makes Spark abort the whole stage and kill the other tasks (and, with them, their rank
 processes). The task's one result row carries its rank's outcome, sealed with the job secret.
 """
 
@@ -47,6 +51,8 @@ WORKDIR_PREFIX = "spark-hvd-rank"
 _OUTPUT_TAIL_LINES = 100
 _SENDER_CONNECT_TIMEOUT_S = 10.0
 _EXIT_GRACE_S = 30.0
+_TASK_HOST_KEY = "task/host/"
+"""Rendezvous key prefix under which each task of a job puts its host (``task/host/<partition>``)."""
 _PEER_LOSS_GRACE_S = 5.0
 """How long a task whose rank only lost a peer waits before failing the stage, so that the report of
 the rank that caused it (raised, or died) reaches the driver before Spark kills that rank's task."""
@@ -83,6 +89,9 @@ class TaskSpec:
     Spark uses for the executor."""
     executable: Optional[str] = None
     """The Python of the rank processes; None: the executor's own."""
+    rendezvous_address: Optional[str] = None
+    """host:port of the rendezvous server the driver serves for the job; None when the driver may be
+    out of the executors' reach (partition 0 serves one then)."""
 
 
 def result_name(rank: int) -> str:
@@ -332,6 +341,23 @@ def rank_address(spec: TaskSpec, executor_address: str) -> str:
     return advertised_address(_host_of(executor_address), names)
 
 
+def _exchange_hosts(spec: TaskSpec, partition: int, host: str) -> List[str]:
+    """Every task's host, in partition order, through the driver's rendezvous server."""
+    from spark_hvd.runtime import config
+    from spark_hvd.runtime.rendezvous import RendezvousClient
+
+    assert spec.rendezvous_address is not None
+    timeout = spec.settings.get("start_timeout") or config.read_setting(
+        "start_timeout", {**config.environ_snapshot(), **spec.env})
+    client = RendezvousClient(spec.rendezvous_address, spec.secret, _SENDER_CONNECT_TIMEOUT_S)
+    try:
+        client.put(f"{_TASK_HOST_KEY}{partition}", host)
+        return client.get([f"{_TASK_HOST_KEY}{p}" for p in range(spec.num_proc)], timeout=float(timeout),
+                          what="barrier tasks")
+    finally:
+        client.close()
+
+
 def run_task(spec: TaskSpec, batches: Iterable[Any]) -> Iterator[Any]:
     """mapInArrow function of the barrier stage: yields one row ``(rank, sealed outcome, streamed)``."""
     import pyarrow as pa
@@ -344,12 +370,19 @@ def run_task(spec: TaskSpec, batches: Iterable[Any]) -> Iterator[Any]:
     server: Optional[RendezvousServer] = None
     sender: Any = None
     try:
-        if partition == 0:
-            server = RendezvousServer(host, spec.secret)
-        mine = {"host": host, "rendezvous": server.address if server else None}
-        everyone = [json.loads(m) for m in context.allGather(json.dumps(mine))]
-        placement = assign_ranks([m["host"] for m in everyone])[partition]
-        rendezvous_addr = everyone[0]["rendezvous"]
+        if spec.rendezvous_address is not None:
+            # One stage attempt per server: Spark never retries a failed barrier ResultStage (it
+            # aborts the job), so no keys of an earlier attempt can be there.
+            rendezvous_addr = spec.rendezvous_address
+            hosts = _exchange_hosts(spec, partition, host)
+        else:
+            if partition == 0:
+                server = RendezvousServer(host, spec.secret)
+            mine = {"host": host, "rendezvous": server.address if server else None}
+            everyone = [json.loads(m) for m in context.allGather(json.dumps(mine))]
+            hosts = [m["host"] for m in everyone]
+            rendezvous_addr = everyone[0]["rendezvous"]
+        placement = assign_ranks(hosts)[partition]
         rank = placement.rank
 
         for _ in batches:  # the input rows only shape the stage: one partition per rank
@@ -371,8 +404,8 @@ def run_task(spec: TaskSpec, batches: Iterable[Any]) -> Iterator[Any]:
         if not ok:
             lost_a_peer = RankFailedError(rank, "", exc_type=details.get("type")).lost_a_peer()
             if lost_a_peer:
-                hosts = {p.rank: m["host"] for p, m in zip(assign_ranks([m["host"] for m in everyone]), everyone)}
-                details = dict(details, message=name_hosts(str(details.get("message", "")), hosts, rank))
+                by_rank = {p.rank: h for p, h in zip(assign_ranks(hosts), hosts)}
+                details = dict(details, message=name_hosts(str(details.get("message", "")), by_rank, rank))
             sender.failure(details)
             if lost_a_peer:
                 time.sleep(_PEER_LOSS_GRACE_S)
@@ -380,8 +413,9 @@ def run_task(spec: TaskSpec, batches: Iterable[Any]) -> Iterator[Any]:
         sender.finished()
         streamed = sender.connected
         sender.close()
-        # Partition 0 serves the rendezvous until every rank is done with it.
-        context.barrier()
+        if spec.rendezvous_address is None:
+            # Partition 0 serves the rendezvous until every rank is done with it.
+            context.barrier()
         sealed = seal(spec.secret, STORE_CONTEXT, result_name(rank), outcome)
         yield pa.RecordBatch.from_pydict({"rank": [rank], "result": [sealed], "streamed": [streamed]},
                                          schema=pa.schema([("rank", pa.int64()), ("result", pa.binary()),

@@ -317,3 +317,68 @@ def test_a_rank_that_returned_early_is_named_before_the_rank_that_lost_it(spark,
     assert "rank 1 returned while the other ranks were still running" in str(error)
     assert error.reaction is not None and error.reaction.rank == 0
     assert "rank 1 has shut down" in error.reaction.summary, error.reaction.summary
+
+
+def _task_hosts_at_the_rendezvous() -> Any:
+    """The hosts the job's tasks put at the rendezvous, or the error of reading them."""
+    from spark_hvd.runtime import config
+    from spark_hvd.runtime.rendezvous import RendezvousClient
+
+    client = RendezvousClient(config.read_setting("rendezvous_addr"), config.read_setting("secret"), 5.0)
+    try:
+        return client.get(["task/host/0", "task/host/1"], timeout=0.5, what="task hosts")
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        client.close()
+
+
+def test_tasks_meet_at_the_drivers_rendezvous_on_classic_and_at_partition_0s_on_connect(spark):
+    """A classic session's driver serves the job's rendezvous and the tasks place their ranks through
+    it (no Spark allGather or barrier, each of which Spark answers a second late); a Connect session's
+    executors may not reach the client, so partition 0's task serves it and the hosts travel by allGather."""
+    results = run(_task_hosts_at_the_rendezvous, num_proc=2, verbose=0)
+    if runner.session_info(spark).connect:
+        assert all(r.startswith("RendezvousTimeout: 2 of 2 task hosts did not arrive") for r in results), results
+    else:
+        assert results == [["127.0.0.1", "127.0.0.1"]] * 2
+
+
+def test_exchange_hosts_returns_every_tasks_host_in_partition_order():
+    """Three tasks that put their hosts at once each read all three, partition 0 first."""
+    import threading
+
+    from spark_hvd.runtime.rendezvous import RendezvousServer
+
+    server = RendezvousServer("127.0.0.1", "ab" * 32)
+    spec = _task.TaskSpec(num_proc=3, payload=b"", driver_sys_path=(), secret="ab" * 32, collector_address=None,
+                          settings={"start_timeout": 10}, env={}, use_gpu=None, verbose=0,
+                          rendezvous_address=server.address)
+    seen: Dict[int, Any] = {}
+    try:
+        threads = [threading.Thread(target=lambda p=p: seen.__setitem__(p, _task._exchange_hosts(spec, p, f"h{p % 2}")))
+                   for p in (2, 0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    finally:
+        server.close()
+    assert seen == {p: ["h0", "h1", "h0"] for p in range(3)}
+
+
+def test_exchange_hosts_names_the_tasks_that_never_arrived():
+    """A task alone at the rendezvous fails after the start timeout, naming the missing partitions."""
+    from spark_hvd.runtime.errors import RendezvousTimeout
+    from spark_hvd.runtime.rendezvous import RendezvousServer
+
+    server = RendezvousServer("127.0.0.1", "cd" * 32)
+    spec = _task.TaskSpec(num_proc=3, payload=b"", driver_sys_path=(), secret="cd" * 32, collector_address=None,
+                          settings={"start_timeout": 0.3}, env={}, use_gpu=None, verbose=0,
+                          rendezvous_address=server.address)
+    try:
+        with pytest.raises(RendezvousTimeout, match=r"2 of 3 barrier tasks did not arrive at the rendezvous within "
+                                                    r"0 s \(missing: task/host/1, task/host/2\).*START_TIMEOUT"):
+            _task._exchange_hosts(spec, 0, "h0")
+    finally:
+        server.close()
