@@ -156,6 +156,9 @@ SETTINGS: Tuple[Setting, ...] = (
             "Move data between ranks of one host through shared memory instead of sockets."),
     Setting("bind_cpus", "SPARK_HVD_BIND_CPUS", _parse_bool, False,
             "Pin each rank to its own share of the host's CPUs at init() (when there are enough)."),
+    Setting("warm_start", "SPARK_HVD_WARM_START", _parse_bool, True,
+            "Fork the ranks of estimator fits on Spark from one process per executor Python worker that has "
+            "imported the framework once, instead of a fresh interpreter per rank (Linux)."),
     Setting("task_cpus", "SPARK_HVD_TASK_CPUS", int, None,
             "CPUs the rank's Spark task was given (spark.task.cpus): the threads of its math libraries."),
     Setting("profile_steps", "SPARK_HVD_PROFILE_STEPS", _parse_bool, False,
@@ -238,6 +241,7 @@ class RuntimeConfig:
     peer_timeout: float = _default("peer_timeout")
     shm: bool = _default("shm")
     bind_cpus: bool = _default("bind_cpus")
+    warm_start: bool = _default("warm_start")
     task_cpus: Optional[int] = _default("task_cpus")
     profile_steps: bool = _default("profile_steps")
     chunk_bytes: int = _default("chunk_bytes")

@@ -26,11 +26,14 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import IO, TYPE_CHECKING, Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from spark_hvd.runtime import config
 
 from . import supervise
+
+if TYPE_CHECKING:
+    from .warm import WarmStarter
 
 __all__ = [
     "OutputSink",
@@ -203,7 +206,7 @@ class RankProcesses:
         self._tail_lines = tail_lines
         self._log = log
         self._lock = threading.Lock()
-        self._procs: Dict[int, "subprocess.Popen[bytes]"] = {}
+        self._procs: Dict[int, Any] = {}  # subprocess.Popen, or warm.WarmProcess for warm ranks
         self._exited: Dict[int, threading.Event] = {}
         self._returncodes: Dict[int, int] = {}
         self._stopped: Set[int] = set()
@@ -214,33 +217,44 @@ class RankProcesses:
         self._failure: Optional[RankExit] = None  # the first rank seen to fail on its own
         self._pumps: List[threading.Thread] = []
         self._supervised = supervise.available()
+        self._warm: Set[int] = set()  # ranks forked from a warm process (no supervisor)
 
     # -- starting -------------------------------------------------------------------------------
 
-    def spawn(self, rank: int, argv: Sequence[str], env: Mapping[str, str], cwd: Optional[str] = None) -> int:
+    def spawn(self, rank: int, argv: Sequence[str], env: Mapping[str, str], cwd: Optional[str] = None,
+              starter: Optional["WarmStarter"] = None) -> int:
         """Start ``argv`` as ``rank`` with exactly ``env``; return the pid of the process started.
 
         The rank runs in its own session, so signals reach its whole process group. On Linux it
         runs under a supervisor (whose pid is returned) that ends everything the rank started
         when the rank ends, and ends the rank and all of that when the thread that called
         ``spawn`` exits: call it from a thread that outlives the job, such as the main thread.
+
+        With ``starter`` (a :class:`~spark_hvd.runner.warm.WarmStarter`), ``argv`` must be the
+        worker's command line (``[python, "-m", "spark_hvd.runner.worker", DIR]``) and the rank is
+        forked from that warm process instead, which plays the supervisor's part.
         """
         if rank in self._procs:
             raise ValueError(f"rank {rank} was already started; expected each rank to be spawned once")
         command = list(argv)
-        if self._supervised:
+        if self._supervised and starter is None:
             command = supervise.command_line(command, os.getpid(), TERMINATE_GRACE_SECONDS)
         files = self._open_output_files(rank)
         try:
-            proc = subprocess.Popen(
-                command,
-                env=dict(env),
-                cwd=cwd,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-            )
+            proc: Any
+            if starter is not None:
+                proc = starter.start(command, env, cwd)
+                self._warm.add(rank)
+            else:
+                proc = subprocess.Popen(
+                    command,
+                    env=dict(env),
+                    cwd=cwd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                )
         except BaseException:
             for file in files.values():
                 if file is not None:
@@ -444,7 +458,7 @@ class RankProcesses:
             self._exited[rank].wait(max(0.0, deadline - time.monotonic()))
         if self._supervised:
             for rank in stubborn:
-                if not self._exited[rank].is_set():
+                if rank not in self._warm and not self._exited[rank].is_set():
                     # The supervisor did not act on KILL_NOW; its rank dies with it (parent-death signal).
                     self._procs[rank].kill()
                     self._exited[rank].wait(_KILL_WAIT_SECONDS)
@@ -452,6 +466,9 @@ class RankProcesses:
 
     def _signal(self, rank: int, signum: int) -> None:
         proc = self._procs[rank]
+        if rank in self._warm:
+            proc.send_signal(signum)  # to the rank's process group
+            return
         if self._supervised:
             # The supervisor passes the signal on to the rank's process group. SIGKILL would end
             # the supervisor itself and strand what the rank started: ask it to kill instead.

@@ -148,6 +148,9 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
     """Modules Spark's Python workers need besides spark_hvd's own (e.g. ('torch',))."""
     rank_environment: ClassVar[Optional[Dict[str, str]]] = None
     """Variables every rank process starts with."""
+    rank_preload: ClassVar[Tuple[str, ...]] = ()
+    """Modules imported once per executor Python worker in a warm process that ranks are forked
+    from (``preload`` of :func:`spark_hvd.spark.run`); empty: each rank starts a fresh interpreter."""
     model_word: ClassVar[str] = "model"
     """What the user calls the model in messages ('module' for a LightningModule)."""
     fitted_class: ClassVar[type]
@@ -471,7 +474,8 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
             if backend is not None:
                 return backend.run(self._rank_function(), args=(current[0],), prefix_output_with_timestamp=False,
                                    **options)
-            return run(self._rank_function(), args=(current[0],), num_proc=fit.num_proc, **options)  # type: ignore[arg-type]
+            return run(self._rank_function(), args=(current[0],), num_proc=fit.num_proc,  # type: ignore[arg-type]
+                       preload=self.rank_preload, **options)
 
         def resume_point() -> str:
             """Set the next attempt to start from the run's last checkpoint (this fit's own)."""

@@ -475,6 +475,7 @@ def run(
     use_gpu: Optional[bool] = None,
     store: Optional[Store] = None,
     spark: Any = None,
+    preload: Sequence[str] = (),
 ) -> List[Any]:
     """Call ``fn(*args, **kwargs)`` on ``num_proc`` ranks, one per Spark barrier task.
 
@@ -504,9 +505,13 @@ def run(
             host has), instead of the address Spark uses for the executor.
         prefix_output_with_timestamp: start every output line with the time it reached the driver.
         executable: the Python the rank processes run (default: the executor's own).
+        preload: modules to import once per executor Python worker, in a warm process that the
+            ranks of this and later jobs are forked from instead of starting a fresh interpreter
+            (Linux; ``SPARK_HVD_WARM_START=0`` turns it off), e.g. ``("torch",)``. Each rank
+            still gets its own process, environment and output.
 
-    The positional order is Horovod's ``horovod.spark.run``; ``use_gpu``, ``store`` and ``spark``
-    are keywords of spark-hvd's.
+    The positional order is Horovod's ``horovod.spark.run``; ``use_gpu``, ``store``, ``spark`` and
+    ``preload`` are keywords of spark-hvd's.
 
     Raises:
         RankFailedError: a rank's ``fn`` raised or its process died; names the rank, the error
@@ -519,6 +524,8 @@ def run(
     interfaces = check_nics(nics)
     if executable is not None and (not isinstance(executable, str) or not executable):
         raise ValueError(f"executable={executable!r} is not valid: expected the path of a Python interpreter")
+    if isinstance(preload, str) or not all(isinstance(m, str) and m for m in preload):
+        raise ValueError(f"preload={preload!r} is not valid: expected a sequence of module names, e.g. ('torch',)")
     session = spark if spark is not None else active_session("spark_hvd.spark.run()")
     info = session_info(session)
     num_proc = check_arguments(fn, args, kwargs, count=info.default_parallelism if num_proc is None else num_proc,
@@ -553,6 +560,7 @@ def run(
         settings={"start_timeout": start_timeout}, env=dict(env or {}), use_gpu=use_gpu, verbose=verbose,
         log_store=log_store, log_dir=log_dir, interfaces=interfaces, executable=executable,
         rendezvous_address=rendezvous.address if rendezvous is not None else None,
+        preload=tuple(preload),
     )
 
     def task(batches: Any) -> Any:

@@ -80,6 +80,7 @@ class LightningEstimator(TorchModuleHooks, DistributedEstimator, LightningEstima
     framework = "lightning"
     fitted_class = LightningModel
     worker_modules = ("torch", "pytorch_lightning")
+    rank_preload = ("torch", "torch._dynamo", "pytorch_lightning")
     model_word = "module"
 
     # ---- checks ---------------------------------------------------------------------------------

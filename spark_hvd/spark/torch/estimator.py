@@ -91,6 +91,8 @@ class TorchEstimator(TorchModuleHooks, DistributedEstimator, TorchEstimatorParam
     framework = "torch"
     fitted_class = TorchModel
     worker_modules = ("torch",)
+    # torch._dynamo: imported by torch.optim at the first step, about as slow as torch itself.
+    rank_preload = ("torch", "torch._dynamo")
     dry_run_loss_on_zeros = True
 
     # ---- checks ---------------------------------------------------------------------------------

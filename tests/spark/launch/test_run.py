@@ -382,3 +382,29 @@ def test_exchange_hosts_names_the_tasks_that_never_arrived():
             _task._exchange_hosts(spec, 0, "h0")
     finally:
         server.close()
+
+
+def _warm_report() -> Dict[str, Any]:
+    return {"parent": os.getppid(), "preloaded": "json.tool" in sys.modules, "rank": os.environ["SPARK_HVD_RANK"]}
+
+
+def test_preloaded_ranks_of_later_jobs_fork_from_the_same_warm_processes(spark):
+    """With preload, each rank is forked from a warm process of its task's Python worker that has
+    imported the modules; a later job reuses those processes; SPARK_HVD_WARM_START=0 starts fresh
+    interpreters, which have not imported them."""
+    first = run(_warm_report, num_proc=2, verbose=0, preload=("json.tool",))
+    second = run(_warm_report, num_proc=2, verbose=0, preload=("json.tool",))
+    assert [r["rank"] for r in first] == ["0", "1"]
+    assert all(r["preloaded"] for r in first + second)
+    assert {r["parent"] for r in first} == {r["parent"] for r in second}
+    assert len({r["parent"] for r in first}) == 2  # one warm process per task's Python worker
+    cold = run(_warm_report, num_proc=2, verbose=0, preload=("json.tool",), env={"SPARK_HVD_WARM_START": "0"})
+    assert not any(r["preloaded"] for r in cold)
+    assert not {r["parent"] for r in cold} & {r["parent"] for r in first}
+
+
+@pytest.mark.session_kinds("classic")
+@pytest.mark.parametrize("preload", ["torch", ("torch", ""), (1,)])
+def test_preload_must_be_a_sequence_of_module_names(spark, preload):
+    with pytest.raises(ValueError, match=r"preload=.* is not valid: expected a sequence of module names"):
+        run(_warm_report, num_proc=2, verbose=0, preload=preload)
