@@ -12,6 +12,7 @@ would have, with:
   socket), written through line by line as with ``PYTHONUNBUFFERED=1``;
 - a session of its own (signals reach its process group, as for a supervised rank), and SIGKILL
   when the warm process dies;
+- the name ``hvd-rank<r>`` (:data:`RANK_PROCESS_NAME`) in ``ps`` and ``top``;
 - Python's ``random`` and numpy's global generator reseeded, so forked ranks do not share draws.
 
 The warm process talks to its launcher over an anonymous ``socketpair`` made at its start (no
@@ -43,7 +44,7 @@ import traceback
 from typing import Any, Callable, Dict, IO, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = ["WarmStarter", "WarmProcess", "WarmStartError", "available", "environment_key", "starter_for",
-           "close_starters", "JOB_VARIABLE_PREFIXES"]
+           "close_starters", "JOB_VARIABLE_PREFIXES", "RANK_PROCESS_NAME"]
 
 JOB_VARIABLE_PREFIXES = ("SPARK_HVD_", "HOROVOD_", "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED")
 """Environment variables of one job or one rank: read when a rank runs, not when a module is
@@ -52,6 +53,10 @@ imported, so they do not decide which warm process may fork a rank."""
 READY_TIMEOUT_S = 300.0
 """How long a warm process may take to import its modules (TensorFlow on a slow disk)."""
 
+RANK_PROCESS_NAME = "hvd-rank"
+"""Name (``/proc/PID/comm``, what ps and top show) of a rank forked from a warm process, followed by
+its rank: its command line and ``/proc/PID/environ`` stay the warm process's."""
+
 IDLE_EXIT_S = 600.0
 """A warm process with no rank running ends after this many seconds without a request."""
 
@@ -59,6 +64,7 @@ _REPLY_TIMEOUT_S = 30.0
 _MESSAGE_LIMIT = 4 << 20
 _GRACE_S = 3.0
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 _WORKER_ARGV = ("-m", "spark_hvd.runner.worker")
 
 
@@ -455,6 +461,8 @@ def _become_rank(control: socket.socket, wake: Sequence[int], message: Dict[str,
         os.chdir(message["cwd"])
         os.environ.clear()
         os.environ.update(message["env"])
+        if prctl is not None:  # what ps and top show, as the command line is the warm process's
+            prctl(_PR_SET_NAME, f"{RANK_PROCESS_NAME}{os.environ.get('SPARK_HVD_RANK', '')}".encode()[:15], 0, 0, 0)
         sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, write_through=True)
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True,

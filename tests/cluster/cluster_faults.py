@@ -77,14 +77,9 @@ def release(directory: str) -> None:
 
 def rank_pid(host: Host, rank: int) -> Optional[int]:
     """The pid of the rank process of ``rank`` on ``host``, if it runs there."""
-    wanted = f"SPARK_HVD_RANK={rank}".encode()
-    for pid in host.processes_running(b"spark_hvd.runner.worker"):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if wanted in f.read().split(b"\0"):
-                    return pid
-        except OSError:
-            pass
+    for pid, found in host.rank_processes().items():
+        if found == rank:
+            return pid
     return None
 
 

@@ -36,6 +36,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
+from spark_hvd.runner.warm import RANK_PROCESS_NAME
+
 __all__ = ["Host", "Hosts", "SUBNET", "MACHINE_ADDRESS", "DATA_MACHINE_ADDRESS", "HarnessError", "rate_bits", "die_with_parent",
            "death_hook",
            "run_quietly"]
@@ -151,6 +153,28 @@ class Host:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     if needle in f.read():
                         found.append(pid)
+            except OSError:
+                pass
+        return found
+
+    def rank_processes(self) -> Dict[int, Optional[int]]:
+        """The rank processes of this host and their ranks (None where it cannot be read): fresh
+        interpreters (``python -m spark_hvd.runner.worker``, whose environment names the rank) and
+        ranks forked from a warm process (named ``hvd-rank<r>``)."""
+        found: Dict[int, Optional[int]] = {}
+        for pid in self.processes():
+            try:
+                with open(f"/proc/{pid}/comm", "rb") as f:
+                    comm = f.read().strip().decode(errors="replace")
+                if comm.startswith(RANK_PROCESS_NAME):
+                    found[pid] = int(comm[len(RANK_PROCESS_NAME):]) if comm[len(RANK_PROCESS_NAME):].isdigit() else None
+                    continue
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"spark_hvd.runner.worker" not in f.read():
+                        continue
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    ranks = [v[len(b"SPARK_HVD_RANK="):] for v in f.read().split(b"\0") if v.startswith(b"SPARK_HVD_RANK=")]
+                found[pid] = int(ranks[0]) if ranks and ranks[0].isdigit() else None
             except OSError:
                 pass
         return found

@@ -23,7 +23,6 @@ if HERE not in sys.path:
 from cluster_hosts import Hosts  # noqa: E402
 from cluster_spark import SparkCluster  # noqa: E402
 
-RANK_PROCESS = b"spark_hvd.runner.worker"
 """What the command line of a rank process contains."""
 PEER_TIMEOUT_S = 4.0
 """SPARK_HVD_PEER_TIMEOUT of every process of the cluster: a cut link breaks connections in use after
@@ -66,7 +65,7 @@ def spark_connect(cluster):
 
 def rank_processes(hosts: Hosts) -> dict:
     """Rank processes still running, by host name."""
-    found = {host.name: host.processes_running(RANK_PROCESS) for host in hosts.hosts}
+    found = {host.name: sorted(host.rank_processes()) for host in hosts.hosts}
     return {name: pids for name, pids in found.items() if pids}
 
 

@@ -52,7 +52,8 @@ def _describe(tag):
     return {"pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "cwd": os.getcwd(),
             "mine": os.environ.get("MINE"), "zygote_only": os.environ.get("ZYGOTE_ONLY"),
             "rank": os.environ.get("SPARK_HVD_RANK"), "preloaded": "json.tool" in sys.modules,
-            "argv": sys.argv, "draw": random.random(), "stdin": sys.stdin.read()}
+            "argv": sys.argv, "draw": random.random(), "stdin": sys.stdin.read(),
+            "name": open(f"/proc/{os.getpid()}/comm").read().strip()}
 
 
 @pytest.fixture
@@ -66,7 +67,8 @@ def starter(tmp_path):
 
 def test_a_warm_rank_runs_with_its_own_environment_directory_session_and_output(tmp_path, starter):
     """The rank sees exactly the environment and directory it was given (not the warm process's),
-    leads a session of its own, reads nothing on stdin, has the preloaded modules, and its output
+    leads a session of its own, reads nothing on stdin, has the preloaded modules, is named
+    hvd-rank<r> in ps, and its output
     lines and result come back as a fresh interpreter's would; two ranks draw different numbers."""
     lines = []
     seen = []
@@ -81,7 +83,7 @@ def test_a_warm_rank_runs_with_its_own_environment_directory_session_and_output(
         assert value["pid"] == pid and value["ppid"] == starter.pid and value["sid"] == pid
         assert value["cwd"] == str(tmp_path / f"r{rank}")
         assert (value["mine"], value["zygote_only"], value["rank"]) == ("rank", None, "0")
-        assert value["preloaded"] and value["stdin"] == ""
+        assert value["preloaded"] and value["stdin"] == "" and value["name"] == "hvd-rank0"
         assert value["argv"][1:] == [workdir] and value["argv"][0].endswith("worker.py")
         seen.append(value)
     assert ("stdout", "out 0") in lines and ("stderr", "err 0") in lines and ("stdout", "out 1") in lines

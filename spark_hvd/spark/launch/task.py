@@ -2,16 +2,18 @@
 
 Every task learns the hosts of all tasks through the job's rendezvous server. On a classic
 session the driver serves it (its address travels in the :class:`TaskSpec`); each task puts its
-host there and reads everyone's. Where the driver may be out of the executors' reach (Spark
-Connect), partition 0 starts the server, publishes its address through one
-``BarrierTaskContext.allGather`` and holds it until every task has passed a closing ``barrier()``;
-Spark answers each of those calls no sooner than a second after it is made. Ranks are numbered
-host by host (partition 0 is always rank 0), so ranks that share a host are neighbours in the
-ring. The rank's ``fn`` then runs in a fresh interpreter (``python -m spark_hvd.runner.worker``,
-managed by :class:`spark_hvd.runner.RankProcesses`) whose output is streamed to the driver line by
-line (over a socket, or through the store for a Spark Connect client); a failed rank fails the
-task, which makes Spark abort the whole stage and kill the other tasks (and, with them, their rank
-processes). The task's one result row carries its rank's outcome, sealed with the job secret.
+host there and reads everyone's. On Spark Connect the driver may be out of the executors' reach,
+so partition 0's task serves it and leaves its address in the store that carries the job's output;
+partition 0 then holds the server until every other task has said its rank is done with it. Only
+a Connect job without a store meets through ``BarrierTaskContext.allGather`` and a closing
+``barrier()``, each of which Spark answers no sooner than a second after it is called. Ranks are
+numbered host by host (partition 0 is always rank 0), so ranks that share a host are neighbours in
+the ring. The rank's ``fn`` then runs in a process of its own, managed by
+:class:`spark_hvd.runner.RankProcesses`: a fresh interpreter (``python -m spark_hvd.runner.worker``)
+or, for a job that preloads modules, a fork of this Python worker's warm process
+(:mod:`spark_hvd.runner.warm`). Its output is streamed to the driver line by line (over a socket,
+or through the store for a Spark Connect client); a failed rank fails the task, which makes Spark
+abort the whole stage and kill the other tasks (and, with them, their rank processes). The task's one result row carries its rank's outcome, sealed with the job secret.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import base64
 import json
 import os
 import pickle
+import posixpath
 import re
 import shutil
 import sys
@@ -35,7 +38,9 @@ from spark_hvd.runner.processes import RankExit, RankProcesses, print_prefixed, 
 from spark_hvd.runner.warm import WarmStarter, WarmStartError
 
 from spark_hvd.spark.launch.log_stream import LogSender
-from spark_hvd.runtime.seal import seal
+from spark_hvd.runtime.errors import RendezvousTimeout
+from spark_hvd.runtime.rendezvous import RendezvousClient, RendezvousServer
+from spark_hvd.runtime.seal import seal, unseal
 from spark_hvd.spark.launch.store_log import STORE_CONTEXT, StoreLogSender
 
 __all__ = ["TaskSpec", "Placement", "assign_ranks", "failure_summary", "run_task", "rank_address", "name_hosts",
@@ -55,6 +60,12 @@ _SENDER_CONNECT_TIMEOUT_S = 10.0
 _EXIT_GRACE_S = 30.0
 _TASK_HOST_KEY = "task/host/"
 """Rendezvous key prefix under which each task of a job puts its host (``task/host/<partition>``)."""
+_TASK_DONE_KEY = "task/done/"
+"""Rendezvous key prefix under which a task says its rank no longer needs the server."""
+_RENDEZVOUS_FILE = "rendezvous"
+"""Where, in a Connect job's output directory of the store, partition 0 leaves the server's address."""
+_PUBLISH_POLL_S = 0.05
+_DONE_WAIT_SLICE_S = 60.0
 _PEER_LOSS_GRACE_S = 5.0
 """How long a task whose rank only lost a peer waits before failing the stage, so that the report of
 the rank that caused it (raised, or died) reaches the driver before Spark kills that rank's task."""
@@ -367,19 +378,85 @@ def rank_address(spec: TaskSpec, executor_address: str) -> str:
     return advertised_address(_host_of(executor_address), names)
 
 
-def _exchange_hosts(spec: TaskSpec, partition: int, host: str) -> List[str]:
-    """Every task's host, in partition order, through the driver's rendezvous server."""
+def _start_timeout(spec: TaskSpec) -> float:
     from spark_hvd.runtime import config
-    from spark_hvd.runtime.rendezvous import RendezvousClient
 
-    assert spec.rendezvous_address is not None
-    timeout = spec.settings.get("start_timeout") or config.read_setting(
-        "start_timeout", {**config.environ_snapshot(), **spec.env})
-    client = RendezvousClient(spec.rendezvous_address, spec.secret, _SENDER_CONNECT_TIMEOUT_S)
+    return float(spec.settings.get("start_timeout") or
+                 config.read_setting("start_timeout", {**config.environ_snapshot(), **spec.env}))
+
+
+def _exchange_hosts(spec: TaskSpec, address: str, partition: int, host: str) -> List[str]:
+    """Every task's host, in partition order, through the rendezvous server at ``address``."""
+    client = RendezvousClient(address, spec.secret, _SENDER_CONNECT_TIMEOUT_S)
     try:
         client.put(f"{_TASK_HOST_KEY}{partition}", host)
-        return client.get([f"{_TASK_HOST_KEY}{p}" for p in range(spec.num_proc)], timeout=float(timeout),
+        return client.get([f"{_TASK_HOST_KEY}{p}" for p in range(spec.num_proc)], timeout=_start_timeout(spec),
                           what="barrier tasks")
+    finally:
+        client.close()
+
+
+def _publish_rendezvous(spec: TaskSpec, address: str) -> None:
+    """Partition 0: leave the address of the server it serves where the other tasks look for it."""
+    name = _RENDEZVOUS_FILE
+    spec.log_store.write(posixpath.join(spec.log_dir, name),
+                         seal(spec.secret, STORE_CONTEXT, name, json.dumps({"address": address}).encode()))
+
+
+def _published_rendezvous(spec: TaskSpec) -> str:
+    """The address partition 0 published in the store, waiting for it up to the start timeout."""
+    path = posixpath.join(spec.log_dir, _RENDEZVOUS_FILE)
+    timeout = _start_timeout(spec)
+    deadline = time.monotonic() + timeout
+    while not spec.log_store.exists(path):
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"partition 0 did not publish the job's rendezvous address at {path} within "
+                               f"{timeout:.0f} s; check that every barrier task started, or raise "
+                               "SPARK_HVD_START_TIMEOUT")
+        time.sleep(_PUBLISH_POLL_S)
+    sealed = spec.log_store.read(path)
+    return str(json.loads(unseal(spec.secret, STORE_CONTEXT, _RENDEZVOUS_FILE, sealed))["address"])
+
+
+def _meet(spec: TaskSpec, context: Any, partition: int,
+          host: str) -> Tuple[List[str], str, Optional[RendezvousServer], bool]:
+    """(every task's host in partition order, the rendezvous address, the server this task serves
+    or None, whether the tasks met through Spark's allGather and must end with its barrier)."""
+    if spec.rendezvous_address is not None:
+        # One stage attempt per server: Spark never retries a failed barrier ResultStage (it
+        # aborts the job), so no keys of an earlier attempt can be there.
+        return _exchange_hosts(spec, spec.rendezvous_address, partition, host), spec.rendezvous_address, None, False
+    server = RendezvousServer(host, spec.secret) if partition == 0 else None
+    try:
+        if spec.log_store is not None and spec.log_dir is not None:
+            if server is not None:
+                _publish_rendezvous(spec, server.address)
+            address = server.address if server is not None else _published_rendezvous(spec)
+            return _exchange_hosts(spec, address, partition, host), address, server, False
+        mine = {"host": host, "rendezvous": server.address if server else None}
+        everyone = [json.loads(m) for m in context.allGather(json.dumps(mine))]
+        return [m["host"] for m in everyone], everyone[0]["rendezvous"], server, True
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise
+
+
+def _part(spec: TaskSpec, address: str, partition: int, server: Any) -> None:
+    """After this task's rank finished: partition 0, which serves the rendezvous, waits until every
+    other task says its rank is done with it; the others say so."""
+    client = RendezvousClient(address, spec.secret, _SENDER_CONNECT_TIMEOUT_S)
+    try:
+        if server is None:
+            client.put(f"{_TASK_DONE_KEY}{partition}", "1")
+            return
+        keys = [f"{_TASK_DONE_KEY}{p}" for p in range(1, spec.num_proc)]
+        while True:  # as long as the other ranks run; a failed one makes Spark kill this task
+            try:
+                client.get(keys, timeout=_DONE_WAIT_SLICE_S, what="other tasks")
+                return
+            except RendezvousTimeout:
+                continue
     finally:
         client.close()
 
@@ -388,26 +465,13 @@ def run_task(spec: TaskSpec, batches: Iterable[Any]) -> Iterator[Any]:
     """mapInArrow function of the barrier stage: yields one row ``(rank, sealed outcome, streamed)``."""
     import pyarrow as pa
     from pyspark import BarrierTaskContext
-    from spark_hvd.runtime.rendezvous import RendezvousServer
-
     context = BarrierTaskContext.get()
     partition = context.partitionId()
     host = rank_address(spec, context.getTaskInfos()[partition].address)
     server: Optional[RendezvousServer] = None
     sender: Any = None
     try:
-        if spec.rendezvous_address is not None:
-            # One stage attempt per server: Spark never retries a failed barrier ResultStage (it
-            # aborts the job), so no keys of an earlier attempt can be there.
-            rendezvous_addr = spec.rendezvous_address
-            hosts = _exchange_hosts(spec, partition, host)
-        else:
-            if partition == 0:
-                server = RendezvousServer(host, spec.secret)
-            mine = {"host": host, "rendezvous": server.address if server else None}
-            everyone = [json.loads(m) for m in context.allGather(json.dumps(mine))]
-            hosts = [m["host"] for m in everyone]
-            rendezvous_addr = everyone[0]["rendezvous"]
+        hosts, rendezvous_addr, server, met_by_spark = _meet(spec, context, partition, host)
         placement = assign_ranks(hosts)[partition]
         rank = placement.rank
 
@@ -439,9 +503,11 @@ def run_task(spec: TaskSpec, batches: Iterable[Any]) -> Iterator[Any]:
         sender.finished()
         streamed = sender.connected
         sender.close()
-        if spec.rendezvous_address is None:
-            # Partition 0 serves the rendezvous until every rank is done with it.
+        # Partition 0 serves the rendezvous until every rank is done with it.
+        if met_by_spark:
             context.barrier()
+        elif spec.rendezvous_address is None:
+            _part(spec, rendezvous_addr, partition, server)
         sealed = seal(spec.secret, STORE_CONTEXT, result_name(rank), outcome)
         yield pa.RecordBatch.from_pydict({"rank": [rank], "result": [sealed], "streamed": [streamed]},
                                          schema=pa.schema([("rank", pa.int64()), ("result", pa.binary()),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import sys
@@ -333,15 +334,13 @@ def _task_hosts_at_the_rendezvous() -> Any:
         client.close()
 
 
-def test_tasks_meet_at_the_drivers_rendezvous_on_classic_and_at_partition_0s_on_connect(spark):
-    """A classic session's driver serves the job's rendezvous and the tasks place their ranks through
-    it (no Spark allGather or barrier, each of which Spark answers a second late); a Connect session's
-    executors may not reach the client, so partition 0's task serves it and the hosts travel by allGather."""
+def test_tasks_meet_at_the_jobs_rendezvous_without_sparks_allgather(spark):
+    """The tasks place their ranks through the job's rendezvous server (the driver's on a classic
+    session, partition 0's on Connect, its address passed through the store), not through Spark's
+    allGather and barrier, each of which Spark answers a second late: every rank finds every task's
+    host there."""
     results = run(_task_hosts_at_the_rendezvous, num_proc=2, verbose=0)
-    if runner.session_info(spark).connect:
-        assert all(r.startswith("RendezvousTimeout: 2 of 2 task hosts did not arrive") for r in results), results
-    else:
-        assert results == [["127.0.0.1", "127.0.0.1"]] * 2
+    assert results == [["127.0.0.1", "127.0.0.1"]] * 2
 
 
 def test_exchange_hosts_returns_every_tasks_host_in_partition_order():
@@ -356,8 +355,8 @@ def test_exchange_hosts_returns_every_tasks_host_in_partition_order():
                           rendezvous_address=server.address)
     seen: Dict[int, Any] = {}
     try:
-        threads = [threading.Thread(target=lambda p=p: seen.__setitem__(p, _task._exchange_hosts(spec, p, f"h{p % 2}")))
-                   for p in (2, 0, 1)]
+        threads = [threading.Thread(target=lambda p=p: seen.__setitem__(
+            p, _task._exchange_hosts(spec, server.address, p, f"h{p % 2}"))) for p in (2, 0, 1)]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -379,7 +378,7 @@ def test_exchange_hosts_names_the_tasks_that_never_arrived():
     try:
         with pytest.raises(RendezvousTimeout, match=r"2 of 3 barrier tasks did not arrive at the rendezvous within "
                                                     r"0 s \(missing: task/host/1, task/host/2\).*START_TIMEOUT"):
-            _task._exchange_hosts(spec, 0, "h0")
+            _task._exchange_hosts(spec, server.address, 0, "h0")
     finally:
         server.close()
 
@@ -408,3 +407,46 @@ def test_preloaded_ranks_of_later_jobs_fork_from_the_same_warm_processes(spark):
 def test_preload_must_be_a_sequence_of_module_names(spark, preload):
     with pytest.raises(ValueError, match=r"preload=.* is not valid: expected a sequence of module names"):
         run(_warm_report, num_proc=2, verbose=0, preload=preload)
+
+
+def _connect_spec(tmp_path, secret, start_timeout=10):
+    from spark_hvd.spark import Store
+
+    return _task.TaskSpec(num_proc=3, payload=b"", driver_sys_path=(), secret=secret, collector_address=None,
+                          settings={"start_timeout": start_timeout}, env={}, use_gpu=None, verbose=0,
+                          log_store=Store.create(str(tmp_path / "store")), log_dir="jobs/run-1")
+
+
+def test_partition_0_publishes_its_rendezvous_address_in_the_store_sealed(tmp_path):
+    """What partition 0 leaves in the store is read back by the others; a file sealed with another
+    secret is refused; with nothing published, the wait ends at the start timeout with the path."""
+    spec = _connect_spec(tmp_path, "ef" * 32)
+    _task._publish_rendezvous(spec, "10.0.0.7:4242")
+    assert _task._published_rendezvous(spec) == "10.0.0.7:4242"
+    with pytest.raises(Exception, match=r"seal|secret|authentic"):
+        _task._published_rendezvous(dataclasses.replace(spec, secret="01" * 32))
+    empty = dataclasses.replace(spec, log_dir="jobs/run-2", settings={"start_timeout": 0.2})
+    with pytest.raises(TimeoutError, match=r"partition 0 did not publish the job's rendezvous address at "
+                                           r"jobs/run-2/rendezvous within 0 s.*SPARK_HVD_START_TIMEOUT"):
+        _task._published_rendezvous(empty)
+
+
+def test_partition_0_holds_the_rendezvous_until_every_other_task_is_done(tmp_path):
+    """_part returns on partition 0 only once partitions 1 and 2 have said they are done."""
+    import threading
+
+    from spark_hvd.runtime.rendezvous import RendezvousServer
+
+    spec = _connect_spec(tmp_path, "ab" * 32)
+    server = RendezvousServer("127.0.0.1", spec.secret)
+    try:
+        holder = threading.Thread(target=_task._part, args=(spec, server.address, 0, server))
+        holder.start()
+        _task._part(spec, server.address, 1, None)
+        holder.join(0.5)
+        assert holder.is_alive()  # partition 2 has not said it is done
+        _task._part(spec, server.address, 2, None)
+        holder.join(10)
+        assert not holder.is_alive()
+    finally:
+        server.close()
