@@ -412,9 +412,10 @@ def test_preload_must_be_a_sequence_of_module_names(spark, preload):
 def _connect_spec(tmp_path, secret, start_timeout=10):
     from spark_hvd.spark import Store
 
+    store = Store.create(str(tmp_path / "store"))
     return _task.TaskSpec(num_proc=3, payload=b"", driver_sys_path=(), secret=secret, collector_address=None,
                           settings={"start_timeout": start_timeout}, env={}, use_gpu=None, verbose=0,
-                          log_store=Store.create(str(tmp_path / "store")), log_dir="jobs/run-1")
+                          log_store=store, log_dir=store.join("jobs", "run-1"))
 
 
 def test_partition_0_publishes_its_rendezvous_address_in_the_store_sealed(tmp_path):
@@ -425,9 +426,9 @@ def test_partition_0_publishes_its_rendezvous_address_in_the_store_sealed(tmp_pa
     assert _task._published_rendezvous(spec) == "10.0.0.7:4242"
     with pytest.raises(Exception, match=r"seal|secret|authentic"):
         _task._published_rendezvous(dataclasses.replace(spec, secret="01" * 32))
-    empty = dataclasses.replace(spec, log_dir="jobs/run-2", settings={"start_timeout": 0.2})
+    empty = dataclasses.replace(spec, log_dir=spec.log_store.join("jobs", "run-2"), settings={"start_timeout": 0.2})
     with pytest.raises(TimeoutError, match=r"partition 0 did not publish the job's rendezvous address at "
-                                           r"jobs/run-2/rendezvous within 0 s.*SPARK_HVD_START_TIMEOUT"):
+                                           r"\S*/jobs/run-2/rendezvous within 0 s.*SPARK_HVD_START_TIMEOUT"):
         _task._published_rendezvous(empty)
 
 
