@@ -93,6 +93,7 @@ class KerasEstimator(DistributedEstimator, KerasEstimatorParams):
     fitted_class = KerasModel
     worker_modules = WORKER_MODULES
     rank_environment = RANK_ENVIRONMENT
+    rank_preload = ("tensorflow", "keras")
 
     # ---- checks ---------------------------------------------------------------------------------
     def _check_model(self) -> _Keras:
