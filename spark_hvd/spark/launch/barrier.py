@@ -479,9 +479,9 @@ def run(
 ) -> List[Any]:
     """Call ``fn(*args, **kwargs)`` on ``num_proc`` ranks, one per Spark barrier task.
 
-    Each rank runs in a fresh Python process with the worker environment (``SPARK_HVD_RANK``,
-    ``SPARK_HVD_SIZE``, ... and ``env``), so ``spark_hvd.runtime.init()`` inside ``fn`` joins the
-    job. Returns every rank's return value, in rank order. Works on classic and Spark Connect
+    Each rank runs in a Python process of its own (a fresh interpreter, or a fork of a warm process
+    with ``preload``) with the worker environment (``SPARK_HVD_RANK``, ``SPARK_HVD_SIZE``, ... and
+    ``env``), so ``spark_hvd.runtime.init()`` inside ``fn`` joins the job. Returns every rank's return value, in rank order. Works on classic and Spark Connect
     sessions alike; the stage is a ``mapInArrow`` with ``barrier=True`` and results come back as
     its rows, sealed with the job secret.
 
