@@ -1,7 +1,7 @@
 """Where TorchEstimator.fit() and KerasEstimator.fit() spend their wall time, and how fast their models' transform() predicts.
 
     python benchmarks/estimator.py [--fits 3] [--rows 256] [--transform-rows 200000] [--json PATH]
-                                   [--frameworks torch keras]
+                                   [--frameworks torch keras] [--compare-cold]
 
 Runs on an embedded local[2] Spark. fit() on a small frame (256 rows by default, as in the
 Horovod measurement of about 80 s) is split into validation, materialization (Parquet in the
@@ -13,6 +13,8 @@ the model once per row, the way Horovod's TorchModel predicts. Targets: fit() ov
 the training loop under 10 s; transform at least 100x the row-by-row baseline. KerasEstimator
 gets the same fits and the same batched transform timing, with the same MLP in Keras (its ranks
 import TensorFlow, so its launch phase is longer); the row-by-row baseline is timed for torch.
+``--compare-cold`` also times the same torch fits with ranks started as fresh interpreters instead
+of forked from the Python workers' warm processes, in the same session, side by side.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="rows for the per-step comparison of TorchEstimator with the bare training loop "
                              "(0 skips it)")
     parser.add_argument("--step-batch", type=int, default=32, help="batch size of the per-step comparison")
+    parser.add_argument("--compare-cold", action="store_true",
+                        help="also time the same fits with ranks started as fresh interpreters (no warm process), "
+                             "in the same session, and print repeat fits side by side")
     parser.add_argument("--frameworks", nargs="+", choices=FRAMEWORKS, default=list(FRAMEWORKS),
                         help="estimators to time (torch is always timed: the baseline compares against it)")
     return parser
@@ -113,11 +118,16 @@ def make_frame(spark: Any, rows: int, seed: int) -> Any:
         .select("features", "label")
 
 
-def time_fits(spark: Any, args: argparse.Namespace, store_dir: str, framework: str = "torch") -> List[Dict[str, float]]:
+def time_fits(spark: Any, args: argparse.Namespace, store_dir: str, framework: str = "torch",
+              cold: bool = False) -> List[Dict[str, float]]:
+    """``args.fits`` fits, each on a new frame; ``cold``: ranks start as fresh interpreters (the
+    estimator preloads nothing), as every rank did before warm starts."""
     results = []
     for i in range(args.fits):
         df = make_frame(spark, args.rows, seed=i)
-        est = make_estimator(framework, args, store_dir, run_id=f"bench-{framework}-{i}-{int(time.time())}")
+        est = make_estimator(framework, args, store_dir, run_id=f"bench-{framework}-{i}-{cold}-{int(time.time())}")
+        if cold:
+            est.rank_preload = ()
         started = time.monotonic()
         fitted = est.fit(df)
         total = time.monotonic() - started
@@ -125,8 +135,8 @@ def time_fits(spark: Any, args: argparse.Namespace, store_dir: str, framework: s
         row["total"] = total
         row["overhead"] = total - row["training"]
         results.append(row)
-        print(f"{framework} fit {i + 1}/{args.fits}: {total:.1f} s ({', '.join(f'{p} {row[p]:.2f}' for p in PHASES)})",
-              flush=True)
+        print(f"{framework}{' (cold ranks)' if cold else ''} fit {i + 1}/{args.fits}: {total:.1f} s "
+              f"({', '.join(f'{p} {row[p]:.2f}' for p in PHASES)})", flush=True)
     return results
 
 
@@ -292,6 +302,20 @@ def print_fit_table(fits: List[Dict[str, float]], rows: int, estimator: str) -> 
           f"(Horovod 0.28.1: about {HOROVOD_FIT_S:.0f} s for the whole fit here)")
 
 
+def print_cold_table(fits: List[Dict[str, float]], cold_fits: List[Dict[str, float]], rows: int) -> None:
+    """Repeat fits (all but the first of each kind) with warm rank starts against fresh interpreters."""
+    warm, cold = fits[1:] or fits, cold_fits[1:] or cold_fits
+    print()
+    print(f"TorchEstimator repeat fits on {rows} rows, same session: ranks forked from the warm process "
+          "vs fresh interpreters (medians, seconds)")
+    print(f"| {'phase':<30} | {'warm ranks':>12} | {'fresh ranks':>12} | {'fresh/warm':>10} |")
+    print(f"|{'-' * 32}|{'-' * 14}|{'-' * 14}|{'-' * 12}|")
+    for key in PHASES + ("total",):
+        w, c = statistics.median(r[key] for r in warm), statistics.median(r[key] for r in cold)
+        ratio = f"{c / w:.2f}x" if w > 0 else "-"
+        print(f"| {'total wall' if key == 'total' else key:<30} | {w:>12.2f} | {c:>12.2f} | {ratio:>10} |")
+
+
 def print_tables(fits: List[Dict[str, float]], transform: Dict[str, Any], rows: int,
                  keras_result: Optional[Dict[str, Any]] = None) -> None:
     print_fit_table(fits, rows, "TorchEstimator")
@@ -336,6 +360,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="spark-hvd-bench-") as store_dir:
             fits = time_fits(spark, args, store_dir)
+            cold_fits = time_fits(spark, args, store_dir, cold=True) if args.compare_cold else None
             steps = time_steps(spark, args, store_dir) if args.step_rows > 0 else None
             if "keras" in args.frameworks:
                 keras_fits = time_fits(spark, args, store_dir, "keras")
@@ -348,6 +373,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         spark.stop()
     print_tables(fits, transform, args.rows, keras_result)
+    if cold_fits is not None:
+        print_cold_table(fits, cold_fits, args.rows)
     if steps is not None:
         print_step_table(steps)
     warm = fits[1:] or fits
@@ -364,6 +391,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "transform": transform,
         "steps": steps,
         "keras": keras_result,
+        "cold_fits": cold_fits,
         "targets": {"fit_overhead_s": FIT_OVERHEAD_TARGET_S, "transform_speedup": TRANSFORM_SPEEDUP_TARGET,
                     "horovod_fit_s": HOROVOD_FIT_S, "estimator_step_ratio": STEP_RATIO_TARGET},
     }
