@@ -119,8 +119,7 @@ def _receive(sock: socket.socket, max_fds: int = 0) -> Tuple[Optional[Dict[str, 
 class WarmProcess:
     """A rank forked by a warm process: what :class:`~.processes.RankProcesses` uses of a Popen."""
 
-    def __init__(self, starter: "WarmStarter", pid: int, stdout: IO[bytes], stderr: IO[bytes]) -> None:
-        self._starter = starter
+    def __init__(self, pid: int, stdout: IO[bytes], stderr: IO[bytes]) -> None:
         self.pid = pid
         self.stdout = stdout
         self.stderr = stderr
@@ -245,7 +244,7 @@ class WarmStarter:
                 self._replied.wait(0.1)
             reply = self._replies.pop(request_id, None)
             if reply is not None and "pid" in reply:
-                process = WarmProcess(self, int(reply["pid"]), stdout, stderr)
+                process = WarmProcess(int(reply["pid"]), stdout, stderr)
                 if request_id in self._early_exits:
                     process._set_exit(self._early_exits.pop(request_id))
                 else:

@@ -481,9 +481,10 @@ def run(
 
     Each rank runs in a Python process of its own (a fresh interpreter, or a fork of a warm process
     with ``preload``) with the worker environment (``SPARK_HVD_RANK``, ``SPARK_HVD_SIZE``, ... and
-    ``env``), so ``spark_hvd.runtime.init()`` inside ``fn`` joins the job. Returns every rank's return value, in rank order. Works on classic and Spark Connect
-    sessions alike; the stage is a ``mapInArrow`` with ``barrier=True`` and results come back as
-    its rows, sealed with the job secret.
+    ``env``), so ``spark_hvd.runtime.init()`` inside ``fn`` joins the job. Returns every rank's
+    return value, in rank order. Works on classic and Spark Connect sessions alike; the stage is a
+    ``mapInArrow`` with ``barrier=True`` and results come back as its rows, sealed with the job
+    secret.
 
     Args:
         num_proc: number of ranks; default the cluster's default parallelism. The cluster must

@@ -13,7 +13,8 @@ the ring. The rank's ``fn`` then runs in a process of its own, managed by
 or, for a job that preloads modules, a fork of this Python worker's warm process
 (:mod:`spark_hvd.runner.warm`). Its output is streamed to the driver line by line (over a socket,
 or through the store for a Spark Connect client); a failed rank fails the task, which makes Spark
-abort the whole stage and kill the other tasks (and, with them, their rank processes). The task's one result row carries its rank's outcome, sealed with the job secret.
+abort the whole stage and kill the other tasks (and, with them, their rank processes). The task's
+one result row carries its rank's outcome, sealed with the job secret.
 """
 
 from __future__ import annotations
@@ -465,6 +466,7 @@ def run_task(spec: TaskSpec, batches: Iterable[Any]) -> Iterator[Any]:
     """mapInArrow function of the barrier stage: yields one row ``(rank, sealed outcome, streamed)``."""
     import pyarrow as pa
     from pyspark import BarrierTaskContext
+
     context = BarrierTaskContext.get()
     partition = context.partitionId()
     host = rank_address(spec, context.getTaskInfos()[partition].address)
@@ -472,7 +474,8 @@ def run_task(spec: TaskSpec, batches: Iterable[Any]) -> Iterator[Any]:
     sender: Any = None
     try:
         hosts, rendezvous_addr, server, met_by_spark = _meet(spec, context, partition, host)
-        placement = assign_ranks(hosts)[partition]
+        placements = assign_ranks(hosts)
+        placement = placements[partition]
         rank = placement.rank
 
         for _ in batches:  # the input rows only shape the stage: one partition per rank
@@ -494,7 +497,7 @@ def run_task(spec: TaskSpec, batches: Iterable[Any]) -> Iterator[Any]:
         if not ok:
             lost_a_peer = RankFailedError(rank, "", exc_type=details.get("type")).lost_a_peer()
             if lost_a_peer:
-                by_rank = {p.rank: h for p, h in zip(assign_ranks(hosts), hosts)}
+                by_rank = {p.rank: h for p, h in zip(placements, hosts)}
                 details = dict(details, message=name_hosts(str(details.get("message", "")), by_rank, rank))
             sender.failure(details)
             if lost_a_peer:
