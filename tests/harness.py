@@ -18,7 +18,7 @@ import time
 import traceback
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
-__all__ = ["SIZES", "Check", "run_checks", "launch", "assert_passed", "is_alive", "wait_until", "rank_processes",
+__all__ = ["SIZES", "PRELOAD", "Check", "run_checks", "launch", "assert_passed", "is_alive", "wait_until", "rank_processes",
            "counting_lockstep"]
 
 SIZES = (1, 2, 3)
@@ -70,15 +70,25 @@ def run_checks(checks: Sequence[Check], framework: str = "runtime") -> Dict[str,
     return outcomes
 
 
+# What the ranks of each framework import before their first check: forked from a warm process
+# that imported these once (spark_hvd.runner.run's preload), so a world of size 3 does not import
+# TensorFlow three times over.
+PRELOAD = {"runtime": (), "torch": ("torch", "torch._dynamo"), "tensorflow": ("tensorflow", "keras"),
+           "keras": ("tensorflow", "keras")}
+
+
 def launch(checks: Sequence[Check], np: int, framework: str = "runtime", timeout: float = 180,
-           env: Optional[Dict[str, str]] = None,
-           settings: Optional[Dict[str, object]] = None) -> List[Dict[str, Dict[str, Any]]]:
-    """Launch a world of ``np`` ranks that runs ``checks``; return each rank's outcomes."""
+           env: Optional[Dict[str, str]] = None, settings: Optional[Dict[str, object]] = None,
+           preload: Optional[Sequence[str]] = None) -> List[Dict[str, Dict[str, Any]]]:
+    """Launch a world of ``np`` ranks that runs ``checks``; return each rank's outcomes. The ranks
+    are forked from a warm process that imported ``preload`` (default: the framework's
+    :data:`PRELOAD`)."""
     if framework not in _FRAMEWORKS:
         raise ValueError(f"framework={framework!r} is not known; expected one of {sorted(_FRAMEWORKS)}")
     from spark_hvd.runner import run
 
-    return run(run_checks, args=(list(checks), framework), np=np, timeout=timeout, env=env, settings=settings)
+    return run(run_checks, args=(list(checks), framework), np=np, timeout=timeout, env=env, settings=settings,
+               preload=PRELOAD[framework] if preload is None else preload)
 
 
 def assert_passed(results: List[Dict[str, Dict[str, Any]]], check: Check) -> List[Any]:

@@ -13,6 +13,7 @@ from .errors import RankFailedError
 from .local import LocalJob
 from .payload import FUNCTION_FILE, dumps_call, read_sealed, result_file, write_sealed
 from .processes import RankExit
+from .warm import check_preload
 
 __all__ = ["run", "check_arguments"]
 
@@ -104,16 +105,22 @@ def run(
     settings: Optional[Mapping[str, Any]] = None,
     verbose: bool = False,
     timeout: Optional[float] = None,
+    preload: Sequence[str] = (),
 ) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` on ``np`` new local processes; return the results in rank order.
 
-    Each rank is a fresh interpreter with the worker environment (``spark_hvd.runtime.init()``
+    Each rank is a new process with the worker environment (``spark_hvd.runtime.init()``
     inside ``fn`` joins the job); ``fn`` and its arguments travel with cloudpickle, results come
     back the same way. Output lines are printed prefixed with the rank: ``[1]<stdout>:...``.
 
     ``env`` adds environment variables to every rank; ``settings`` passes runtime settings
     (RuntimeConfig field names such as ``fusion_threshold``); ``start_timeout`` bounds how long
     ``init()`` waits for all ranks; ``timeout`` bounds the whole call (TimeoutError after it).
+
+    ``preload`` names modules to import once in a warm process that the ranks of this and later
+    calls are forked from instead of starting a fresh interpreter (Linux; ``SPARK_HVD_WARM_START=0``
+    turns it off), e.g. ``("torch",)``: repeated calls skip those imports. Each rank still gets its
+    own process, environment, working directory and output.
 
     When a rank raises or dies, the other ranks are stopped and :class:`RankFailedError` is raised
     naming that rank, with its exception type, message and traceback. When a rank's ``fn``
@@ -123,6 +130,7 @@ def run(
     """
     kwargs = {} if kwargs is None else kwargs
     check_arguments(fn, args, kwargs, count=np, count_name="np", env=env, timeout=timeout, timeout_name="timeout")
+    preload = check_preload(preload)
     merged_settings = dict(settings or {})
     if start_timeout is not None:
         merged_settings["start_timeout"] = start_timeout
@@ -131,7 +139,7 @@ def run(
         workdir = Path(tmp)
         with LocalJob(np, settings=merged_settings, env=env, log=log) as job:
             _write_function(workdir, job.secret, fn, args, kwargs)
-            processes = job.start([sys.executable, "-m", "spark_hvd.runner.worker", str(workdir)])
+            processes = job.start([sys.executable, "-m", "spark_hvd.runner.worker", str(workdir)], preload=preload)
             try:
                 failure = processes.wait(timeout)
             except TimeoutError:

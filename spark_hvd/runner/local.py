@@ -8,6 +8,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from spark_hvd.runtime import config
 from spark_hvd.runtime.rendezvous import RendezvousServer
 
+from . import warm
 from .processes import TERMINATE_GRACE_SECONDS, OutputSink, RankProcesses, print_prefixed, rank_environment
 
 __all__ = ["LocalJob"]
@@ -43,14 +44,17 @@ class LocalJob:
         self._log = log
         self._server: Optional[RendezvousServer] = None
 
-    def start(self, argv: Sequence[str], cwd: Optional[str] = None) -> RankProcesses:
-        """Serve the rendezvous and start every rank running ``argv``."""
+    def start(self, argv: Sequence[str], cwd: Optional[str] = None, preload: Sequence[str] = ()) -> RankProcesses:
+        """Serve the rendezvous and start every rank running ``argv``. With ``preload`` (module
+        names), ``argv`` is the worker's command line and the ranks are forked from a warm process
+        that has imported those modules (:mod:`spark_hvd.runner.warm`), where one can start."""
         if self._server is not None:
             raise RuntimeError("this LocalJob was already started; create a new one per job")
         self._server = RendezvousServer(LOCAL_HOST, self.secret)
         if self._log:
             self._log(f"rendezvous server listening on {self._server.address}")
         base = config.environ_snapshot()
+        starter = None
         for rank in range(self.num_proc):
             env = rank_environment(
                 rank=rank,
@@ -62,7 +66,9 @@ class LocalJob:
                 base=base,
                 extra=self._env,
             )
-            self.processes.spawn(rank, argv, env, cwd=cwd)
+            if rank == 0 and preload:
+                starter = warm.starter_or_none(argv[0], preload, env, cwd)
+            self.processes.spawn(rank, argv, env, cwd=cwd, starter=starter)
         return self.processes
 
     def close(self, grace: float = TERMINATE_GRACE_SECONDS) -> None:

@@ -31,6 +31,7 @@ from typing import IO, TYPE_CHECKING, Any, Callable, Deque, Dict, List, Mapping,
 from spark_hvd.runtime import config
 
 from . import supervise
+from .warm import WarmStartError
 
 if TYPE_CHECKING:
     from .warm import WarmStarter
@@ -232,20 +233,24 @@ class RankProcesses:
 
         With ``starter`` (a :class:`~spark_hvd.runner.warm.WarmStarter`), ``argv`` must be the
         worker's command line (``[python, "-m", "spark_hvd.runner.worker", DIR]``) and the rank is
-        forked from that warm process instead, which plays the supervisor's part.
+        forked from that warm process instead, which plays the supervisor's part; when the warm
+        process cannot fork it, the rank starts as a fresh interpreter (said on stderr).
         """
         if rank in self._procs:
             raise ValueError(f"rank {rank} was already started; expected each rank to be spawned once")
-        command = list(argv)
-        if self._supervised and starter is None:
-            command = supervise.command_line(command, os.getpid(), TERMINATE_GRACE_SECONDS)
         files = self._open_output_files(rank)
         try:
-            proc: Any
+            proc: Any = None
             if starter is not None:
-                proc = starter.start(command, env, cwd)
-                self._warm.add(rank)
-            else:
+                try:
+                    proc = starter.start(argv, env, cwd)
+                    self._warm.add(rank)
+                except WarmStartError as exc:
+                    sys.stderr.write(f"spark-hvd: rank {rank} starts a fresh interpreter: {exc}\n")
+            if proc is None:
+                command = list(argv)
+                if self._supervised:
+                    command = supervise.command_line(command, os.getpid(), TERMINATE_GRACE_SECONDS)
                 proc = subprocess.Popen(
                     command,
                     env=dict(env),

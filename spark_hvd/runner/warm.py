@@ -44,7 +44,7 @@ import traceback
 from typing import Any, Callable, Dict, IO, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = ["WarmStarter", "WarmProcess", "WarmStartError", "available", "environment_key", "starter_for",
-           "close_starters", "JOB_VARIABLE_PREFIXES", "RANK_PROCESS_NAME"]
+           "starter_or_none", "check_preload", "close_starters", "JOB_VARIABLE_PREFIXES", "RANK_PROCESS_NAME"]
 
 JOB_VARIABLE_PREFIXES = ("SPARK_HVD_", "HOROVOD_", "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED")
 """Environment variables of one job or one rank: read when a rank runs, not when a module is
@@ -322,6 +322,30 @@ def starter_for(python: str, modules: Sequence[str], env: Mapping[str, str],
             oldest = next(iter(_starters))
             _starters.pop(oldest).close()
         return starter
+
+
+def check_preload(preload: Any) -> Tuple[str, ...]:
+    """``preload`` as a tuple of module names; ValueError for anything else (a lone string included)."""
+    if isinstance(preload, (str, bytes)) or not isinstance(preload, (tuple, list)) or \
+            not all(isinstance(m, str) and m for m in preload):
+        raise ValueError(f"preload={preload!r} is not valid: expected a sequence of module names, e.g. ('torch',)")
+    return tuple(preload)
+
+
+def starter_or_none(python: str, preload: Sequence[str], env: Mapping[str, str],
+                    cwd: Optional[str] = None) -> Optional[WarmStarter]:
+    """:func:`starter_for` the ranks of a job that preloads ``preload``, or None where they start
+    fresh interpreters: nothing to preload, ``SPARK_HVD_WARM_START=0`` in ``env``, not Linux, or
+    the warm process failed to start (said on stderr)."""
+    from spark_hvd.runtime import config
+
+    if not preload or not available() or not config.read_setting("warm_start", env):
+        return None
+    try:
+        return starter_for(python, preload, env, cwd)
+    except WarmStartError as exc:
+        sys.stderr.write(f"spark-hvd: ranks start fresh interpreters: {exc}\n")
+        return None
 
 
 def close_starters() -> None:

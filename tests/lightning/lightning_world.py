@@ -24,7 +24,8 @@ __all__ = ["SIZES", "launch", "assert_passed", "trainer", "shared_dir", "close"]
 def launch(checks: Sequence[harness.Check], np: int, timeout: float = 300,
            env: Optional[Dict[str, str]] = None) -> List[Dict[str, Dict[str, Any]]]:
     """Launch a world of ``np`` ranks that runs ``checks`` under spark_hvd.torch."""
-    return harness.launch(checks, np, framework="torch", timeout=timeout, env=env)
+    return harness.launch(checks, np, framework="torch", timeout=timeout, env=env,
+                          preload=harness.PRELOAD["torch"] + ("pytorch_lightning",))
 
 
 def trainer(**options: Any) -> pl.Trainer:

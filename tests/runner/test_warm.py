@@ -181,3 +181,50 @@ def test_starter_for_keeps_one_warm_process_per_environment_less_the_jobs_variab
         assert again is not first and again.alive
     finally:
         warm.close_starters()
+
+
+def _whoami():
+    return {"pid": os.getpid(), "ppid": os.getppid(), "preloaded": "json.tool" in sys.modules,
+            "rank": os.environ.get("SPARK_HVD_RANK"), "name": open(f"/proc/{os.getpid()}/comm").read().strip()}
+
+
+def test_run_with_preload_forks_every_rank_from_one_warm_process_kept_for_the_next_call(capfd):
+    """spark_hvd.runner.run(preload=...): each rank is its own process, named hvd-rank<r>, with the
+    module already imported; a second call forks from the same warm process; SPARK_HVD_WARM_START=0
+    starts fresh interpreters instead."""
+    from spark_hvd.runner import run
+
+    try:
+        first = run(_whoami, np=2, preload=["json.tool"], timeout=120)
+        second = run(_whoami, np=2, preload=("json.tool",), timeout=120)
+        assert [r["rank"] for r in first] == ["0", "1"]
+        assert [r["name"] for r in first] == ["hvd-rank0", "hvd-rank1"]
+        assert all(r["preloaded"] for r in first + second)
+        assert len({r["pid"] for r in first + second}) == 4
+        assert len({r["ppid"] for r in first + second}) == 1, "both calls fork from one warm process"
+        cold = run(_whoami, np=2, preload=["json.tool"], env={"SPARK_HVD_WARM_START": "0"}, timeout=120)
+        assert not any(r["preloaded"] for r in cold)
+        assert not any(r["name"].startswith("hvd-rank") for r in cold)
+    finally:
+        warm.close_starters()
+
+
+def test_run_with_a_preload_that_does_not_import_starts_fresh_interpreters_and_says_why(capfd):
+    from spark_hvd.runner import run
+
+    try:
+        results = run(_whoami, np=2, preload=["no_such_module_xyz"], timeout=120)
+    finally:
+        warm.close_starters()
+    assert [r["rank"] for r in results] == ["0", "1"]
+    assert not any(r["name"].startswith("hvd-rank") for r in results)
+    err = capfd.readouterr().err
+    assert "ranks start fresh interpreters" in err and "no_such_module_xyz" in err
+
+
+@pytest.mark.parametrize("preload", ["torch", [""], [1], {"torch": 1}])
+def test_run_refuses_a_preload_that_is_not_a_sequence_of_module_names(preload):
+    from spark_hvd.runner import run
+
+    with pytest.raises(ValueError, match=r"preload=.* is not valid: expected a sequence of module names"):
+        run(_whoami, np=1, preload=preload)

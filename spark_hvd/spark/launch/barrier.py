@@ -31,6 +31,7 @@ import cloudpickle
 from spark_hvd.runner.api import check_arguments
 from spark_hvd.runner.errors import RankFailedError
 from spark_hvd.runner.payload import dumps_call
+from spark_hvd.runner.warm import check_preload
 from spark_hvd.runtime import config
 
 from spark_hvd.spark.launch.log_stream import LogCollector
@@ -525,8 +526,7 @@ def run(
     interfaces = check_nics(nics)
     if executable is not None and (not isinstance(executable, str) or not executable):
         raise ValueError(f"executable={executable!r} is not valid: expected the path of a Python interpreter")
-    if isinstance(preload, str) or not all(isinstance(m, str) and m for m in preload):
-        raise ValueError(f"preload={preload!r} is not valid: expected a sequence of module names, e.g. ('torch',)")
+    preload = check_preload(preload)
     session = spark if spark is not None else active_session("spark_hvd.spark.run()")
     info = session_info(session)
     num_proc = check_arguments(fn, args, kwargs, count=info.default_parallelism if num_proc is None else num_proc,
@@ -561,7 +561,7 @@ def run(
         settings={"start_timeout": start_timeout}, env=dict(env or {}), use_gpu=use_gpu, verbose=verbose,
         log_store=log_store, log_dir=log_dir, interfaces=interfaces, executable=executable,
         rendezvous_address=rendezvous.address if rendezvous is not None else None,
-        preload=tuple(preload),
+        preload=preload,
     )
 
     def task(batches: Any) -> Any:

@@ -36,7 +36,6 @@ from spark_hvd.runner.errors import RankFailedError
 from spark_hvd.runner.payload import FUNCTION_FILE, read_sealed, result_file, write_sealed
 from spark_hvd.runner import warm
 from spark_hvd.runner.processes import RankExit, RankProcesses, print_prefixed, rank_environment
-from spark_hvd.runner.warm import WarmStarter, WarmStartError
 
 from spark_hvd.spark.launch.log_stream import LogSender
 from spark_hvd.runtime.errors import RendezvousTimeout
@@ -250,21 +249,6 @@ def _outcome(rank: int, sealed: Optional[bytes], failure: Optional[RankExit],
     }
 
 
-def _warm_starter(spec: TaskSpec, env: Mapping[str, str]) -> Optional[WarmStarter]:
-    """This Python worker's warm process for the rank, or None where the rank starts cold: no
-    modules to preload, SPARK_HVD_WARM_START=0, not Linux, or the warm process failed to start
-    (said on stderr, which reaches the executor's log)."""
-    from spark_hvd.runtime import config
-
-    if not spec.preload or not warm.available() or not config.read_setting("warm_start", env):
-        return None
-    try:
-        return warm.starter_for(spec.executable or sys.executable, spec.preload, env)
-    except WarmStartError as exc:
-        sys.stderr.write(f"spark-hvd: ranks start fresh interpreters: {exc}\n")
-        return None
-
-
 def _run_rank(spec: TaskSpec, placement: Placement, env: Dict[str, str],
               sender: Any) -> Tuple[bool, bytes, Dict[str, Any]]:
     """Run the rank's process to the end: (ok, sealed result bytes, failure details)."""
@@ -283,12 +267,7 @@ def _run_rank(spec: TaskSpec, placement: Placement, env: Dict[str, str],
     try:
         _write_call(workdir, spec)
         argv = [spec.executable or sys.executable, "-m", "spark_hvd.runner.worker", workdir]
-        starter = _warm_starter(spec, env)
-        try:
-            processes.spawn(rank, argv, env, starter=starter)
-        except WarmStartError as exc:
-            sys.stderr.write(f"spark-hvd: rank {rank} starts a fresh interpreter: {exc}\n")
-            processes.spawn(rank, argv, env)
+        processes.spawn(rank, argv, env, starter=warm.starter_or_none(argv[0], spec.preload, env))
         result_path = os.path.join(workdir, result_file(rank))
         returned_at: Optional[float] = None
         while True:
