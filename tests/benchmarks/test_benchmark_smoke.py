@@ -111,3 +111,48 @@ def test_fraud_floor_runs_two_bare_loops_of_the_demos_model():
     assert one["rows"] == 768 and one["seconds"] > 0  # three whole batches of 256
     assert module.bare_fraud_loop(str(ROOT / "examples" / "fraud_detection.py"), 1000, 256, 0, 2)["rows"] == 1536
     assert module.floor_rate(ROOT, rows=2048) > 0
+
+
+def _reader_benchmark():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("reader_benchmark", ROOT / "benchmarks" / "reader.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_reader_benchmark_layouts_hold_the_same_matrix(tmp_path):
+    """Every layout the reader benchmark compares stores the features it was given: written to
+    Parquet, read back and turned into a matrix, each gives back the same float32 values."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    bench = _reader_benchmark()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1000, bench.FEATURES), dtype=np.float32)
+    label = (rng.random(1000) < 0.5).astype(np.float32)
+    for layout in bench.LAYOUTS:
+        path = tmp_path / f"{len(list(tmp_path.iterdir()))}.parquet"
+        pq.write_table(bench.features_table(x, label, layout), path, row_group_size=300)
+        file = pq.ParquetFile(path)
+        got = np.concatenate([bench.to_matrix(file.read_row_group(g), layout) for g in range(file.num_row_groups)])
+        assert got.dtype == np.float32 and got.shape == x.shape, layout
+        np.testing.assert_array_equal(got, x, err_msg=layout)
+
+
+def test_reader_benchmark_quick_run_prints_every_layout(tmp_path):
+    """A quick run prints a row per layout, the reader's figures for the layouts it reads and '-'
+    for the others, and writes them as JSON."""
+    out = tmp_path / "reader.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "reader.py"), "--quick", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    record = json.loads(out.read_text())
+    bench = _reader_benchmark()
+    assert record["memcpy_s"] > 0
+    for layout in bench.LAYOUTS:
+        assert f"| {layout} |" in proc.stdout
+        reads = record["layouts"][layout]
+        assert reads["decode"] > 0 and reads["to numpy"] > 0
+        assert all((reads[r] is not None) == layout.startswith("list") for r in bench.READS[2:]), (layout, reads)
