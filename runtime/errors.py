@@ -83,6 +83,10 @@ class NotInitializedError(SparkHvdError, ValueError):
             f"spark-hvd has not been initialized; call init() before {what} "
             "(and do not call it after shutdown())."
         )
+        self.what = what
+
+    def __reduce__(self):  # rebuilt from ``what``, not from the message made of it
+        return (type(self), (self.what,))
 
 
 class HostsUpdatedInterrupt(SparkHvdError):
@@ -95,3 +99,6 @@ class HostsUpdatedInterrupt(SparkHvdError):
     def __init__(self, skip_sync: bool = False) -> None:
         super().__init__("the hosts of the elastic job changed; the world is formed again")
         self.skip_sync = skip_sync
+
+    def __reduce__(self):
+        return (type(self), (self.skip_sync,))

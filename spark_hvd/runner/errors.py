@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+import functools
+from typing import Any, List, Optional, Sequence, Tuple
 
 from spark_hvd.runtime.errors import CollectiveError, RendezvousTimeout, SparkHvdError
 
@@ -46,6 +47,13 @@ class RankFailedError(SparkHvdError, RuntimeError):
         if reaction is not None:
             parts.extend(reaction.details())
         super().__init__("\n\n".join(parts))
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        # The message is made from the fields: rebuild from them, so the error can be pickled
+        # (to cross a process or a queue) and copied.
+        return (functools.partial(type(self), exc_type=self.exc_type, remote_traceback=self.remote_traceback,
+                                  output_tail=self.output_tail, original=self.original, reaction=self.reaction),
+                (self.rank, self.summary))
 
     def details(self) -> List[str]:
         """What is known of this rank beyond the summary: its traceback, else its last lines."""
