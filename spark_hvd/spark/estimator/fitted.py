@@ -19,6 +19,8 @@ from spark_hvd.spark.estimator.persistence import ParamsReader, ParamsWriter
 __all__ = ["FittedModel"]
 
 _PACKED = "__spark_hvd_outputs"
+_HOROVOD_NAMES = {"feature_columns": "feature_cols", "label_columns": "label_cols"}
+"""Horovod's keyword for a fitted model's Param -> ours."""
 
 
 class FittedModel(Model, ModelParams, MLReadable, MLWritable):
@@ -39,6 +41,17 @@ class FittedModel(Model, ModelParams, MLReadable, MLWritable):
         collection); empty for a model that was loaded or built by hand."""
         self.mlflow_run_id: Optional[str] = None
         """The MLflow run this model's fit was logged to, if it was."""
+
+    def setParams(self, **kwargs: Any) -> Any:
+        """Set several Params by keyword. Horovod's constructor names of the fitted models are
+        taken too: ``feature_columns`` for ``feature_cols`` and ``label_columns`` for ``label_cols``."""
+        for horovod_name, ours in _HOROVOD_NAMES.items():
+            if horovod_name in kwargs:
+                if ours in kwargs:
+                    raise ValueError(f"{type(self).__name__} got both {horovod_name}= and {ours}=, which name the "
+                                     f"same Param ({ours}); pass one of them")
+                kwargs[ours] = kwargs.pop(horovod_name)
+        return super().setParams(**kwargs)
 
     def _raw_outputs(self) -> bool:
         """Whether transform adds raw output columns next to a task's (``output_cols`` set, as Horovod's)."""

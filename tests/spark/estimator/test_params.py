@@ -198,6 +198,23 @@ def test_model_params():
     assert model.copy().getOutputCols() == ["y_hat"]
 
 
+def test_fitted_models_take_horovods_constructor_names():
+    """TorchModel, KerasModel and LightningModel (Horovod's spark.lightning.TorchModel) take
+    feature_columns= and label_columns= as Horovod's constructors do; both names of one Param at
+    once are refused, naming them."""
+    from spark_hvd.spark.keras import KerasModel
+    from spark_hvd.spark.lightning import TorchModel as LightningTorchModel
+    from spark_hvd.spark.torch import TorchModel
+
+    for cls in (TorchModel, KerasModel, LightningTorchModel):
+        model = cls(feature_columns=["a", "b"], label_columns=["y"], run_id="r1")
+        assert (model.getFeatureCols(), model.getLabelCols(), model.getRunId()) == (["a", "b"], ["y"], "r1")
+        assert (model.getFeatureColumns(), model.getLabelColumns()) == (["a", "b"], ["y"])
+        assert model.setParams(label_columns=["z"]).getLabelCols() == ["z"]
+        with pytest.raises(ValueError, match=r"both feature_columns= and feature_cols=.*same Param"):
+            cls(feature_columns=["a"], feature_cols=["b"])
+
+
 ExtendedParams = params_mixin("ExtendedParams", [ParamSpec("shuffle_buffer_rows", "Rows.", 100, ToInt(0))],
                               module=__name__, bases=(EstimatorParams,))
 
