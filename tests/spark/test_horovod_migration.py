@@ -97,6 +97,73 @@ def test_backend_and_num_proc_together_are_refused(spark, tmp_path):
         est._backend()
 
 
+class _CallbackBackend:
+    """Horovod's test backend (test/utils/spark_common.py): no base class, Horovod's run() signature,
+    fn called in this process."""
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, fn, args=(), kwargs={}, env={}):
+        self.calls.append(sorted(env))
+        return [fn(*args, **kwargs)] * self.num_processes()
+
+    def num_processes(self):
+        return 1
+
+
+def _xor_frame(spark):
+    return spark.createDataFrame([(Vectors.dense([a, b]), float(a != b)) for a in (0.0, 1.0) for b in (0.0, 1.0)] * 4,
+                                 ["features", "y"])
+
+
+def _xor_estimator(backend, store, **params):
+    from spark_hvd.spark.torch import TorchEstimator
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1), torch.nn.Sigmoid())
+    return TorchEstimator(backend=backend, store=store, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                          loss=torch.nn.BCELoss(), input_shapes=[[2]], feature_cols=["features"], label_cols=["y"],
+                          batch_size=4, epochs=2, verbose=0, **params)
+
+
+def test_any_object_with_horovods_backend_methods_is_a_backend(spark, tmp_path):
+    """A backend written for Horovod (run(fn, args=(), kwargs={}, env={}) and num_processes(), no
+    base class of ours) trains the fit: it is called with Horovod's arguments only, and here runs
+    the one rank in this process. An object without those methods is refused, naming what is missing."""
+    from spark_hvd.spark.common.store import LocalStore
+    from spark_hvd.spark.torch import TorchEstimator
+
+    backend = _CallbackBackend()
+    model = _xor_estimator(backend, LocalStore(str(tmp_path)), run_id="callback").fit(_xor_frame(spark))
+    assert [h["epoch"] for h in model.getHistory()] == [1, 2]
+    assert len(backend.calls) == 1
+    with pytest.raises(ValueError, match=r"backend=.* has no num_processes\(\) method; expected a Backend"):
+        TorchEstimator(backend=type("OnlyRun", (), {"run": lambda self, fn, args=(), env=None: []})())
+
+
+def test_a_sparkbackend_subclass_with_horovods_run_signature_trains_on_spark(spark, tmp_path, capsys):
+    """Horovod's CallbackBackend pattern over SparkBackend: run(fn, args=(), kwargs={}, env=None)
+    overridden to call the base and a callback. The fit's ranks run on Spark with the estimator's
+    settings (their progress reaches the driver's printer) though the override passes none of them."""
+    from spark_hvd.spark.common.backend import SparkBackend
+    from spark_hvd.spark.common.store import LocalStore
+
+    called = []
+
+    class Callback(SparkBackend):
+        def run(self, fn, args=(), kwargs={}, env=None):
+            results = super().run(fn, args, kwargs, env)
+            called.append(len(results))
+            return results
+
+    estimator = _xor_estimator(Callback(num_proc=2), LocalStore(str(tmp_path)), run_id="subclass")
+    model = estimator.setVerbose(1).fit(_xor_frame(spark))
+    assert called == [2] and [h["epoch"] for h in model.getHistory()] == [1, 2]
+    out = capsys.readouterr().out
+    assert "epoch 2/2" in out and "spark-hvd-progress" not in out
+
+
 class _Square(torch.nn.Module):
     """Takes Horovod-style input_shapes [[-1, 2, 2]]: a (rows, 2, 2) tensor."""
 

@@ -46,6 +46,7 @@ from spark_hvd.spark.estimator.persistence import ParamsReader, ParamsWriter
 from spark_hvd.spark.estimator.progress import ProgressPrinter
 from spark_hvd.spark.estimator.training import adapt_batch
 from spark_hvd.spark.launch.barrier import TimestampedLines, run
+from spark_hvd.spark.launch.backend import run_options
 from spark_hvd.spark.launch.retry import run_with_retries
 from spark_hvd.spark.session import session_info
 
@@ -472,8 +473,10 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
             options = dict(env=self._rank_env(), stdout=printer.stdout, stderr=printer.stderr, verbose=1,
                            use_gpu=self.getOrDefault("use_gpu"), store=fit.store, spark=session)
             if backend is not None:
-                return backend.run(self._rank_function(), args=(current[0],), prefix_output_with_timestamp=False,
-                                   **options)
+                # Horovod's Backend protocol: run(fn, args, env); the rest travels beside the call.
+                env = dict(options.pop("env") or {})
+                with run_options(prefix_output_with_timestamp=False, preload=self.rank_preload, **options):
+                    return backend.run(self._rank_function(), args=(current[0],), env=env)
             return run(self._rank_function(), args=(current[0],), num_proc=fit.num_proc,  # type: ignore[arg-type]
                        preload=self.rank_preload, **options)
 

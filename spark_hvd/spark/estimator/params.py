@@ -487,16 +487,18 @@ MODEL_PARAMS: Tuple[ParamSpec, ...] = (
 """Params of the fitted models (TorchModel, KerasModel)."""
 
 class ToBackend(Converter):
-    """A spark_hvd.spark.Backend (Horovod's SparkBackend)."""
+    """A backend: a spark_hvd.spark.Backend (Horovod's SparkBackend), or any object with Horovod's
+    Backend methods ``run(fn, args=(), env=None)`` and ``num_processes()``."""
 
-    expected = "a Backend such as spark_hvd.spark.common.backend.SparkBackend"
+    expected = ("a Backend such as spark_hvd.spark.common.backend.SparkBackend, or an object with Horovod's "
+                "Backend methods run(fn, args=(), env=None) and num_processes()")
     example = "SparkBackend(num_proc=2)"
 
     def __call__(self, value: Any) -> Any:
-        from spark_hvd.spark.launch.backend import Backend
-
-        if not isinstance(value, Backend):
-            raise self.fail(value)
+        missing = [name for name in ("run", "num_processes") if not callable(getattr(value, name, None))]
+        if missing:
+            raise ValueError(f"backend={value!r} is not valid: it has no {' or '.join(m + '()' for m in missing)} "
+                             f"method; expected {self.expected}, e.g. {self.example}")
         return value
 
 

@@ -7,10 +7,27 @@ processes, their environment, output streams and ``run()``'s other options. An e
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TextIO
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, TextIO
 
-__all__ = ["Backend", "SparkBackend"]
+__all__ = ["Backend", "SparkBackend", "run_options"]
+
+_RUN_OPTIONS: "contextvars.ContextVar[Dict[str, Any]]" = contextvars.ContextVar("spark_hvd_run_options", default={})
+
+
+@contextlib.contextmanager
+def run_options(**options: Any) -> Iterator[None]:
+    """Within the block, :meth:`SparkBackend.run` passes ``options`` on to
+    :func:`spark_hvd.spark.run` too (over the backend's own). The estimators call a backend with
+    Horovod's arguments only (``run(fn, args=..., env=...)``), as a backend written for Horovod
+    expects, and hand their other settings (output streams, store, session, preload) over this way."""
+    token = _RUN_OPTIONS.set(dict(options))
+    try:
+        yield
+    finally:
+        _RUN_OPTIONS.reset(token)
 
 
 class Backend(ABC):
@@ -71,7 +88,7 @@ class SparkBackend(Backend):
         settings: Dict[str, Any] = {"stdout": self.stdout, "stderr": self.stderr, "verbose": self.verbose,
                                     "nics": self.nics,
                                     "prefix_output_with_timestamp": self.prefix_output_with_timestamp,
-                                    **self.options, **options}
+                                    **self.options, **_RUN_OPTIONS.get(), **options}
         return run(fn, args=args, kwargs=kwargs, num_proc=self.num_processes(),
                    env={**self.env, **dict(env or {})}, **settings)
 
