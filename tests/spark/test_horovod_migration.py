@@ -41,7 +41,8 @@ def test_horovods_module_paths_name_the_same_classes():
 
     assert (Store, LocalStore, DBFSLocalStore, HDFSStore) == (spark.Store, spark.LocalStore, spark.DBFSLocalStore,
                                                               spark.HDFSStore)
-    assert FilesystemStore is spark.FsspecStore and SparkBackend is spark.SparkBackend and Backend is spark.Backend
+    assert issubclass(spark.FsspecStore, FilesystemStore) and issubclass(spark.LocalStore, FilesystemStore)
+    assert SparkBackend is spark.SparkBackend and Backend is spark.Backend
     assert spark_torch.TorchEstimator and spark_torch.TorchModel and spark_keras.KerasEstimator and spark_keras.KerasModel
     assert spark_lightning.TorchEstimator is spark_lightning.LightningEstimator
     assert spark_lightning.TorchModel is spark_lightning.LightningModel

@@ -1,11 +1,10 @@
 """Horovod's ``horovod.spark.common.store``: the stores of :mod:`spark_hvd.spark.data.store`.
 
-``FilesystemStore`` is Horovod's name for a store on any filesystem; here that is the fsspec store
-(``Store.create`` picks the right class from the path or URL, as Horovod's does).
+``FilesystemStore`` is, as in Horovod, the base of the stores on a filesystem; constructing it
+builds the store for the path (``Store.create`` picks the right class too, as Horovod's does).
 """
 
-from spark_hvd.spark.data.store import DBFSLocalStore, FsspecStore, HDFSStore, LocalStore, Store, VolumeStore
-
-FilesystemStore = FsspecStore
+from spark_hvd.spark.data.store import (DBFSLocalStore, FilesystemStore, FsspecStore, HDFSStore, LocalStore, Store,
+                                        VolumeStore)
 
 __all__ = ["Store", "LocalStore", "HDFSStore", "DBFSLocalStore", "FilesystemStore", "FsspecStore", "VolumeStore"]

@@ -10,9 +10,9 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Union
 
-__all__ = ["Store", "LocalStore", "DBFSLocalStore", "VolumeStore", "FsspecStore", "HDFSStore", "Data", "IntermediateData"]
+__all__ = ["Store", "FilesystemStore", "LocalStore", "DBFSLocalStore", "VolumeStore", "FsspecStore", "HDFSStore", "Data", "IntermediateData"]
 
 Data = Union[bytes, bytearray, memoryview, Iterable[bytes]]
 """What :meth:`Store.write` accepts: a bytes-like object, or an iterable of byte chunks."""
@@ -108,7 +108,9 @@ class Store(ABC):
     def create(prefix_path: str, storage_options: Optional[Mapping[str, Any]] = None, **layout: Any) -> "Store":
         """The store for ``prefix_path``: local path or ``file://`` -> :class:`LocalStore`;
         ``/Volumes/<catalog>/<schema>/<volume>/...`` -> :class:`VolumeStore`;
-        ``dbfs:/...`` or ``/dbfs/...`` -> :class:`DBFSLocalStore`; any other URL ->
+        ``dbfs:/...`` or ``/dbfs/...`` on Databricks (or wherever ``/dbfs`` is mounted) ->
+        :class:`DBFSLocalStore` (elsewhere ``/dbfs/...`` is a local path and ``dbfs:/...`` is
+        refused); any other URL ->
         :class:`FsspecStore` (``hdfs://``, ``s3://``, ``gs://``, ``abfs://``, ``memory://``...).
         ``layout`` takes Horovod's ``train_path``, ``val_path``, ``test_path``, ``runs_path``,
         ``save_runs`` and ``checkpoint_filename``."""
@@ -119,7 +121,12 @@ class Store(ABC):
         if VolumeStore.matches(prefix):
             return VolumeStore(prefix, **layout)
         if DBFSLocalStore.matches(prefix):
-            return DBFSLocalStore(prefix, **layout)
+            if DBFSLocalStore.available():
+                return DBFSLocalStore(prefix, **layout)
+            if prefix.startswith("dbfs:"):
+                raise ValueError(f"store prefix={prefix!r} is on DBFS, which is not reachable here (not on Databricks "
+                                 "and no /dbfs mount); fix: a local path or a URL of shared storage, e.g. "
+                                 "'/tmp/spark-hvd' or 's3://bucket/spark-hvd'")
         if prefix.startswith("file://") or "://" not in prefix:
             return LocalStore(prefix, **layout)
         return FsspecStore(prefix, storage_options, **layout)
@@ -184,6 +191,62 @@ class Store(ABC):
     def get_logs_path(self, run_id: str) -> str:
         """Directory for the logs of run ``run_id``."""
         return posixpath.join(self.get_run_path(run_id), "logs")
+
+    # ---- Horovod's helpers ----------------------------------------------------------------
+    def get_test_data_path(self, idx: Optional[str] = None) -> str:
+        """Horovod's directory for test data of dataset ``idx`` (spark-hvd writes none there)."""
+        base = self.test_path or self.join("intermediate_test_data")
+        return base + ("" if idx is None else f".{idx}")
+
+    def saving_runs(self) -> bool:
+        """Whether runs are kept after a successful fit (``save_runs``)."""
+        return self.save_runs
+
+    def get_checkpoint_filename(self) -> str:
+        """File name of a run's checkpoint in its directory (``checkpoint_filename``)."""
+        return self.checkpoint_filename
+
+    def get_logs_subdir(self) -> str:
+        """Name of the logs directory inside a run's directory."""
+        return "logs"
+
+    def get_checkpoints(self, run_id: str, suffix: str = ".ckpt") -> List[str]:
+        """Names of the files in run ``run_id``'s directory that end with ``suffix``, sorted."""
+        run_path = self.get_run_path(run_id)
+        if not self.exists(run_path):
+            return []
+        return sorted(name for name in self.listdir(run_path) if name.endswith(suffix))
+
+    def get_full_path(self, path: str) -> str:
+        """``path`` as a full URL of this store's filesystem (``file:///...`` for local paths)."""
+        return self._absolute(path)
+
+    def get_full_path_fn(self) -> Callable[[str], str]:
+        """:meth:`get_full_path` as a plain function (it pickles with the store)."""
+        return self.get_full_path
+
+    def get_localized_path(self, path: str) -> str:
+        """``path`` as this store's filesystem names it: a local path, or the URL's path on it."""
+        return self._absolute(path)
+
+    def get_local_output_dir_fn(self, run_id: str) -> Callable[[], Any]:
+        """A context manager factory yielding a temporary local directory for run ``run_id``'s output."""
+        return lambda: tempfile.TemporaryDirectory(prefix=f"spark-hvd-{run_id}-")
+
+    def sync_fn(self, run_id: str) -> Callable[[str], None]:
+        """A function that copies a local directory's files into run ``run_id``'s directory
+        (each file written atomically), as training code syncs its local output to the store."""
+        run_path = self.get_run_path(run_id)
+
+        def sync(local_run_path: str) -> None:
+            for directory, _, files in os.walk(local_run_path):
+                relative = os.path.relpath(directory, local_run_path)
+                for name in files:
+                    target = posixpath.join(run_path, *([] if relative == "." else relative.split(os.sep)), name)
+                    with open(os.path.join(directory, name), "rb") as f:
+                        self.write(target, f)
+
+        return sync
 
     # ---- materialized data ----------------------------------------------------------------
     def list_intermediate(self) -> List[IntermediateData]:
@@ -293,7 +356,21 @@ class Store(ABC):
         return hash((type(self).__name__, self.prefix))
 
 
-class LocalStore(Store):
+class FilesystemStore(Store):
+    """Horovod's base of the stores on a filesystem (:class:`LocalStore`, :class:`DBFSLocalStore`,
+    :class:`VolumeStore`, :class:`FsspecStore`, :class:`HDFSStore`). ``FilesystemStore(prefix,
+    storage_options=..., train_path=...)`` builds the one for ``prefix``, as Horovod's does: a
+    :class:`LocalStore` for a local path or ``file://`` URL, an :class:`FsspecStore` for any other URL."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls is FilesystemStore:
+            prefix = args[0] if args else kwargs.get("prefix_path", "")
+            local = isinstance(prefix, str) and (prefix.startswith("file://") or "://" not in prefix)
+            return super().__new__(LocalStore if local else FsspecStore)
+        return super().__new__(cls)
+
+
+class LocalStore(FilesystemStore):
     """A store on a local (or network-mounted, shared) filesystem path."""
 
     def __init__(self, prefix_path: str, *, train_path: Optional[str] = None, val_path: Optional[str] = None,
@@ -310,6 +387,9 @@ class LocalStore(Store):
     def _absolute(self, path: str) -> str:
         path = path[len("file://"):] if path.startswith("file://") else path
         return os.path.abspath(os.path.join(self.prefix, os.path.expanduser(path)))
+
+    def get_full_path(self, path: str) -> str:
+        return "file://" + self._absolute(path)
 
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
@@ -363,6 +443,23 @@ class DBFSLocalStore(LocalStore):
         return prefix.startswith("dbfs:") or prefix == "/dbfs" or prefix.startswith("/dbfs/")
 
     @staticmethod
+    def available() -> bool:
+        """Whether DBFS is reachable here: on Databricks, or wherever ``/dbfs`` is mounted."""
+        return bool(os.environ.get("DATABRICKS_RUNTIME_VERSION")) or os.path.isdir("/dbfs")
+
+    @staticmethod
+    def normalize_path(path: str) -> str:
+        """Horovod's normal form of a DBFS path, ``/dbfs/...``, from ``dbfs:/...``, ``/dbfs/...``,
+        ``file:/dbfs/...`` or ``file:///dbfs/...``; ValueError for anything else."""
+        for prefix, keep in (("file:///dbfs/", 7), ("file:/dbfs/", 5)):
+            if path.startswith(prefix):
+                return path[keep:]
+        if path.startswith("/dbfs/") or (path.startswith("dbfs:/") and not path.startswith("dbfs://")):
+            return DBFSLocalStore.to_fuse_path(path)
+        raise ValueError(f"path {path!r} is not a DBFS path: expected '/dbfs/...', 'dbfs:/...', 'file:/dbfs/...' "
+                         "or 'file:///dbfs/...'")
+
+    @staticmethod
     def to_fuse_path(path: str) -> str:
         """``dbfs:/x`` (or ``dbfs:///x``) -> ``/dbfs/x``; FUSE paths are returned unchanged."""
         if path.startswith("dbfs:"):
@@ -414,7 +511,7 @@ class VolumeStore(LocalStore):
         return os.path.abspath(path)
 
 
-class FsspecStore(Store):
+class FsspecStore(FilesystemStore):
     """A store on any fsspec filesystem URL (``hdfs://``, ``s3://``, ``gs://``, ``abfs://``, ...).
 
     Paths are full URLs. ``storage_options`` go to fsspec (credentials, endpoints); the matching
@@ -435,6 +532,17 @@ class FsspecStore(Store):
     @property
     def storage_options(self) -> Dict[str, Any]:
         return dict(self._storage_options)
+
+    def _absolute(self, path: str) -> str:
+        """URLs as they are; an absolute path on this store's filesystem (its scheme and authority:
+        ``/user/t`` of ``hdfs://nn:8020/p`` is ``hdfs://nn:8020/user/t``); relative ones under ``prefix``."""
+        if path.startswith("/"):
+            authority = self.prefix.split("://", 1)[1].split("/", 1)[0]
+            return f"{self.protocol}://{authority}{path.rstrip('/')}"
+        return super()._absolute(path)
+
+    def get_localized_path(self, path: str) -> str:
+        return self._absolute(path).split("://", 1)[1]
 
     @property
     def fs(self) -> Any:
@@ -553,3 +661,7 @@ class HDFSStore(FsspecStore):
                 options[name] = dict(value) if name == "extra_conf" else value
         self.temp_dir = temp_dir
         super().__init__(prefix_path, options, **layout)
+
+    def get_localized_path(self, path: str) -> str:
+        """The path on HDFS, without the scheme and the namenode: ``/user/t``."""
+        return "/" + super().get_localized_path(path).partition("/")[2]

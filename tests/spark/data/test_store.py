@@ -27,8 +27,9 @@ from spark_hvd.spark.data.store import DBFSLocalStore, FsspecStore, LocalStore, 
     ("s3://bucket/store/", FsspecStore, "s3://bucket/store"),
     ("hdfs://namenode:8020/user/me", FsspecStore, "hdfs://namenode:8020/user/me"),
 ])
-def test_create_picks_the_store_for_the_prefix(prefix, cls, stored_prefix):
-    """Store.create returns LocalStore, DBFSLocalStore or FsspecStore by prefix, normalized."""
+def test_create_picks_the_store_for_the_prefix(prefix, cls, stored_prefix, monkeypatch):
+    """Store.create returns LocalStore, DBFSLocalStore (on Databricks) or FsspecStore by prefix, normalized."""
+    monkeypatch.setenv("DATABRICKS_RUNTIME_VERSION", "16.4")
     store = Store.create(prefix)
     assert type(store) is cls
     assert store.prefix == stored_prefix
@@ -69,8 +70,9 @@ def test_run_id_must_be_a_plain_name(run_id):
     ("abfs://container/store", {"account_name": "acct"}, "a",
      "abfss://container@acct.dfs.core.windows.net/store/a"),
 ])
-def test_spark_url_names_the_same_location_for_spark(prefix, options, path_suffix, url):
+def test_spark_url_names_the_same_location_for_spark(prefix, options, path_suffix, url, monkeypatch):
     """spark_url maps a store path to the scheme Spark's Hadoop filesystems use."""
+    monkeypatch.setenv("DATABRICKS_RUNTIME_VERSION", "16.4")
     store = Store.create(prefix, options)
     assert store.spark_url(store.join(path_suffix)) == url
 
@@ -206,7 +208,7 @@ def test_writer_killed_mid_write_leaves_no_partial_file(tmp_path, kind, had_old)
 
 def test_stores_pickle_and_compare_by_prefix():
     """Stores survive pickling (they travel to Spark tasks) and compare equal by type and prefix."""
-    for store in (Store.create("/tmp/a"), Store.create("dbfs:/a"), Store.create("memory://a")):
+    for store in (Store.create("/tmp/a"), DBFSLocalStore("dbfs:/a"), Store.create("memory://a")):
         copy = pickle.loads(pickle.dumps(store))
         assert copy == store and hash(copy) == hash(store)
     memory = Store.create("memory://a")
@@ -217,9 +219,64 @@ def test_stores_pickle_and_compare_by_prefix():
 
 def test_dbfs_store_uses_the_fuse_mount():
     """DBFSLocalStore reads and writes /dbfs/... while Spark gets dbfs:/..."""
-    store = Store.create("dbfs:/ml/x")
+    store = DBFSLocalStore("dbfs:/ml/x")
     assert store.get_train_data_path("k") == "/dbfs/ml/x/intermediate_train_data.k"
     assert store.spark_url(store.get_train_data_path("k")) == "dbfs:/ml/x/intermediate_train_data.k"
+
+
+def test_dbfs_paths_off_databricks_are_local_paths_or_refused(monkeypatch):
+    """Where DBFS cannot be reached (not Databricks, no /dbfs mount), /dbfs/... is a local path like
+    any other and dbfs:/... is refused with the fix, instead of a store that fails at its first write."""
+    monkeypatch.delenv("DATABRICKS_RUNTIME_VERSION", raising=False)
+    monkeypatch.setattr(os.path, "isdir", lambda path: False if path == "/dbfs" else os.path.exists(path))
+    assert type(Store.create("/dbfs/ml/store")) is LocalStore
+    with pytest.raises(ValueError, match=r"prefix='dbfs:/ml/store' is on DBFS, which is not reachable here.*fix"):
+        Store.create("dbfs:/ml/store")
+
+
+def test_the_stores_are_horovods_filesystem_stores_with_its_path_helpers(tmp_path):
+    """As in Horovod: every store is a FilesystemStore, and FilesystemStore(prefix) builds the one
+    for the prefix; the path helpers Horovod's users call answer as Horovod's do."""
+    from spark_hvd.spark.common.store import FilesystemStore, HDFSStore
+
+    local = FilesystemStore(str(tmp_path / "store"), train_path="train")
+    assert type(local) is LocalStore and isinstance(DBFSLocalStore("/dbfs/x"), FilesystemStore)
+    assert type(FilesystemStore("memory://root/p", storage_options={})) is FsspecStore
+    assert pickle.loads(pickle.dumps(local)) == local
+    assert local.get_train_data_path() == str(tmp_path / "store" / "train")
+    assert local.get_full_path("a") == f"file://{tmp_path}/store/a"
+    assert local.get_full_path_fn()("a") == local.get_full_path("a")
+    assert local.get_localized_path(f"file://{tmp_path}/b") == str(tmp_path / "b")
+    assert (local.get_checkpoint_filename(), local.get_logs_subdir(), local.saving_runs()) == ("checkpoint", "logs", True)
+    assert local.get_test_data_path("k") == str(tmp_path / "store" / "intermediate_test_data.k")
+
+    hdfs = HDFSStore("/user/p", train_path="/user/t")
+    assert hdfs.get_train_data_path() == "hdfs:///user/t" and hdfs.get_runs_path() == "hdfs:///user/p/runs"
+    assert hdfs.get_full_path("/user/x") == "hdfs:///user/x" and hdfs.get_localized_path("hdfs:///user/t") == "/user/t"
+    named = HDFSStore("hdfs://nn:8020/user/p", val_path="/user/v")
+    assert named.get_val_data_path("k") == "hdfs://nn:8020/user/v.k"
+
+    dbfs = DBFSLocalStore("dbfs:/ml")
+    assert dbfs.get_full_path("x") == "file:///dbfs/ml/x" and dbfs.get_localized_path("dbfs:/ml/y") == "/dbfs/ml/y"
+    assert [DBFSLocalStore.normalize_path(p) for p in ("dbfs:/a/b", "/dbfs/a", "file:/dbfs/a", "file:///dbfs/a")] == \
+        ["/dbfs/a/b", "/dbfs/a", "/dbfs/a", "/dbfs/a"]
+    with pytest.raises(ValueError, match="is not a DBFS path"):
+        DBFSLocalStore.normalize_path("/tmp/a")
+
+
+def test_sync_fn_copies_a_local_run_directory_into_the_run(tmp_path):
+    """store.sync_fn(run_id)(local_dir) copies the directory's files (sub-directories included)
+    into the run's directory; get_checkpoints lists the run's files by suffix."""
+    store = LocalStore(str(tmp_path / "store"))
+    with store.get_local_output_dir_fn("r1")() as local:
+        os.makedirs(os.path.join(local, "logs"))
+        for name, text in (("epoch=1.ckpt", "1"), ("epoch=2.ckpt", "2"), (os.path.join("logs", "events"), "e")):
+            with open(os.path.join(local, name), "w") as f:
+                f.write(text)
+        store.sync_fn("r1")(local)
+    assert store.get_checkpoints("r1") == ["epoch=1.ckpt", "epoch=2.ckpt"]
+    assert store.read(os.path.join(store.get_logs_path("r1"), "events")) == b"e"
+    assert store.get_checkpoints("never-ran") == []
 
 
 def test_a_run_that_trained_something_else_is_refused_or_started_over(tmp_path):
