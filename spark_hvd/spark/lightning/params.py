@@ -39,7 +39,8 @@ _LOADER = "the rank's batches come from spark-hvd's reader, which prefetches on 
 HOROVOD_LIGHTNING_PARAMS: Tuple[ParamSpec, ...] = (
     ParamSpec("backward_passes_per_step", "Batches whose gradients are accumulated per optimizer step (Lightning's "
                                           "accumulate_grad_batches).", 1, ToInt(1)),
-    ParamSpec("logger", "A Lightning logger (or list of them) for the Trainer on every rank (Horovod's).", None,
+    ParamSpec("logger", "A Lightning logger (or list of them) for the Trainer on every rank (Horovod's); unset: a "
+              "TensorBoardLogger writing under the run's logs directory of the store, as Horovod's (False: none).", None,
               AnyValue(), json=False),
     ParamSpec("log_every_n_steps", "How often the Trainer logs within an epoch (Horovod's).", 50, ToInt(1)),
     ParamSpec("profiler", "A Lightning profiler, or its name, for the Trainer (Horovod's).", None, AnyValue(),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import tempfile
 import time
 import warnings
@@ -240,6 +241,28 @@ def _loader(dataset: _ShardBatches) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=0)
 
 
+def default_logger(logs_dir: str) -> Any:
+    """The logger of a fit given none, as Horovod's: a TensorBoardLogger writing under the run's
+    ``logs`` directory (rank 0 writes; Lightning keeps the other ranks' calls silent), or a
+    CSVLogger there where neither tensorboard nor tensorboardX is installed.
+
+    Writing event files needs no TensorFlow, but tensorboard imports it when it is installed (about
+    3 s a rank): unless the rank has imported TensorFlow already, tensorboard is pointed at its
+    own stand-in (the ``tensorboard.compat.notf`` switch tensorboard provides for this)."""
+    import importlib.util
+    import types
+
+    from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+
+    if importlib.util.find_spec("tensorboardX") is not None:
+        return TensorBoardLogger(logs_dir, name="", version="")
+    if importlib.util.find_spec("tensorboard") is not None:
+        if "tensorflow" not in sys.modules:
+            sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
+        return TensorBoardLogger(logs_dir, name="", version="")
+    return CSVLogger(logs_dir, name="", version="")
+
+
 def fit_on_rank(spec: LightningTrainingSpec) -> Optional[Dict[str, Any]]:
     """Fit on this rank; rank 0 returns ``{"model": state_dict, "history": [...]}``, others None."""
     import pytorch_lightning as pl
@@ -258,12 +281,14 @@ def fit_on_rank(spec: LightningTrainingSpec) -> Optional[Dict[str, Any]]:
     strategy = SparkHvdStrategy(compression=spec.compression) if spec.compression is not None else SparkHvdStrategy()
     use_gpu = spec.use_gpu and torch.cuda.is_available()
     with tempfile.TemporaryDirectory(prefix="spark-hvd-lightning-") as workdir:
-        kwargs: Dict[str, Any] = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False,
+        files = RunFiles(spec.store, spec.run_path)
+        kwargs: Dict[str, Any] = {"enable_progress_bar": False, "enable_model_summary": False,
                                   "num_sanity_val_steps": 0, "default_root_dir": workdir}
         kwargs.update(spec.trainer_args)
+        if "logger" not in kwargs:
+            kwargs["logger"] = default_logger(files.path("logs"))
         # Given at construction, the epoch-end checkpoint keeps Lightning from adding its own ModelCheckpoint.
         epoch_end = _EpochEnd(spec, hvd, workdir)
-        files = RunFiles(spec.store, spec.run_path)
         for callback in spec.callbacks:
             # A ModelCheckpoint of the user's writes under the run's directory of the store (its
             # default, the Trainer's root, is this rank's temporary directory).

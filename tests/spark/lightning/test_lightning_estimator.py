@@ -304,8 +304,13 @@ def test_same_run_id_resumes_with_its_optimizer_state_and_a_saved_estimator_retu
     """A second fit with the run_id and more epochs continues the epoch count from the checkpoint
     (the first epoch's entry kept, the weights trained further); the estimator, saved and loaded,
     returns the complete run from its checkpoint without launching training."""
-    est = make_estimator(tmp_path, run_id="resumable", num_proc=1, epochs=1, validation=0.25)
+    est = make_estimator(tmp_path, run_id="resumable", num_proc=1, epochs=1, validation=0.25,
+                         callbacks=[pl.callbacks.LearningRateMonitor()])
     first = est.fit(frame)
+    # Given no logger, the Trainer logs to TensorBoard under the run's directory, as Horovod's does
+    # (so callbacks that need a logger, such as LearningRateMonitor, work).
+    logs = est.getStore().get_logs_path("resumable")
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(logs)), os.listdir(logs)
     second = est.setEpochs(2).fit(frame)
     history = second.getHistory()
     assert [h["epoch"] for h in history] == [1, 2] and history[0] == first.getHistory()[0]
