@@ -107,17 +107,24 @@ def standard_columns(task: str, values: np.ndarray) -> Dict[str, np.ndarray]:
         p = _sigmoid(column) if task == "binary" else np.clip(column, 0.0, 1.0)
         raw = np.stack([-column, column], axis=1) if task == "binary" else np.stack([1.0 - p, p], axis=1)
         return {"raw_prediction": raw, "probability": np.stack([1.0 - p, p], axis=1),
-                "prediction": (p > 0.5).astype(np.float64)}
+                "prediction": np.where(np.isnan(p), np.nan, (p > 0.5).astype(np.float64))}
     if task == "multiclass_probability":
         clipped = np.clip(values, 0.0, None)
         total = clipped.sum(axis=1, keepdims=True)
         probability = np.divide(clipped, total, out=np.full_like(clipped, 1.0 / max(1, clipped.shape[1])),
                                 where=total > 0)
-        return {"raw_prediction": values, "probability": probability,
-                "prediction": probability.argmax(axis=1).astype(np.float64)}
+        probability[np.isnan(total[:, 0])] = np.nan  # a NaN output is no distribution
+        return {"raw_prediction": values, "probability": probability, "prediction": _predicted_class(probability)}
     probability = _softmax(values)  # log-probabilities give the same distribution back
-    return {"raw_prediction": values, "probability": probability,
-            "prediction": probability.argmax(axis=1).astype(np.float64)}
+    return {"raw_prediction": values, "probability": probability, "prediction": _predicted_class(probability)}
+
+
+def _predicted_class(probability: np.ndarray) -> np.ndarray:
+    """The most probable class of each row as a double; NaN for a row whose probabilities hold a
+    NaN (a NaN input never gets a class)."""
+    classes = probability.argmax(axis=1).astype(np.float64) if probability.shape[1] else \
+        np.zeros(len(probability))
+    return np.where(np.isnan(probability).any(axis=1), np.nan, classes)
 
 
 def spark_columns(task: str, value: Any) -> Dict[str, Any]:
@@ -138,7 +145,7 @@ def spark_columns(task: str, value: Any) -> Dict[str, Any]:
         raw = F.array(F.lit(1.0) - p, p)
     else:
         raise ValueError(f"task={task!r} is not one of {ONE_VALUE_TASKS}")
-    # NaN > 0.5 is true in Spark and false in numpy: a NaN probability predicts class 0 in both.
-    prediction = F.when(~F.isnan(p) & (p > F.lit(0.5)), F.lit(1.0)).otherwise(F.lit(0.0))
+    # A NaN probability predicts no class (Spark would order NaN above 0.5).
+    prediction = F.when(F.isnan(p), F.lit(float("nan"))).when(p > F.lit(0.5), F.lit(1.0)).otherwise(F.lit(0.0))
     return {"raw_prediction": array_to_vector(raw), "probability": array_to_vector(F.array(F.lit(1.0) - p, p)),
             "prediction": prediction}

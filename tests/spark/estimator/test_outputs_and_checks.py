@@ -57,6 +57,19 @@ def test_standard_columns_follow_spark_ml():
     assert column_kinds("regression") == [("prediction", "double")] and column_kinds("none") == []
 
 
+def test_a_nan_output_predicts_no_class():
+    """A NaN output (from a NaN input) gives NaN probabilities and a NaN prediction for that row,
+    never a class beside a NaN probability; the other rows are unaffected."""
+    nan = float("nan")
+    for task in ("binary", "binary_probability"):
+        got = standard_columns(task, np.array([[nan], [3.0]]))
+        assert np.isnan(got["probability"][0]).all() and np.isnan(got["prediction"][0]), task
+        assert got["prediction"][1] == 1.0, task
+    for task in ("multiclass", "multiclass_probability"):
+        got = standard_columns(task, np.array([[nan, 1.0, 0.0], [0.0, 2.0, 1.0]]))
+        assert np.isnan(got["prediction"][0]) and got["prediction"][1] == 1.0, task
+
+
 @pytest.mark.parametrize("task, shapes, message", [
     ("binary", [(2,)], r"task='binary' needs one output value per row, but the model returns 2"),
     ("multiclass", [(1,)], r"needs one output value per class \(at least 2\), but the model returns 1"),
