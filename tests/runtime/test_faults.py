@@ -50,13 +50,18 @@ def _stop_in_data_phase():
     # 256 MiB summed in place: moving the data is nearly all of each step, nothing happens after it.
     data = np.ones(64 << 20, np.float32)
     rt.allreduce(data, out=data, op=rt.Sum, name="warm-up")
-    if rt.rank() == 1:
-        def stop() -> None:
-            time.sleep(0.15)
-            os.kill(os.getpid(), signal.SIGSTOP)
-        threading.Thread(target=stop, daemon=True).start()
     started = time.monotonic()
     try:
+        # Rank 1 stops itself shortly after it has submitted 'big', early in a step of 0.15-0.2 s
+        # here: a stop timed from before the submission could land between two steps, where rank 0
+        # waits for a submission instead of for data.
+        handle = rt.allreduce_async(data, out=data, op=rt.Sum, name="big")
+        if rt.rank() == 1:
+            def stop() -> None:
+                time.sleep(0.03)
+                os.kill(os.getpid(), signal.SIGSTOP)
+            threading.Thread(target=stop, daemon=True).start()
+        rt.synchronize(handle)
         while True:
             rt.allreduce(data, out=data, op=rt.Sum, name="big")
     except rt.CollectiveError as exc:
