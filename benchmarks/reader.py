@@ -6,13 +6,15 @@ One process, one thread; every figure is CPU time (``time.process_time``), the b
 ``--repeats``. The data is the estimator benchmark's: 30 float32 features and a 0/1 label, written
 with pyarrow in row groups of 250k rows (snappy, no dictionary) in each layout of the features:
 
-- ``list<float>``: one list column, what ``prepare_data`` writes for a Vector column today
-  (``vector_dtype="float32"``);
+- ``list<float>``: one list column, what ``prepare_data`` wrote for a Vector column before its
+  format 2 (``vector_dtype="float32"``);
 - ``list<double>``: the same in float64 (``prepare_data``'s default ``vector_dtype``);
 - ``30 float columns``: one float32 column per feature;
 - ``fixed_size_binary(120)``: one row's 30 float32 values as 120 raw bytes;
 - ``binary, 120 bytes each``: the same bytes in a plain ``binary`` column (Spark's BinaryType, which
-  Spark can write), read as a matrix straight from the column's data once its offsets are checked.
+  Spark can write), read as a matrix straight from the column's data once its offsets are checked:
+  the raw rows ``prepare_data`` writes for array and Vector columns (its format 2), marked as such in
+  the Spark schema of the footer as Spark writes it.
 
 For each layout the table gives the CPU per batch of ``--batch`` rows of:
 
@@ -21,8 +23,8 @@ For each layout the table gives the CPU per batch of ``--batch`` rows of:
   where the layout allows one, else the least copying that numpy offers);
 - ``reader``: the builtin reader (``make_reader(..., shuffle=False)``) over the same files, every
   batch drawn; ``reader, shuffled``: with its default 10,000-row shuffle buffer; ``reader, cached``:
-  the second epoch of ``cache_all=True``, shuffled. The reader reads list columns only; a layout
-  it cannot read shows ``-``.
+  the second epoch of ``cache_all=True``, shuffled. The reader reads list columns and raw rows; a
+  layout it cannot read shows ``-``.
 
 and, as the floor, ``memcpy``: copying one batch of features out of a contiguous matrix into a
 preallocated one (``np.take`` by a random index, what a shuffled batch from a decoded cache costs).
@@ -45,6 +47,8 @@ DEFAULT_JSON = HERE / "results" / "reader.json"
 FEATURES = 30
 ROW_GROUP = 250_000
 LAYOUTS = ("list<float>", "list<double>", "30 float columns", "fixed_size_binary(120)", "binary, 120 bytes each")
+READABLE = ("list<float>", "list<double>", "binary, 120 bytes each")
+"""Layouts the builtin reader reads."""
 READS = ("decode", "to numpy", "reader", "reader, shuffled", "reader, cached")
 
 
@@ -78,7 +82,15 @@ def features_table(x: Any, label: Any, layout: str) -> Any:
                                                            [None, pa.py_buffer(offsets), pa.py_buffer(raw)])}
     else:
         raise ValueError(f"layout={layout!r} is not known: expected one of {LAYOUTS}")
-    return pa.table({**columns, "label": pa.array(label)})
+    table = pa.table({**columns, "label": pa.array(label)})
+    if layout == "binary, 120 bytes each":  # marked as prepare_data's Spark write marks raw rows
+        from spark_hvd.spark.data.layout import ROW_BYTES_KEY
+
+        spark_schema = {"type": "struct", "fields": [
+            {"name": "features", "type": "binary", "nullable": True, "metadata": {ROW_BYTES_KEY: "float32"}},
+            {"name": "label", "type": "float", "nullable": True, "metadata": {}}]}
+        table = table.replace_schema_metadata({"org.apache.spark.sql.parquet.row.metadata": json.dumps(spark_schema)})
+    return table
 
 
 def write_layout(directory: str, layout: str, rows: int) -> str:
@@ -150,7 +162,7 @@ def measure(path: str, layout: str, rows: int, batch: int, repeats: int) -> Dict
 
     out: Dict[str, Optional[float]] = {"decode": cpu(decode, repeats) / batches,
                                        "to numpy": cpu(numpy, repeats) / batches}
-    if not layout.startswith("list"):
+    if layout not in READABLE:
         out.update({"reader": None, "reader, shuffled": None, "reader, cached": None})
         return out
     shapes = {"features": (FEATURES,)}

@@ -13,8 +13,9 @@ from spark_hvd.spark.data.columns import quote
 
 __all__ = ["FORMAT_VERSION", "dataset_key", "data_identity", "normalize_ids"]
 
-FORMAT_VERSION = 1
-"""Bumped when the written layout changes, so older cached datasets are not reused."""
+FORMAT_VERSION = 2
+"""Bumped when the written layout changes, so older cached datasets are not reused (2: array and Vector
+columns written as raw rows, see :mod:`spark_hvd.spark.data.layout`)."""
 
 
 def dataset_key(df: Any, settings: Dict[str, Any], columns: Optional[Sequence[str]] = None) -> str:

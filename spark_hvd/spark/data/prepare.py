@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from spark_hvd.spark.data.columns import StoredColumn, is_float, plan_columns, quote, to_arrays, valid_rows
 from spark_hvd.spark.data.identity import FORMAT_VERSION, dataset_key
-from spark_hvd.spark.data.reader import scan_parquet
+from spark_hvd.spark.data.layout import row_bytes_field, rows_as_bytes, scan_parquet
 from spark_hvd.spark.data.store import Store
 
 __all__ = ["ColumnInfo", "PreparedData", "prepare_data"]
@@ -33,6 +33,10 @@ class ColumnInfo:
     """numpy dtype name of the stored values."""
     spark_type: str
     """The column's type in the source DataFrame."""
+    encoding: str = "plain"
+    """How the Parquet files hold it: 'plain' (a column of its type) or 'row_bytes' (one binary
+    value per row, the row's values as little-endian bytes of ``dtype``: array and Vector columns;
+    see :mod:`spark_hvd.spark.data.layout`)."""
 
 
 @dataclass(frozen=True)
@@ -187,11 +191,27 @@ def _observed(frame: Any, planned: List[StoredColumn], name: str) -> Tuple[Any, 
     return frame.observe(observation, *metrics), observation
 
 
+def _as_row_bytes(frame: Any, planned: List[StoredColumn]) -> Any:
+    """``frame`` with its array columns as raw rows (see :mod:`spark_hvd.spark.data.layout`),
+    converted from Arrow on Spark's Python workers without copying the values."""
+    from functools import partial
+
+    from pyspark.sql import types as T
+
+    arrays = {c.name: c.dtype for c in planned if c.kind != "scalar"}
+    if not arrays:
+        return frame
+    schema = T.StructType([row_bytes_field(f.name, arrays[f.name]) if f.name in arrays else f
+                           for f in frame.schema.fields])
+    return frame.mapInArrow(partial(rows_as_bytes, columns=arrays), schema)
+
+
 def _write(frame: Any, planned: List[StoredColumn], num_files: int, num_proc: int, exact: bool, url: str,
            row_group_bytes: int, name: str) -> Dict[str, Any]:
-    """Write ``frame`` as Parquet at ``url`` in one pass; returns what :func:`_observed` gathered."""
+    """Write ``frame`` as Parquet at ``url`` in one pass, array columns as raw rows; returns what
+    :func:`_observed` gathered from the rows on their way."""
     observed, observation = _observed(_laid_out(frame, num_files, num_proc, exact), planned, name)
-    (observed.write.mode("overwrite")
+    (_as_row_bytes(observed, planned).write.mode("overwrite")
      .option("parquet.block.size", str(row_group_bytes))
      .parquet(url))
     return dict(observation.get)
@@ -213,14 +233,14 @@ def _lengths(observed: List[Dict[str, Any]], planned: List[StoredColumn]) -> Opt
         lengths[c.name] = int(max(highs)) if highs else 0
     return lengths
 
-def _check_written(spark: Any, urls: List[str], planned: List[StoredColumn]) -> Dict[str, int]:
-    """One Spark job over the written Parquet: nulls, NaN and infinities, and one length per array column.
+def _check_frames(frames: List[Any], planned: List[StoredColumn]) -> Dict[str, int]:
+    """One Spark job per frame written (as selected, before raw rows): nulls, NaN and infinities, and one
+    length per array column.
 
     Every problem column is named with its counts in one ValueError. Returns the array length of
     each array or vector column."""
     from pyspark.sql import functions as F
 
-    frame = spark.read.parquet(*urls)
     aggs = []
 
     def count(condition: Any, alias: str) -> None:
@@ -239,7 +259,14 @@ def _check_written(spark: Any, urls: List[str], planned: List[StoredColumn]) -> 
         elif is_float(c):
             count(F.isnan(col), f"nan{i}")
             count(F.abs(col) == F.lit(float("inf")), f"inf{i}")
-    row = frame.agg(*aggs).collect()[0].asDict()
+    row: Dict[str, Any] = {}
+    for frame in frames:  # counts add up; lengths keep the least and the greatest
+        for key, value in frame.agg(*aggs).collect()[0].asDict().items():
+            if value is None or row.get(key) is None:
+                row[key] = value if row.get(key) is None else row[key]
+            else:
+                row[key] = min(row[key], value) if key.startswith("lo") else \
+                    max(row[key], value) if key.startswith("hi") else row[key] + value
     problems: List[str] = []
     for i, c in enumerate(planned):
         what = "rows with" if c.kind != "scalar" else ""
@@ -330,7 +357,6 @@ def prepare_data(df: Any, store: Store, feature_cols: Sequence[str], label_cols:
         selected = df.select(*exprs)
         train_df, val_df, fractions = (selected.filter(valid_rows(planned)) if skip_invalid else selected), None, (1.0, 0.0)
 
-    spark = df.sparkSession
     urls = [store.spark_url(train_path)]
     exact = files_per_proc is not None
     written = [train_path]
@@ -349,7 +375,7 @@ def prepare_data(df: Any, store: Store, feature_cols: Sequence[str], label_cols:
                              "filters that produced it")
         lengths = _lengths(observed, planned)
         if lengths is None:  # something to report: name it with its counts
-            lengths = _check_written(spark, urls, planned)
+            lengths = _check_frames([f for f in (train_df, val_df) if f is not None], planned)
         train = scan_parquet(store.url(train_path), store.storage_options)
         val = scan_parquet(store.url(val_path), store.storage_options) if val_path else None
         if train.num_rows == 0:
@@ -364,7 +390,7 @@ def prepare_data(df: Any, store: Store, feature_cols: Sequence[str], label_cols:
         raise
 
     columns = tuple(ColumnInfo(c.name, c.kind, (lengths[c.name],) if c.kind != "scalar" else (), c.dtype,
-                               c.spark_type) for c in planned)
+                               c.spark_type, "row_bytes" if c.kind != "scalar" else "plain") for c in planned)
     info = PreparedData(
         key=key, train_path=train_path, val_path=val_path,
         train_rows=train.num_rows, val_rows=val.num_rows if val else 0,

@@ -7,11 +7,13 @@ import posixpath
 import queue
 import threading
 import warnings
-from dataclasses import dataclass
 from collections import deque
 from typing import (Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union)
 
 import numpy as np
+
+from spark_hvd.spark.data.layout import (ParquetLayout, RowGroup, _filesystem, arrow_to_numpy, deal_row_groups,
+                                         scan_parquet)
 
 __all__ = [
     "READER_KINDS",
@@ -38,83 +40,6 @@ _PETASTORM_INSTALL = (
 )
 
 
-@dataclass(frozen=True)
-class RowGroup:
-    """One Parquet row group: the unit of sharding between ranks."""
-
-    file: str
-    """Path of the Parquet file, in its filesystem's syntax."""
-    index: int
-    """Index of the row group within the file."""
-    num_rows: int
-    """Rows in the row group."""
-    byte_size: int = 0
-    """Bytes of its column data, uncompressed (the footer's ``total_byte_size``; 0: not known)."""
-
-
-@dataclass(frozen=True)
-class ParquetLayout:
-    """The Parquet files and row groups of one prepared dataset, in a fixed order."""
-
-    files: Tuple[str, ...]
-    """Data files, sorted by name."""
-    row_groups: Tuple[RowGroup, ...]
-    """Every row group, ordered by file then index: the same order on every rank."""
-    column_names: Tuple[str, ...] = ()
-    """Columns of the first file's schema."""
-
-    @property
-    def num_rows(self) -> int:
-        """Rows in the whole dataset."""
-        return sum(rg.num_rows for rg in self.row_groups)
-
-
-def _filesystem(url: str, storage_options: Optional[Mapping[str, Any]]) -> Tuple[Any, str]:
-    import fsspec.core
-
-    return fsspec.core.url_to_fs(url, **dict(storage_options or {}))
-
-
-def _is_data_file(name: str) -> bool:
-    # Spark leaves _SUCCESS and .crc side files next to the data; neither is Parquet.
-    return not name.startswith(("_", ".")) and not name.endswith(".crc")
-
-
-def scan_parquet(urls: Union[str, Sequence[str]],
-                 storage_options: Optional[Mapping[str, Any]] = None) -> ParquetLayout:
-    """Read the footers of every Parquet file under ``urls`` (directories or files).
-
-    Only metadata is read: no column data.
-    """
-    import pyarrow.parquet as pq
-
-    if isinstance(urls, str):
-        urls = [urls]
-    files: List[str] = []
-    fs = None
-    for url in urls:
-        fs, path = _filesystem(url, storage_options)
-        if fs.isdir(path):
-            found = [p for p in fs.find(path) if _is_data_file(posixpath.basename(p))]
-            files.extend(sorted(found))
-        elif fs.exists(path):
-            files.append(path)
-        else:
-            raise ValueError(f"no Parquet data at {url!r}: the path does not exist; prepare the data "
-                             "first (spark_hvd.spark.prepare_data) or check the store prefix")
-    row_groups: List[RowGroup] = []
-    names: Tuple[str, ...] = ()
-    for file in files:
-        with fs.open(file, "rb") as f:
-            meta = pq.ParquetFile(f).metadata
-            if not names:
-                names = tuple(meta.schema.to_arrow_schema().names)
-            for i in range(meta.num_row_groups):
-                group = meta.row_group(i)
-                row_groups.append(RowGroup(file, i, group.num_rows, group.total_byte_size))
-    return ParquetLayout(tuple(files), tuple(row_groups), names)
-
-
 _PIECE_BYTES = 2 << 20
 """About how much of a row group's column data the builtin reader decodes at a time: a whole row
 group (Spark writes them up to 128 MiB) decoded at once costs twice the CPU per row of pieces that
@@ -136,33 +61,13 @@ def steps_for(total_rows: int, size: int, batch_size: int) -> int:
     return max(1, math.ceil(total_rows / (size * batch_size)))
 
 
-def arrow_to_numpy(column: Any, shape: Optional[Tuple[int, ...]], name: str) -> np.ndarray:
-    """An Arrow column as an ndarray of ``(rows, *shape)``; list columns become matrices."""
-    import pyarrow as pa
-
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks()
-    n = len(column)
-    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type) \
-            or pa.types.is_fixed_size_list(column.type):
-        offsets = column.offsets.to_numpy() if not pa.types.is_fixed_size_list(column.type) else None
-        values = np.asarray(column.flatten().to_numpy(zero_copy_only=False))
-        if offsets is not None and n:
-            lengths = np.diff(offsets)
-            if lengths.min() != lengths.max():
-                raise ValueError(
-                    f"column {name!r} has rows of different lengths ({lengths.min()} to {lengths.max()}): "
-                    "expected one length per column; prepare the data with prepare_data, which checks this")
-        array = values.reshape(n, -1) if n else values.reshape(0, 0)
-    else:
-        array = np.asarray(column.to_numpy(zero_copy_only=False))
-    if shape is not None and (n or -1 not in shape):
-        array = array.reshape((n,) + tuple(shape))
-    return array
-
-
-def _from_petastorm(value: np.ndarray, shape: Optional[Tuple[int, ...]]) -> np.ndarray:
-    if value.dtype == object:  # list columns arrive as an array of per-row arrays
+def _from_petastorm(value: np.ndarray, shape: Optional[Tuple[int, ...]], row_dtype: Optional[str] = None
+                    ) -> np.ndarray:
+    if row_dtype is not None:  # raw rows arrive as an array of bytes objects
+        dtype = np.dtype(row_dtype).newbyteorder("<")
+        flat = np.frombuffer(b"".join(value), dtype=dtype) if len(value) else np.empty(0, dtype=dtype)
+        value = flat.reshape(len(value), -1) if len(value) else flat.reshape(0, 0)
+    elif value.dtype == object:  # list columns arrive as an array of per-row arrays
         value = np.stack(list(value)) if len(value) else np.empty((0,), dtype=np.float64)
     if shape is not None:
         value = value.reshape((len(value),) + tuple(shape))
@@ -470,28 +375,6 @@ class BatchReader:
         self.close()
 
 
-def deal_row_groups(groups: Sequence[RowGroup], size: int, epoch: Optional[int], seed: int) -> List[List[int]]:
-    """Indices of ``groups`` each of ``size`` ranks reads: with ``epoch`` None, row group ``i`` to
-    rank ``i % size`` (fixed sharding); else a seeded permutation for that epoch, each group in turn
-    to the rank with the fewest rows so far, so every rank gets about the same number of rows and,
-    over the epochs, every rank sees all of the data. The same on every rank (a function of the
-    layout, the seed and the epoch only). A rank left without a group borrows one."""
-    shards: List[List[int]] = [[] for _ in range(size)]
-    if epoch is None:
-        for i in range(len(groups)):
-            shards[i % size].append(i)
-    else:
-        rows = [0] * size
-        for i in np.random.default_rng([seed, epoch, 2]).permutation(len(groups)):
-            rank = min(range(size), key=lambda r: (rows[r], r))
-            shards[rank].append(int(i))
-            rows[rank] += groups[int(i)].num_rows
-    for rank, shard in enumerate(shards):
-        if not shard and groups:
-            shard.append(rank % len(groups))
-    return shards
-
-
 def _builtin_source(layout: ParquetLayout, rank: int, size: int, columns: Sequence[str],
                     shapes: Mapping[str, Tuple[int, ...]], shuffle: bool, seed: int,
                     storage_options: Optional[Mapping[str, Any]], url: str, reshuffle: bool = True,
@@ -525,7 +408,8 @@ def _builtin_source(layout: ParquetLayout, rank: int, size: int, columns: Sequen
                 # with the ranks of the host), each handed on before the next is decoded.
                 for table in opened[rg.file][1].iter_batches(batch_size=_piece_rows(rg), row_groups=[rg.index],
                                                              columns=list(columns), use_threads=False):
-                    chunk = {c: arrow_to_numpy(table.column(c), shapes.get(c), c) for c in columns}
+                    chunk = {c: arrow_to_numpy(table.column(c), shapes.get(c), c, layout.row_bytes.get(c))
+                             for c in columns}
                     if cache_all:
                         pieces.append(chunk)
                     yield chunk
@@ -575,7 +459,8 @@ def _petastorm_source(urls: Sequence[str], layout: ParquetLayout, rank: int, siz
         try:
             for batch in reader:
                 row = batch._asdict()
-                yield {c: _from_petastorm(np.asarray(row[c]), shapes.get(c)) for c in columns}
+                yield {c: _from_petastorm(np.asarray(row[c]), shapes.get(c), layout.row_bytes.get(c))
+                       for c in columns}
         finally:
             reader.stop()
             reader.join()

@@ -7,6 +7,8 @@ import uuid
 from typing import Dict
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from spark_hvd.spark.data.prepare import PreparedData, prepare_data
@@ -99,6 +101,12 @@ def test_prepare_writes_vectors_as_arrays_with_metadata(spark, frame, tmp_path):
     assert info.dtypes == {"id": "int64", "v": "float64", "s": "float64", "a": "float64", "y": "float64",
                            "w": "float64"}
     assert info.column("v").kind == "vector" and info.column("a").kind == "array"
+    assert [c.encoding for c in info.columns] == ["plain", "row_bytes", "row_bytes", "row_bytes", "plain", "plain"]
+    # Array and Vector columns are raw rows in the files: binary, marked with their dtype.
+    layout = scan_parquet(store.url(info.train_path))
+    assert layout.row_bytes == {"v": "float64", "s": "float64", "a": "float64"}
+    first = pq.read_table(layout.files[0])
+    assert first.schema.field("v").type == pa.binary() and first.schema.field("y").type == pa.float64()
     assert PreparedData.from_json(store.read(store.get_data_metadata_path(info.key))) == info
 
     train, val = read_all(info, store, info.train_path), read_all(info, store, info.val_path)
@@ -112,6 +120,27 @@ def test_prepare_writes_vectors_as_arrays_with_metadata(spark, frame, tmp_path):
         np.testing.assert_array_equal(batch["s"], sparse)
         np.testing.assert_array_equal(batch["a"], np.stack([i, 2 * i], axis=1))
         np.testing.assert_allclose(batch["w"], 1.0 + i / 100)
+
+
+def test_integer_and_boolean_arrays_round_trip(spark, tmp_path):
+    """Arrays of int, long and boolean elements are stored as raw rows of their own dtype and read
+    back with the same values."""
+    rows = [(i, [i, -i, 7], [i * 10**10], [i % 2 == 0, True]) for i in range(12)]
+    frame = spark.createDataFrame(rows, "id long, ints array<int>, longs array<long>, flags array<boolean>")
+    store = Store.create(str(tmp_path / "store"))
+    info = prepare_data(frame, store, ["ints", "longs", "flags"], ["id"])
+    assert info.dtypes == {"ints": "int32", "longs": "int64", "flags": "bool", "id": "int64"}
+    with make_reader("builtin", store.url(info.train_path), rank=0, size=1, batch_size=12,
+                     feature_cols=["ints", "longs", "flags"], label_cols=["id"], shuffle=False,
+                     shapes=info.shapes) as reader:
+        (batch,) = list(reader.iter_epoch(0))
+    order = np.argsort(batch["id"])
+    ids = batch["id"][order]
+    assert ids.tolist() == list(range(12))
+    assert batch["ints"].dtype == np.int32 and batch["flags"].dtype == np.bool_
+    np.testing.assert_array_equal(batch["ints"][order], np.stack([ids, -ids, np.full(12, 7)], axis=1))
+    np.testing.assert_array_equal(batch["longs"][order], (ids * 10**10).reshape(-1, 1))
+    np.testing.assert_array_equal(batch["flags"][order], np.stack([ids % 2 == 0, np.ones(12, bool)], axis=1))
 
 
 @pytest.mark.parametrize("marker", ["mark", "flag"])
