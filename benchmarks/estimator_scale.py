@@ -19,6 +19,12 @@ In the same run, the floors:
     communication: what the cores give when nothing else runs;
 (b) pyarrow reading the materialized Parquet into memory;
 (c) Spark's own ``df.write.parquet`` of the same generated columns (against materialization);
+(p) the peer a Databricks user would pick instead, for torch at the first batch size: PySpark's
+    ``TorchDistributor(num_processes=num_proc, local_mode=True)`` running DDP over gloo, each rank
+    reading its share of the Parquet files (the frame written by Spark with the Vector as an array,
+    timed as part of its end to end) into memory with pyarrow and training the same model, batch,
+    epochs and threads on a seeded permutation per epoch; its training rows/s is its last epoch's,
+    as the fit's is;
 (d) for ``transform``: a pandas UDF over ``vector_to_array(features)`` returning a constant,
     the cheapest pass Spark offers over the same input; both written to Spark's ``noop`` sink,
     over every partition of the scan. ``transform`` is timed twice: the ratio is the second pass
@@ -59,6 +65,8 @@ TARGETS = {
     "torch training vs bare loops, batch 256": 0.6,
     "keras training vs bare loops, batch 1024": 0.6,
     "lightning training vs bare loops, batch 1024": 0.6,
+    "torch training vs TorchDistributor + DDP": 2.0,
+    "torch end to end vs TorchDistributor + DDP": 2.0,
     "materialization vs Spark's parquet write (at most)": 1.5,
     "transform vs the constant pandas UDF": 0.8,
     "peak RSS per rank vs the bare loop's (at most)": 1.5,
@@ -267,6 +275,64 @@ def time_bare_loops(framework: str, rows: int, batch: int, num_proc: int) -> Dic
             "peak_rss_mib": max(r["peak_rss_mib"] for r in results)}
 
 
+# ---- the peer: TorchDistributor + DDP -----------------------------------------------------------------
+def distributor_train(path: str, batch: int, epochs: int, threads: int) -> Dict[str, float]:
+    """One TorchDistributor rank: its files of ``path`` into memory with pyarrow, then DDP over gloo
+    for ``epochs``; seconds of its last epoch and rows it trained there."""
+    import glob
+
+    import pyarrow.parquet as pq
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        rank, size = dist.get_rank(), dist.get_world_size()
+        torch.set_num_threads(threads)
+        files = sorted(glob.glob(os.path.join(path, "*.parquet")))[rank::size]
+        tables = [pq.read_table(f, columns=["features", "label"]) for f in files]
+        x = np.concatenate([t.column("features").combine_chunks().flatten().to_numpy().reshape(-1, FEATURES)
+                            for t in tables]).astype(np.float32)
+        y = np.concatenate([t.column("label").to_numpy() for t in tables]).astype(np.float32).reshape(-1, 1)
+        xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+        # Every rank steps as often as the smallest shard allows (DDP needs equal steps).
+        steps = torch.tensor([len(x) // batch])
+        dist.all_reduce(steps, op=dist.ReduceOp.MIN)
+        model = torch.nn.parallel.DistributedDataParallel(torch_model())
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        loss_fn = torch.nn.BCEWithLogitsLoss()
+        generator = torch.Generator().manual_seed(rank)
+        seconds = 0.0
+        for _ in range(epochs):
+            order = torch.randperm(len(x), generator=generator)
+            dist.barrier()
+            started = time.perf_counter()
+            for i in range(int(steps)):
+                index = order[i * batch:(i + 1) * batch]
+                optimizer.zero_grad()
+                loss_fn(model(xt[index]), yt[index]).backward()
+                optimizer.step()
+            dist.barrier()
+            seconds = time.perf_counter() - started
+        return {"seconds": seconds, "rows": float(int(steps) * batch * size)}
+    finally:
+        dist.destroy_process_group()
+
+
+def time_torch_distributor(frame: Any, path: str, batch: int, epochs: int, num_proc: int) -> Dict[str, float]:
+    """The peer, end to end: Spark writes the frame with the Vector as an array, TorchDistributor trains."""
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.ml.torch.distributor import TorchDistributor
+
+    started = time.monotonic()
+    frame.select(vector_to_array("features", "float32").alias("features"), "label").write.mode("overwrite") \
+        .parquet(path)
+    result = TorchDistributor(num_processes=num_proc, local_mode=True, use_gpu=False).run(
+        distributor_train, path, batch, epochs, _threads(num_proc))
+    total = time.monotonic() - started
+    return {"rows_per_s": result["rows"] / result["seconds"], "total_s": total}
+
+
 # ---- fits -------------------------------------------------------------------------------------------
 def make_estimator(framework: str, batch: int, args: argparse.Namespace, store: Any, run_id: str) -> Any:
     from spark_hvd.spark import SparkBackend
@@ -430,6 +496,17 @@ def main(argv: Optional[List[str]] = None) -> int:
                         record["materialization_vs_spark_write"])
                     ratios.setdefault("peak RSS per rank vs the bare loop's (at most)", []).append(
                         record["peak_rss_vs_bare"])
+                    if framework == "torch" and batch == args.batch_sizes[0]:
+                        peer = time_torch_distributor(frame, os.path.join(work, f"peer-{rows}"), batch, args.epochs,
+                                                      args.num_proc)
+                        record["torch_distributor"] = peer
+                        training, end_to_end = fit["rows_per_s"] / peer["rows_per_s"], peer["total_s"] / fit["total_s"]
+                        ratios.setdefault("torch training vs TorchDistributor + DDP", []).append(training)
+                        ratios.setdefault("torch end to end vs TorchDistributor + DDP", []).append(end_to_end)
+                        print(f"TorchDistributor + DDP (gloo), pyarrow into memory: training {peer['rows_per_s']:,.0f} "
+                              f"rows/s, {peer['total_s']:.1f} s end to end; fit {training:.2f}x its training, "
+                              f"{end_to_end:.2f}x faster end to end", flush=True)
+                        shutil.rmtree(os.path.join(work, f"peer-{rows}"), ignore_errors=True)
                     if framework == "torch" and batch == args.batch_sizes[0] and rows == transform_rows:
                         scored = time_transform(fit["model"], spark, written, rows)
                         entry["transform"] = scored

@@ -65,7 +65,8 @@ def test_step_breakdown_refuses_bad_arguments():
 @pytest.mark.spark
 def test_estimator_scale_benchmark_quick_run_prints_every_floor(tmp_path):
     """A tiny TorchEstimator run prints the step profile of both ranks, the bare loops, the Parquet
-    write, the pyarrow read and the transform floor, and writes every ratio to its JSON."""
+    write, the pyarrow read, the TorchDistributor peer and the transform floor, and writes every ratio
+    to its JSON."""
     out = tmp_path / "scale.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "estimator_scale.py"), "--quick", "--frameworks", "torch",
@@ -74,14 +75,17 @@ def test_estimator_scale_benchmark_quick_run_prints_every_floor(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for fragment in ("Spark's parquet write", "bare loops", "| rank | wait |", "pyarrow reads", "constant pandas UDF",
-                     "| target |"):
+                     "TorchDistributor + DDP (gloo)", "| target |"):
         assert fragment in proc.stdout, fragment
     record = json.loads(out.read_text())
     fit = record["results"][0]["fits"][0]
     assert fit["framework"] == "torch" and len(fit["profile"]) == 2
     assert all(rank["step"] > 0 and rank["peak_rss_mib"] > 0 for rank in fit["profile"])
     assert fit["bare"]["rows_per_s"] > 0 and record["results"][0]["transform"]["floor_rows_per_s"] > 0
-    assert set(record["ratios"]) >= {"torch training vs bare loops, batch 1024", "transform vs the constant pandas UDF"}
+    assert set(record["ratios"]) >= {"torch training vs bare loops, batch 1024", "transform vs the constant pandas UDF",
+                                     "torch training vs TorchDistributor + DDP"}
+    peer = fit["torch_distributor"]
+    assert peer["rows_per_s"] > 0 and peer["total_s"] > 0
 
 
 def test_training_sources_runs_every_mode_and_times_the_allreduce(tmp_path):
@@ -142,8 +146,8 @@ def test_reader_benchmark_layouts_hold_the_same_matrix(tmp_path):
 
 
 def test_reader_benchmark_quick_run_prints_every_layout(tmp_path):
-    """A quick run prints a row per layout, the reader's figures for the layouts it reads and '-'
-    for the others, and writes them as JSON."""
+    """A quick run prints a row per layout, the reader's figures for the layouts it reads (list columns
+    and raw rows) and '-' for the others, and writes them as JSON."""
     out = tmp_path / "reader.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "reader.py"), "--quick", "--json", str(out)],
                           capture_output=True, text=True, timeout=300)
@@ -155,4 +159,4 @@ def test_reader_benchmark_quick_run_prints_every_layout(tmp_path):
         assert f"| {layout} |" in proc.stdout
         reads = record["layouts"][layout]
         assert reads["decode"] > 0 and reads["to numpy"] > 0
-        assert all((reads[r] is not None) == layout.startswith("list") for r in bench.READS[2:]), (layout, reads)
+        assert all((reads[r] is not None) == (layout in bench.READABLE) for r in bench.READS[2:]), (layout, reads)

@@ -8,6 +8,7 @@ import queue
 import threading
 import warnings
 from collections import deque
+from dataclasses import dataclass
 from typing import (Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union)
 
 import numpy as np
@@ -333,6 +334,11 @@ class BatchReader:
                 chunks = self._source(epoch, pass_index)
                 try:
                     for chunk in chunks:
+                        if isinstance(chunk, Ordered):  # rows from the cache, already in their order
+                            rows_seen += len(chunk.order)
+                            if not emit(batcher.push(chunk.rows, chunk.order)):
+                                return
+                            continue
                         rows_seen += len(next(iter(chunk.values())))
                         if not emit(batcher.push(*buffer.add(chunk))):
                             return
@@ -375,47 +381,122 @@ class BatchReader:
         self.close()
 
 
+@dataclass(frozen=True)
+class Ordered:
+    """Rows a source hands on with the order they leave in (indices into ``rows``), past the
+    shuffle window: a pass drawn from :class:`ShardCache`."""
+
+    rows: Chunk
+    order: np.ndarray
+
+
+class ShardCache:
+    """The row groups one rank has decoded, held as one contiguous array per column.
+
+    Row groups are added as a pass reads them (their pieces, as decoded) and joined into the
+    contiguous arrays when a pass draws from the cache: one copy of each row group, once. A pass
+    over cached row groups is then an index, not a copy: the rows of its groups in a seeded
+    permutation (or, without a shuffle window, group by group as stored), cut into batches by
+    ``np.take`` straight into each batch's arrays."""
+
+    def __init__(self) -> None:
+        self.rows: Chunk = {}
+        """Column name to the contiguous array of every joined row group's rows."""
+        self.ranges: Dict[int, Tuple[int, int]] = {}
+        """Row group index to its rows' ``(start, stop)`` in :attr:`rows`."""
+        self._pending: Dict[int, List[Chunk]] = {}
+
+    def __contains__(self, index: int) -> bool:
+        return index in self.ranges or index in self._pending
+
+    def add(self, index: int, pieces: List[Chunk]) -> None:
+        """Keep row group ``index``, decoded as ``pieces``."""
+        if pieces and index not in self:
+            self._pending[index] = pieces
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held, joined or not."""
+        joined = sum(v.nbytes for v in self.rows.values())
+        return joined + sum(v.nbytes for pieces in self._pending.values() for piece in pieces for v in piece.values())
+
+    def _join(self) -> None:
+        if not self._pending:
+            return
+        start = len(next(iter(self.rows.values()))) if self.rows else 0
+        parts: Dict[str, List[np.ndarray]] = {k: [v] for k, v in self.rows.items()}
+        for index, pieces in self._pending.items():
+            count = sum(len(next(iter(p.values()))) for p in pieces)
+            self.ranges[index] = (start, start + count)
+            start += count
+            for piece in pieces:
+                for k, v in piece.items():
+                    parts.setdefault(k, []).append(v)
+        self._pending = {}
+        self.rows = {k: np.concatenate(v) if len(v) > 1 else np.array(v[0]) for k, v in parts.items()}
+
+    def draw(self, indices: Sequence[int], rng: Optional[np.random.Generator], window: bool) -> Ordered:
+        """The rows of row groups ``indices`` (all cached), in that group order: permuted as a whole
+        by ``rng`` when ``window`` (a shuffle window of at least one row), else as stored."""
+        self._join()
+        spans = [np.arange(*self.ranges[i], dtype=np.int64) for i in indices]
+        order = np.concatenate(spans) if spans else np.empty(0, dtype=np.int64)
+        if rng is not None and window:
+            order = order[rng.permutation(len(order))]
+        return Ordered(self.rows, order)
+
+
 def _builtin_source(layout: ParquetLayout, rank: int, size: int, columns: Sequence[str],
                     shapes: Mapping[str, Tuple[int, ...]], shuffle: bool, seed: int,
                     storage_options: Optional[Mapping[str, Any]], url: str, reshuffle: bool = True,
-                    cache_all: bool = False) -> Tuple[Callable[[int, int], Iterator[Chunk]], int]:
+                    cache_all: bool = False, shuffle_window: int = 1
+                    ) -> Tuple[Callable[[int, int], Iterator[Union[Chunk, Ordered]]], int]:
     groups = layout.row_groups
     fixed = deal_row_groups(groups, size, None, seed)[rank]
     shard_rows = sum(groups[i].num_rows for i in fixed)
-    cache: Dict[int, List[Chunk]] = {}  # row group index -> its pieces, with cache_all
+    cache = ShardCache() if cache_all else None
 
-    def read_pass(epoch: int, pass_index: int) -> Iterator[Chunk]:
+    def read_pass(epoch: int, pass_index: int) -> Iterator[Union[Chunk, Ordered]]:
         import pyarrow.parquet as pq
 
         shard = deal_row_groups(groups, size, epoch, seed)[rank] if shuffle and reshuffle else fixed
         order = list(range(len(shard)))
         if shuffle:
             order = list(np.random.default_rng([seed, epoch, rank, pass_index, 1]).permutation(len(shard)))
+        if cache is not None and all(index in cache for index in shard):
+            rng = np.random.default_rng([seed, epoch, rank, pass_index, 2]) if shuffle else None
+            yield cache.draw([shard[j] for j in order], rng, window=shuffle_window > 0)
+            return
         fs, _ = _filesystem(url, storage_options)
         opened: Dict[str, Tuple[Any, Any]] = {}  # file -> (handle, ParquetFile); footers parsed once
+        reading: Tuple[int, List[Chunk]] = (-1, [])  # the row group being read, and its pieces so far
         try:
             for j in order:
                 index = shard[j]
-                if index in cache:
-                    yield from cache[index]
-                    continue
                 rg = groups[index]
                 if rg.file not in opened:
                     handle = fs.open(rg.file, "rb")
                     opened[rg.file] = (handle, pq.ParquetFile(handle))
-                pieces: List[Chunk] = []
+                reading = (index, [])
                 # Decoded in pieces on this thread alone (pyarrow's pool threads would compete
                 # with the ranks of the host), each handed on before the next is decoded.
                 for table in opened[rg.file][1].iter_batches(batch_size=_piece_rows(rg), row_groups=[rg.index],
                                                              columns=list(columns), use_threads=False):
                     chunk = {c: arrow_to_numpy(table.column(c), shapes.get(c), c, layout.row_bytes.get(c))
                              for c in columns}
-                    if cache_all:
-                        pieces.append(chunk)
+                    if cache is not None:
+                        reading[1].append(chunk)
                     yield chunk
-                if cache_all:
-                    cache[index] = pieces
+                if cache is not None:
+                    cache.add(*reading)
+                reading = (-1, [])
         finally:
+            # The consumer may stop at the epoch's last batch, within a row group: that group is
+            # kept if its last piece was read.
+            index, pieces = reading
+            if cache is not None and pieces and sum(len(next(iter(p.values()))) for p in pieces) \
+                    == groups[index].num_rows:
+                cache.add(index, pieces)
             for handle, _ in opened.values():
                 handle.close()
 
@@ -468,11 +549,44 @@ def _petastorm_source(urls: Sequence[str], layout: ParquetLayout, rank: int, siz
     return read_pass, shard_rows
 
 
+CACHE_MEMORY_SHARE = 0.25
+"""With ``cache_all="auto"``, the share of the memory available on the host (divided among the ranks
+on it) that the decoded rows a rank may read can take up and still be cached."""
+
+
+def _available_memory() -> Optional[int]:
+    """Bytes of memory the host has available now (Linux's MemAvailable; None where it is not known)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _local_ranks() -> int:
+    """Ranks on this host when a world is initialized (they share its memory), else 1."""
+    import spark_hvd.runtime as rt
+
+    return rt.local_size() if rt.is_initialized() else 1
+
+
+def cache_fits(layout: ParquetLayout, groups: Sequence[int], available: Optional[int], local_ranks: int) -> bool:
+    """Whether the decoded row groups ``groups`` of ``layout`` (their uncompressed size) fit in
+    :data:`CACHE_MEMORY_SHARE` of ``available`` bytes shared by ``local_ranks`` ranks."""
+    if available is None:
+        return False
+    needed = sum(layout.row_groups[i].byte_size or 0 for i in groups)
+    return needed <= CACHE_MEMORY_SHARE * available / max(1, local_ranks)
+
+
 def make_reader(kind: str, urls: Union[str, Sequence[str]], *, rank: int, size: int, batch_size: int,
                 feature_cols: Sequence[str], label_cols: Sequence[str] = (),
                 sample_weight_col: Optional[str] = None, shuffle: bool = True, seed: int = 0,
                 shuffle_buffer_rows: int = 10_000, steps_per_epoch: Optional[int] = None, reshuffle: bool = True,
-                cache_all: bool = False,
+                cache_all: Union[bool, str] = False,
                 shapes: Optional[Mapping[str, Sequence[int]]] = None,
                 storage_options: Optional[Mapping[str, Any]] = None, prefetch_batches: int = 4,
                 timeout_s: float = 600.0, block_rows: int = 8192) -> BatchReader:
@@ -483,7 +597,12 @@ def make_reader(kind: str, urls: Union[str, Sequence[str]], *, rank: int, size: 
     ``reshuffle`` (the default) deals the row groups to the ranks anew every epoch (a seeded
     permutation, balanced by rows; see :func:`deal_row_groups`), so over the epochs every rank
     sees all of the data; ``reshuffle=False`` keeps row group ``i`` on rank ``i % size``.
-    ``cache_all`` keeps every row group read in memory for the next epochs. The builtin reader
+    ``cache_all`` keeps every row group read in memory for the next epochs, decoded: one contiguous
+    array per column, from which later epochs draw their batches by index (a seeded permutation
+    of the rank's rows, when shuffling with a window) with no file read and no decoding;
+    ``"auto"`` caches when what the rank may read (its shard, or with ``reshuffle`` every row group)
+    fits :data:`CACHE_MEMORY_SHARE` of the host's available memory divided among its ranks. The
+    ``"petastorm"`` reader caches nothing. The builtin reader
     decodes each row group in pieces of about 2 MiB of column data, so its memory is the shuffle
     buffer of ``shuffle_buffer_rows`` rows plus a piece, however large the row groups; rows leave
     the buffer in random order (with 0 rows, each row group's rows leave as stored). Batches hold
@@ -504,6 +623,9 @@ def make_reader(kind: str, urls: Union[str, Sequence[str]], *, rank: int, size: 
         raise ValueError(f"shuffle_buffer_rows={shuffle_buffer_rows} is not valid: expected >= 0")
     if prefetch_batches < 1:
         raise ValueError(f"prefetch_batches={prefetch_batches} is not valid: expected >= 1")
+    if cache_all not in (True, False, "auto"):
+        raise ValueError(f"cache_all={cache_all!r} is not valid: expected True, False or 'auto' (cache when the "
+                         "decoded rows fit in memory)")
     if block_rows < 1:
         raise ValueError(f"block_rows={block_rows} is not valid: expected >= 1 (rows handed from the reader "
                          "thread at once; one batch is the least)")
@@ -523,8 +645,13 @@ def make_reader(kind: str, urls: Union[str, Sequence[str]], *, rank: int, size: 
                          f"{', '.join(layout.column_names)}")
     shape_map = {c: tuple(int(d) for d in s) for c, s in (shapes or {}).items()}
     if kind == "builtin":
+        if cache_all == "auto":
+            may_read = range(len(layout.row_groups)) if shuffle and reshuffle else \
+                deal_row_groups(layout.row_groups, size, None, seed)[rank]
+            cache_all = cache_fits(layout, may_read, _available_memory(), _local_ranks())
         source, shard_rows = _builtin_source(layout, rank, size, columns, shape_map, shuffle, seed,
-                                             storage_options, url_list[0], reshuffle, cache_all)
+                                             storage_options, url_list[0], reshuffle, cache_all,
+                                             shuffle_buffer_rows)
     else:
         source, shard_rows = _petastorm_source(url_list, layout, rank, size, columns, shape_map, shuffle,
                                                seed, storage_options)

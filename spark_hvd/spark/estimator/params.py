@@ -120,6 +120,20 @@ class ToBool(Converter):
         raise self.fail(value)
 
 
+class ToBoolOrAuto(Converter):
+    """True, False or 'auto' (decided where it is used)."""
+
+    expected = "True, False or 'auto'"
+    example = "'auto'"
+
+    def __call__(self, value: Any) -> Any:
+        if isinstance(value, (bool, np.bool_)):
+            return bool(value)
+        if value == "auto":
+            return "auto"
+        raise self.fail(value)
+
+
 class ToString(Converter):
     """A non-empty string."""
 
@@ -513,8 +527,9 @@ HOROVOD_ESTIMATOR_PARAMS: Tuple[ParamSpec, ...] = (
                                         "(default: from the data's size).", None, ToInt(1)),
     ParamSpec("label_shapes", "Shape of each label column's per-row value as the loss receives it (e.g. [[1]]).",
               None, ToShapes("label column", "[[1]]")),
-    ParamSpec("inmemory_cache_all", "Keep every row group a process reads in memory after the first epoch, so "
-                                    "later epochs read no files.", False, ToBool()),
+    ParamSpec("inmemory_cache_all", "Keep the rows a process reads in memory, decoded, after the first epoch, so "
+                                    "later epochs read no files ('auto': when they fit a quarter of the memory "
+                                    "available to the host's processes).", "auto", ToBoolOrAuto()),
     ParamSpec("transformation_removed_fields", "Columns removed from every batch after transformation_fn.",
               None, ToStringList()),
     ParamSpec("transformation_edit_fields", "Horovod's petastorm TransformSpec fields.", None, AnyValue(),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 __all__ = ["TrainingSpec", "RunFiles", "adapt_batch", "close_readers", "rank_threads", "run_trainer"]
 
@@ -66,8 +66,9 @@ class TrainingSpec:
     """Per-row shape each label column is given to the loss in (``label_shapes``); None: as stored."""
     removed_fields: Tuple[str, ...] = ()
     """Columns dropped from every batch after ``transformation_fn``."""
-    cache_all: bool = False
-    """Keep the row groups a rank reads in memory after the first epoch (``inmemory_cache_all``)."""
+    cache_all: Union[bool, str] = "auto"
+    """Keep the rows a rank reads in memory after the first epoch (``inmemory_cache_all``: True,
+    False or 'auto')."""
     reshuffle: bool = True
     """Deal the row groups to the ranks anew every epoch (``sharding='reshuffle'``)."""
 

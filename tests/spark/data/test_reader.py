@@ -267,7 +267,7 @@ def test_prefetch_reads_an_epoch_ahead_and_changes_no_batch(tmp_path, kind):
 def test_a_large_row_group_is_decoded_in_pieces_and_read_whole(tmp_path, monkeypatch):
     """One row group of 1,000 rows of ~32 bytes, pieces of about 2 KiB: the source hands it on in
     pieces of about 64 rows (never the whole group at once), every row once, in stored order; with
-    cache_all the second epoch yields the same pieces from memory."""
+    cache_all the second epoch yields the same rows from memory, joined, in the same order."""
     from spark_hvd.spark.data import reader as reader_module
 
     write_dataset(tmp_path / "d", files=1, groups_per_file=1, rows_per_group=1000)
@@ -284,7 +284,12 @@ def test_a_large_row_group_is_decoded_in_pieces_and_read_whole(tmp_path, monkeyp
         assert shard_rows == 1000
         for epoch in (0, 1):
             pieces = list(source(epoch, 0))
-            assert len(pieces) == -(-1000 // rows) and max(len(p["id"]) for p in pieces) == rows
+            if cache_all and epoch == 1:
+                (cached,) = pieces
+                assert isinstance(cached, reader_module.Ordered) and len(cached.rows["id"]) == 1000
+                pieces = [{k: np.take(v, cached.order, axis=0) for k, v in cached.rows.items()}]
+            else:
+                assert len(pieces) == -(-1000 // rows) and max(len(p["id"]) for p in pieces) == rows
             ids = np.concatenate([p["id"] for p in pieces])
             assert ids.tolist() == list(range(1000))
             assert np.array_equal(np.concatenate([p["x"] for p in pieces])[:, 1], 2.0 * ids)
@@ -298,3 +303,74 @@ def test_a_shuffle_buffer_of_zero_rows_shuffles_row_groups_only(tmp_path):
     assert all(g == list(range(g[0], g[0] + 10)) and g[0] % 10 == 0 for g in groups)
     assert sorted(g[0] for g in groups) == list(range(0, 80, 10))
     assert [g[0] for g in groups] != list(range(0, 80, 10))
+
+
+def _remove_data_files(root) -> None:
+    for path in root.glob("*.parquet"):
+        path.unlink()
+
+
+@pytest.mark.parametrize("size, reshuffle", [(1, True), (2, True), (2, False)])
+def test_cached_epochs_read_no_file_and_give_every_row_once(tmp_path, size, reshuffle):
+    """With cache_all, once every row group a rank reads is in memory, epochs draw from the cache: every
+    row once per epoch across the ranks, each row's values intact, in a new order each epoch; ranks that
+    deal row groups anew (reshuffle) read the groups new to them from the files until they have all."""
+    n = write_dataset(tmp_path / "d", files=2, groups_per_file=3, rows_per_group=8)
+    readers = [make_reader("builtin", str(tmp_path / "d"), rank=r, size=size, batch_size=4, feature_cols=["x"],
+                           label_cols=["id"], seed=3, cache_all=True, reshuffle=reshuffle) for r in range(size)]
+    try:
+        orders = []
+        for epoch in range(6 if reshuffle and size > 1 else 2):
+            ids = []
+            for reader in readers:
+                for batch in reader.iter_epoch(epoch):
+                    np.testing.assert_array_equal(batch["x"], batch["id"][:, None] * np.arange(1.0, 4.0))
+                    ids.extend(batch["id"].tolist())
+            assert sorted(ids) == list(range(n)), epoch
+            orders.append(ids)
+        _remove_data_files(tmp_path / "d")
+        epoch_after = len(orders)
+        ids = [int(i) for reader in readers for batch in reader.iter_epoch(epoch_after) for i in batch["id"]]
+        assert sorted(ids) == list(range(n))
+        assert ids != orders[-1] and orders[0] != orders[1]
+    finally:
+        for reader in readers:
+            reader.close()
+
+
+def test_cached_epochs_without_a_shuffle_window_keep_each_group_as_stored(tmp_path):
+    """shuffle_buffer_rows=0 from the cache as from the files: row groups in a new order, each one's rows as
+    stored."""
+    write_dataset(tmp_path / "d", files=2, groups_per_file=2, rows_per_group=10)
+    with make_reader("builtin", str(tmp_path / "d"), rank=0, size=1, batch_size=10, feature_cols=["id"], seed=2,
+                     cache_all=True, shuffle_buffer_rows=0) as reader:
+        list(reader.iter_epoch(0))
+        _remove_data_files(tmp_path / "d")
+        groups = [b["id"].tolist() for b in reader.iter_epoch(1)]
+    assert all(g == list(range(g[0], g[0] + 10)) for g in groups)
+    assert sorted(g[0] for g in groups) == [0, 10, 20, 30]
+
+
+@pytest.mark.parametrize("available, cached", [(1 << 40, True), (1000, False), (None, False)])
+def test_cache_auto_caches_what_fits_the_memory_share(tmp_path, monkeypatch, available, cached):
+    """cache_all='auto' caches when the row groups a rank may read fit a quarter of the available memory
+    (here: plenty, too little, unknown), which shows as a second epoch that does or does not need the files."""
+    from spark_hvd.spark.data import reader as reader_module
+
+    monkeypatch.setattr(reader_module, "_available_memory", lambda: available)
+    write_dataset(tmp_path / "d", files=1, groups_per_file=2, rows_per_group=50)
+    layout = scan_parquet(str(tmp_path / "d"))
+    assert reader_module.cache_fits(layout, [0, 1], available, 1) is cached
+    both = sum(g.byte_size for g in layout.row_groups)
+    assert reader_module.cache_fits(layout, [0, 1], 4 * both, 1)
+    assert not reader_module.cache_fits(layout, [0, 1], 4 * both, 2)
+    assert reader_module.cache_fits(layout, [0], 4 * both, 2)
+    with make_reader("builtin", str(tmp_path / "d"), rank=0, size=1, batch_size=10, feature_cols=["id"],
+                     cache_all="auto") as reader:
+        list(reader.iter_epoch(0))
+        _remove_data_files(tmp_path / "d")
+        if cached:
+            assert sorted(int(i) for b in reader.iter_epoch(1) for i in b["id"]) == list(range(100))
+        else:
+            with pytest.raises(FileNotFoundError):
+                list(reader.iter_epoch(1))

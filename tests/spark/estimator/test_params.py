@@ -233,3 +233,15 @@ def test_mixins_extend_the_tables():
     assert pickle.loads(pickle.dumps(est)).getShuffleBufferRows() == 5
     with pytest.raises(ValueError, match="declared twice"):
         params_mixin("Twice", [ParamSpec("a", "A.", None, ToInt()), ParamSpec("a", "A.", None, ToInt())])
+
+
+def test_inmemory_cache_all_is_auto_by_default_and_takes_a_bool():
+    """Horovod's inmemory_cache_all defaults to 'auto' (cache what fits), takes True or False, and refuses
+    anything else naming what it expects."""
+    from spark_hvd.spark.torch import TorchEstimator
+
+    assert TorchEstimator().getInmemoryCacheAll() == "auto"
+    assert TorchEstimator(inmemory_cache_all=False).getInmemoryCacheAll() is False
+    assert TorchEstimator().setInmemoryCacheAll(True).getInmemoryCacheAll() is True
+    with pytest.raises(ValueError, match=r"inmemory_cache_all='always' is not valid: expected True, False or 'auto'"):
+        TorchEstimator(inmemory_cache_all="always")
