@@ -1,5 +1,7 @@
-"""How prepared Parquet is laid out and read back: files and row groups, their dealing to ranks,
-and Arrow columns as numpy arrays, including the raw-row encoding ``prepare_data`` writes.
+"""How prepared Parquet is laid out and read back: row groups, their dealing, Arrow to numpy.
+
+Files and row groups are scanned from the footers and dealt to ranks; Arrow columns become numpy
+arrays, including the raw-row encoding ``prepare_data`` writes.
 
 Array and Vector columns are materialized as raw rows: one ``binary`` value per row holding the
 row's values as little-endian bytes of one numpy dtype, named in the column's Spark metadata

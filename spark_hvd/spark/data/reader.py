@@ -7,12 +7,12 @@ import posixpath
 import queue
 import threading
 import warnings
-from collections import deque
-from dataclasses import dataclass
-from typing import (Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union)
+from typing import (Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union)
 
 import numpy as np
 
+from spark_hvd.spark.data.batching import (Batch, Batcher, Chunk, Ordered, ShardCache, _ShuffleBuffer,
+                                           cache_fits_here)
 from spark_hvd.spark.data.layout import (ParquetLayout, RowGroup, _filesystem, arrow_to_numpy, deal_row_groups,
                                          scan_parquet)
 
@@ -31,9 +31,6 @@ __all__ = [
 
 READER_KINDS = ("builtin", "petastorm")
 """Values accepted for ``kind`` by :func:`make_reader`."""
-
-Batch = Dict[str, np.ndarray]
-Chunk = Dict[str, np.ndarray]
 
 _PETASTORM_INSTALL = (
     'pip install "spark-hvd[petastorm]"  (petastorm 0.12.1 needs pyarrow<15, numpy<2 and, for '
@@ -75,119 +72,81 @@ def _from_petastorm(value: np.ndarray, shape: Optional[Tuple[int, ...]], row_dty
     return value
 
 
-Picked = Tuple[Optional[Chunk], Optional[np.ndarray]]
-"""Rows on their way to batches: columns (None: no rows), and the order their rows leave in (None:
-as stored); ``Batcher.push(*picked)`` takes them."""
-
-
-class _ShuffleBuffer:
-    """Bounded shuffle across chunks: rows leave in random order once more than ``capacity``
-    rows have arrived, so memory stays at ``capacity`` rows plus one chunk. With ``capacity`` 0
-    rows leave in their stored order (only the order of the row groups is shuffled).
-
-    What leaves is a chunk with the order of its leaving rows: the rows are gathered batch by
-    batch (:class:`Batcher`), each straight into the batch's own array, instead of gathering the
-    whole chunk in a new order first."""
-
-    def __init__(self, capacity: int, rng: Optional[np.random.Generator]) -> None:
-        self.capacity = capacity
-        self.rng = rng
-        self.rows: Optional[Chunk] = None
-
-    def add(self, chunk: Chunk) -> Picked:
-        if self.rng is None or self.capacity == 0:
-            return chunk, None
-        rows = chunk if self.rows is None else {k: np.concatenate([self.rows[k], v]) for k, v in chunk.items()}
-        count = len(next(iter(rows.values())))
-        surplus = count - self.capacity
-        if surplus <= 0:
-            self.rows = rows
-            return None, None
-        order = self.rng.permutation(count)
-        self.rows = _gather(rows, order[surplus:])
-        return rows, order[:surplus]
-
-    def drain(self) -> Picked:
-        rows, self.rows = self.rows, None
-        if rows is None:
-            return None, None
-        if self.rng is None:
-            return rows, None
-        return rows, self.rng.permutation(len(next(iter(rows.values()))))
-
-
-def _gather(rows: Chunk, order: np.ndarray) -> Chunk:
-    # take() copies whole rows of a matrix; a[order] goes element by element, several times slower.
-    return {k: np.take(v, order, axis=0) for k, v in rows.items()}
-
-
-def _count(picked: Picked) -> int:
-    chunk, order = picked
-    return len(order) if order is not None else len(next(iter(chunk.values())))
-
-
-class Batcher:
-    """Cuts a stream of chunks into batches of exactly ``batch_size`` rows.
-
-    A batch that lies within one chunk kept in its stored order is a view of it (no copy); one
-    of a chunk with an order of its own (shuffled) is gathered in that order into the batch's
-    own arrays; only a batch that straddles two chunks is joined. Rows are never copied more
-    than once on the way, except the few of a straddling batch.
-    """
-
-    def __init__(self, batch_size: int) -> None:
-        self.batch_size = batch_size
-        self.pending: Deque[Picked] = deque()
-        self.count = 0
-
-    def push(self, chunk: Optional[Chunk], order: Optional[np.ndarray] = None) -> Iterator[Batch]:
-        """The batches that are complete once ``chunk`` arrived; ``order``, when given, is the
-        order in which its rows leave (indices into it; rows not in it are left out)."""
-        if chunk is None:
-            return
-        picked = (chunk, order)
-        n = _count(picked)
-        if n == 0:
-            return
-        self.pending.append(picked)
-        self.count += n
-        size = self.batch_size
-        while self.count >= size:
-            if _count(self.pending[0]) >= size:
-                yield self._take(size)
-            else:
-                parts = []
-                need = size
-                while need:
-                    rows = min(need, _count(self.pending[0]))
-                    parts.append(self._take(rows))
-                    need -= rows
-                yield {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
-            self.count -= size
-
-    def _take(self, rows: int) -> Chunk:
-        """The next ``rows`` rows of the first pending chunk (at most all of it): views of a chunk
-        in stored order, the rows gathered for one with an order of its own."""
-        chunk, order = self.pending[0]
-        if order is None:
-            if len(next(iter(chunk.values()))) <= rows:
-                self.pending.popleft()
-                return chunk
-            self.pending[0] = ({k: v[rows:] for k, v in chunk.items()}, None)
-            return {k: v[:rows] for k, v in chunk.items()}
-        if len(order) <= rows:
-            self.pending.popleft()
-        else:
-            self.pending[0] = (chunk, order[rows:])
-        return _gather(chunk, order[:rows])
-
-
 _DONE = object()
 
 
 class _Failure:
     def __init__(self, error: BaseException) -> None:
         self.error = error
+
+
+class _Reading:
+    """One epoch read on a background thread: the thread, its stop flag, and the queue of blocks
+    of batches it fills for the consumer, at most ``prefetch_blocks`` ahead."""
+
+    def __init__(self, epoch: int, steps: int, per_block: int, prefetch_blocks: int) -> None:
+        self.epoch = epoch
+        self.needed = steps
+        """Batches still to queue."""
+        self.per_block = per_block
+        """Batches handed over at once."""
+        self.blocks: "queue.Queue[Any]" = queue.Queue(maxsize=prefetch_blocks)
+        self.stopped = threading.Event()
+        self.thread: Optional[threading.Thread] = None
+
+    def start(self, produce: Callable[["_Reading"], None], name: str) -> None:
+        self.thread = threading.Thread(target=produce, args=(self,), name=name, daemon=True)
+        self.thread.start()
+
+    def put(self, item: Any) -> bool:
+        """Queue ``item``, waiting while the queue is full; False once the reading is stopped."""
+        while not self.stopped.is_set():
+            try:
+                self.blocks.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def emit(self, batches: Iterator[Batch]) -> bool:
+        """Queue ``batches`` in blocks, the last one as soon as it is cut (a block never waits for
+        the next read); False when the epoch's batches are all queued or the consumer stopped."""
+        block: List[Batch] = []
+        for batch in batches:
+            block.append(batch)
+            self.needed -= 1
+            if len(block) >= self.per_block or self.needed == 0:
+                full, block = block, []
+                if not self.put(full) or self.needed == 0:
+                    return False
+        return not block or self.put(block)
+
+    def next(self, timeout_s: float, kind: str, rank: int) -> Any:
+        """The next queued item; an error when the thread ended without one or after ``timeout_s``."""
+        waited = 0.0
+        while True:
+            try:
+                return self.blocks.get(timeout=0.2)
+            except queue.Empty:
+                waited += 0.2
+                if self.thread is not None and not self.thread.is_alive() and self.blocks.empty():
+                    raise RuntimeError(f"the {kind} reader thread of rank {rank} ended early without an error; "
+                                       "this is a bug")
+                if waited >= timeout_s:
+                    raise TimeoutError(
+                        f"rank {rank} waited {timeout_s:.0f} s for a batch from the {kind} reader; the storage "
+                        "may be slow or unreachable; raise timeout_s of make_reader if reads are just slow") from None
+
+    def stop(self) -> None:
+        """Stop the thread: it sees the flag within 0.2 s, or at once when blocked on a full queue."""
+        self.stopped.set()
+        while True:  # free a producer blocked on a full queue
+            try:
+                self.blocks.get_nowait()
+            except queue.Empty:
+                break
+        if self.thread is not None:
+            self.thread.join(timeout=30.0)
 
 
 class BatchReader:
@@ -223,8 +182,10 @@ class BatchReader:
         self.timeout_s = timeout_s
         self.block_rows = block_rows
         """Rows the reader thread hands over at once (whole batches; at least one batch)."""
-        self._threads: List[Tuple[threading.Thread, threading.Event]] = []
-        self._started: Optional[Tuple[int, threading.Thread, threading.Event, "queue.Queue[Any]"]] = None
+        self._readings: List[_Reading] = []
+        """Every reading started and not yet stopped."""
+        self._prefetched: Optional[_Reading] = None
+        """The reading :meth:`prefetch` started, until an epoch's iteration takes it over."""
 
     def iter_epoch(self, epoch: int) -> Iterator[Batch]:
         """Exactly :attr:`steps_per_epoch` batches of epoch ``epoch``; a background thread reads
@@ -238,212 +199,94 @@ class BatchReader:
         """The batches of :meth:`iter_epoch` (the same ones, in the same order) in the blocks the
         reading thread hands over, for a consumer that takes several batches at once (a tf.data
         pipeline cuts a stacked block into batches without a Python call per batch)."""
-        started, self._started = self._started, None
-        if started is not None and started[0] == epoch:
-            _, thread, stop, blocks = started
-        else:
-            if started is not None:
-                self._stop(*started[1:])
-            thread, stop, blocks = self._start(epoch)
+        reading, self._prefetched = self._prefetched, None
+        if reading is None or reading.epoch != epoch:
+            if reading is not None:
+                self._stop(reading)
+            reading = self._start(epoch)
         try:
             left = self.steps_per_epoch
             while left > 0:
-                item = self._next(blocks, thread)
+                item = reading.next(self.timeout_s, self.kind, self.rank)
                 if isinstance(item, _Failure):
                     raise item.error
                 block = item[:left]
                 left -= len(block)
                 yield block
         finally:
-            self._stop(thread, stop, blocks)
+            self._stop(reading)
 
     def prefetch(self, epoch: int) -> None:
         """Start reading epoch ``epoch`` now, in the background, so its first batches are ready when
         :meth:`iter_epoch` asks for them (e.g. while the model is broadcast). Starting another epoch
         instead, or :meth:`close`, stops that reading."""
-        if self._started is not None:
-            if self._started[0] == epoch:
+        if self._prefetched is not None:
+            if self._prefetched.epoch == epoch:
                 return
-            self._stop(*self._started[1:])
-        self._started = (epoch, *self._start(epoch))
+            self._stop(self._prefetched)
+        self._prefetched = self._start(epoch)
 
-    def _start(self, epoch: int) -> Tuple[threading.Thread, threading.Event, "queue.Queue[Any]"]:
-        blocks: "queue.Queue[Any]" = queue.Queue(maxsize=self.prefetch_batches)
-        stop = threading.Event()
-        thread = threading.Thread(target=self._produce, args=(epoch, blocks, stop),
-                                  name=f"spark-hvd-reader-rank{self.rank}-epoch{epoch}", daemon=True)
-        self._threads.append((thread, stop))
-        thread.start()
-        return thread, stop, blocks
+    def _start(self, epoch: int) -> "_Reading":
+        reading = _Reading(epoch, self.steps_per_epoch, max(1, self.block_rows // self.batch_size),
+                           self.prefetch_batches)
+        self._readings.append(reading)
+        reading.start(self._produce, name=f"spark-hvd-reader-rank{self.rank}-epoch{epoch}")
+        return reading
 
     def __iter__(self) -> Iterator[Batch]:
         return self.iter_epoch(0)
 
-    def _next(self, batches: "queue.Queue[Any]", thread: threading.Thread) -> Any:
-        waited = 0.0
-        while True:
-            try:
-                return batches.get(timeout=0.2)
-            except queue.Empty:
-                waited += 0.2
-                if not thread.is_alive() and batches.empty():
-                    raise RuntimeError(f"the {self.kind} reader thread of rank {self.rank} ended early "
-                                       "without an error; this is a bug")
-                if waited >= self.timeout_s:
-                    raise TimeoutError(
-                        f"rank {self.rank} waited {self.timeout_s:.0f} s for a batch from the {self.kind} "
-                        "reader; the storage may be slow or unreachable; raise timeout_s of make_reader "
-                        "if reads are just slow") from None
-
-    def _produce(self, epoch: int, blocks: "queue.Queue[Any]", stop: threading.Event) -> None:
-        def put(item: Any) -> bool:
-            while not stop.is_set():
-                try:
-                    blocks.put(item, timeout=0.2)
-                    return True
-                except queue.Full:
-                    continue
-            return False
-
-        per_block = max(1, self.block_rows // self.batch_size)
-
-        def emit(batches: Iterator[Batch]) -> bool:
-            """Queue ``batches`` in blocks, the last one as soon as it is cut (a block never waits
-            for the next read); False when the epoch's batches are all queued or the consumer stopped."""
-            nonlocal needed
-            block: List[Batch] = []
-            for batch in batches:
-                block.append(batch)
-                needed -= 1
-                if len(block) >= per_block or needed == 0:
-                    full, block = block, []
-                    if not put(full) or needed == 0:
-                        return False
-            return not block or put(block)
-
+    def _produce(self, reading: "_Reading") -> None:
         try:
-            needed = self.steps_per_epoch
+            epoch = reading.epoch
             rng = np.random.default_rng([self.seed, epoch, self.rank]) if self.shuffle else None
             buffer = _ShuffleBuffer(self.shuffle_buffer_rows, rng)
             batcher = Batcher(self.batch_size)
             pass_index = 0
             # A rank whose shard is shorter than steps * batch_size wraps around it: every rank
             # must run the same number of steps, or a collective would wait for it forever.
-            while needed > 0 and not stop.is_set():
+            while reading.needed > 0 and not reading.stopped.is_set():
                 rows_seen = 0
                 chunks = self._source(epoch, pass_index)
                 try:
                     for chunk in chunks:
                         if isinstance(chunk, Ordered):  # rows from the cache, already in their order
                             rows_seen += len(chunk.order)
-                            if not emit(batcher.push(chunk.rows, chunk.order)):
+                            if not reading.emit(batcher.push(chunk.rows, chunk.order)):
                                 return
                             continue
                         rows_seen += len(next(iter(chunk.values())))
-                        if not emit(batcher.push(*buffer.add(chunk))):
+                        if not reading.emit(batcher.push(*buffer.add(chunk))):
                             return
                 finally:
                     close = getattr(chunks, "close", None)
                     if close is not None:
                         close()
-                if not emit(batcher.push(*buffer.drain())):
+                if not reading.emit(batcher.push(*buffer.drain())):
                     return
                 if rows_seen == 0:
                     raise ValueError(f"rank {self.rank} of {self.size} has no rows to read: the dataset has "
                                      f"{self.total_rows} rows; prepare it with num_proc={self.size}")
                 pass_index += 1
         except BaseException as exc:  # handed to the consumer, which re-raises it
-            put(_Failure(exc))
+            reading.put(_Failure(exc))
 
-    def _stop(self, thread: threading.Thread, stop: threading.Event, batches: "queue.Queue[Any]") -> None:
-        stop.set()
-        while True:  # free a producer blocked on a full queue
-            try:
-                batches.get_nowait()
-            except queue.Empty:
-                break
-        thread.join(timeout=30.0)
-        if (thread, stop) in self._threads:
-            self._threads.remove((thread, stop))
+    def _stop(self, reading: "_Reading") -> None:
+        reading.stop()
+        if reading in self._readings:
+            self._readings.remove(reading)
 
     def close(self) -> None:
         """Stop any reading thread still running."""
-        self._started = None
-        for thread, stop in list(self._threads):
-            stop.set()
-            thread.join(timeout=30.0)
-        self._threads.clear()
+        self._prefetched = None
+        for reading in list(self._readings):
+            self._stop(reading)
 
     def __enter__(self) -> "BatchReader":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-@dataclass(frozen=True)
-class Ordered:
-    """Rows a source hands on with the order they leave in (indices into ``rows``), past the
-    shuffle window: a pass drawn from :class:`ShardCache`."""
-
-    rows: Chunk
-    order: np.ndarray
-
-
-class ShardCache:
-    """The row groups one rank has decoded, held as one contiguous array per column.
-
-    Row groups are added as a pass reads them (their pieces, as decoded) and joined into the
-    contiguous arrays when a pass draws from the cache: one copy of each row group, once. A pass
-    over cached row groups is then an index, not a copy: the rows of its groups in a seeded
-    permutation (or, without a shuffle window, group by group as stored), cut into batches by
-    ``np.take`` straight into each batch's arrays."""
-
-    def __init__(self) -> None:
-        self.rows: Chunk = {}
-        """Column name to the contiguous array of every joined row group's rows."""
-        self.ranges: Dict[int, Tuple[int, int]] = {}
-        """Row group index to its rows' ``(start, stop)`` in :attr:`rows`."""
-        self._pending: Dict[int, List[Chunk]] = {}
-
-    def __contains__(self, index: int) -> bool:
-        return index in self.ranges or index in self._pending
-
-    def add(self, index: int, pieces: List[Chunk]) -> None:
-        """Keep row group ``index``, decoded as ``pieces``."""
-        if pieces and index not in self:
-            self._pending[index] = pieces
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held, joined or not."""
-        joined = sum(v.nbytes for v in self.rows.values())
-        return joined + sum(v.nbytes for pieces in self._pending.values() for piece in pieces for v in piece.values())
-
-    def _join(self) -> None:
-        if not self._pending:
-            return
-        start = len(next(iter(self.rows.values()))) if self.rows else 0
-        parts: Dict[str, List[np.ndarray]] = {k: [v] for k, v in self.rows.items()}
-        for index, pieces in self._pending.items():
-            count = sum(len(next(iter(p.values()))) for p in pieces)
-            self.ranges[index] = (start, start + count)
-            start += count
-            for piece in pieces:
-                for k, v in piece.items():
-                    parts.setdefault(k, []).append(v)
-        self._pending = {}
-        self.rows = {k: np.concatenate(v) if len(v) > 1 else np.array(v[0]) for k, v in parts.items()}
-
-    def draw(self, indices: Sequence[int], rng: Optional[np.random.Generator], window: bool) -> Ordered:
-        """The rows of row groups ``indices`` (all cached), in that group order: permuted as a whole
-        by ``rng`` when ``window`` (a shuffle window of at least one row), else as stored."""
-        self._join()
-        spans = [np.arange(*self.ranges[i], dtype=np.int64) for i in indices]
-        order = np.concatenate(spans) if spans else np.empty(0, dtype=np.int64)
-        if rng is not None and window:
-            order = order[rng.permutation(len(order))]
-        return Ordered(self.rows, order)
 
 
 def _builtin_source(layout: ParquetLayout, rank: int, size: int, columns: Sequence[str],
@@ -549,39 +392,6 @@ def _petastorm_source(urls: Sequence[str], layout: ParquetLayout, rank: int, siz
     return read_pass, shard_rows
 
 
-CACHE_MEMORY_SHARE = 0.25
-"""With ``cache_all="auto"``, the share of the memory available on the host (divided among the ranks
-on it) that the decoded rows a rank may read can take up and still be cached."""
-
-
-def _available_memory() -> Optional[int]:
-    """Bytes of memory the host has available now (Linux's MemAvailable; None where it is not known)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _local_ranks() -> int:
-    """Ranks on this host when a world is initialized (they share its memory), else 1."""
-    import spark_hvd.runtime as rt
-
-    return rt.local_size() if rt.is_initialized() else 1
-
-
-def cache_fits(layout: ParquetLayout, groups: Sequence[int], available: Optional[int], local_ranks: int) -> bool:
-    """Whether the decoded row groups ``groups`` of ``layout`` (their uncompressed size) fit in
-    :data:`CACHE_MEMORY_SHARE` of ``available`` bytes shared by ``local_ranks`` ranks."""
-    if available is None:
-        return False
-    needed = sum(layout.row_groups[i].byte_size or 0 for i in groups)
-    return needed <= CACHE_MEMORY_SHARE * available / max(1, local_ranks)
-
-
 def make_reader(kind: str, urls: Union[str, Sequence[str]], *, rank: int, size: int, batch_size: int,
                 feature_cols: Sequence[str], label_cols: Sequence[str] = (),
                 sample_weight_col: Optional[str] = None, shuffle: bool = True, seed: int = 0,
@@ -648,7 +458,7 @@ def make_reader(kind: str, urls: Union[str, Sequence[str]], *, rank: int, size: 
         if cache_all == "auto":
             may_read = range(len(layout.row_groups)) if shuffle and reshuffle else \
                 deal_row_groups(layout.row_groups, size, None, seed)[rank]
-            cache_all = cache_fits(layout, may_read, _available_memory(), _local_ranks())
+            cache_all = cache_fits_here(layout, may_read)
         source, shard_rows = _builtin_source(layout, rank, size, columns, shape_map, shuffle, seed,
                                              storage_options, url_list[0], reshuffle, cache_all,
                                              shuffle_buffer_rows)

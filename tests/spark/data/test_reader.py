@@ -268,6 +268,7 @@ def test_a_large_row_group_is_decoded_in_pieces_and_read_whole(tmp_path, monkeyp
     """One row group of 1,000 rows of ~32 bytes, pieces of about 2 KiB: the source hands it on in
     pieces of about 64 rows (never the whole group at once), every row once, in stored order; with
     cache_all the second epoch yields the same rows from memory, joined, in the same order."""
+    from spark_hvd.spark.data import batching
     from spark_hvd.spark.data import reader as reader_module
 
     write_dataset(tmp_path / "d", files=1, groups_per_file=1, rows_per_group=1000)
@@ -286,7 +287,7 @@ def test_a_large_row_group_is_decoded_in_pieces_and_read_whole(tmp_path, monkeyp
             pieces = list(source(epoch, 0))
             if cache_all and epoch == 1:
                 (cached,) = pieces
-                assert isinstance(cached, reader_module.Ordered) and len(cached.rows["id"]) == 1000
+                assert isinstance(cached, batching.Ordered) and len(cached.rows["id"]) == 1000
                 pieces = [{k: np.take(v, cached.order, axis=0) for k, v in cached.rows.items()}]
             else:
                 assert len(pieces) == -(-1000 // rows) and max(len(p["id"]) for p in pieces) == rows
@@ -355,16 +356,16 @@ def test_cached_epochs_without_a_shuffle_window_keep_each_group_as_stored(tmp_pa
 def test_cache_auto_caches_what_fits_the_memory_share(tmp_path, monkeypatch, available, cached):
     """cache_all='auto' caches when the row groups a rank may read fit a quarter of the available memory
     (here: plenty, too little, unknown), which shows as a second epoch that does or does not need the files."""
-    from spark_hvd.spark.data import reader as reader_module
+    from spark_hvd.spark.data import batching
 
-    monkeypatch.setattr(reader_module, "_available_memory", lambda: available)
+    monkeypatch.setattr(batching, "_available_memory", lambda: available)
     write_dataset(tmp_path / "d", files=1, groups_per_file=2, rows_per_group=50)
     layout = scan_parquet(str(tmp_path / "d"))
-    assert reader_module.cache_fits(layout, [0, 1], available, 1) is cached
+    assert batching.cache_fits(layout, [0, 1], available, 1) is cached
     both = sum(g.byte_size for g in layout.row_groups)
-    assert reader_module.cache_fits(layout, [0, 1], 4 * both, 1)
-    assert not reader_module.cache_fits(layout, [0, 1], 4 * both, 2)
-    assert reader_module.cache_fits(layout, [0], 4 * both, 2)
+    assert batching.cache_fits(layout, [0, 1], 4 * both, 1)
+    assert not batching.cache_fits(layout, [0, 1], 4 * both, 2)
+    assert batching.cache_fits(layout, [0], 4 * both, 2)
     with make_reader("builtin", str(tmp_path / "d"), rank=0, size=1, batch_size=10, feature_cols=["id"],
                      cache_all="auto") as reader:
         list(reader.iter_epoch(0))

@@ -1,0 +1,230 @@
+"""Rows from decoded pieces to batches: the shuffle window, batch cutting, the decoded shard cache.
+
+How much of a rank's data the cache may hold is decided here too (:func:`cache_fits`)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from spark_hvd.spark.data.layout import ParquetLayout
+
+__all__ = ["Batch", "Chunk", "Picked", "Batcher", "Ordered", "ShardCache", "CACHE_MEMORY_SHARE", "cache_fits",
+           "cache_fits_here"]
+
+Batch = Dict[str, np.ndarray]
+"""One batch: column name to an array of ``(batch_size, *shape)``."""
+Chunk = Dict[str, np.ndarray]
+"""Rows as read: column name to an array of ``(rows, *shape)``, every column the same rows."""
+
+Picked = Tuple[Optional[Chunk], Optional[np.ndarray]]
+"""Rows on their way to batches: columns (None: no rows), and the order their rows leave in (None:
+as stored); ``Batcher.push(*picked)`` takes them."""
+
+
+class _ShuffleBuffer:
+    """Bounded shuffle across chunks: rows leave in random order once more than ``capacity``
+    rows have arrived, so memory stays at ``capacity`` rows plus one chunk. With ``capacity`` 0
+    rows leave in their stored order (only the order of the row groups is shuffled).
+
+    What leaves is a chunk with the order of its leaving rows: the rows are gathered batch by
+    batch (:class:`Batcher`), each straight into the batch's own array, instead of gathering the
+    whole chunk in a new order first."""
+
+    def __init__(self, capacity: int, rng: Optional[np.random.Generator]) -> None:
+        self.capacity = capacity
+        self.rng = rng
+        self.rows: Optional[Chunk] = None
+
+    def add(self, chunk: Chunk) -> Picked:
+        if self.rng is None or self.capacity == 0:
+            return chunk, None
+        rows = chunk if self.rows is None else {k: np.concatenate([self.rows[k], v]) for k, v in chunk.items()}
+        count = len(next(iter(rows.values())))
+        surplus = count - self.capacity
+        if surplus <= 0:
+            self.rows = rows
+            return None, None
+        order = self.rng.permutation(count)
+        self.rows = _gather(rows, order[surplus:])
+        return rows, order[:surplus]
+
+    def drain(self) -> Picked:
+        rows, self.rows = self.rows, None
+        if rows is None:
+            return None, None
+        if self.rng is None:
+            return rows, None
+        return rows, self.rng.permutation(len(next(iter(rows.values()))))
+
+
+def _gather(rows: Chunk, order: np.ndarray) -> Chunk:
+    # take() copies whole rows of a matrix; a[order] goes element by element, several times slower.
+    return {k: np.take(v, order, axis=0) for k, v in rows.items()}
+
+
+def _count(picked: Picked) -> int:
+    chunk, order = picked
+    return len(order) if order is not None else len(next(iter(chunk.values())))
+
+
+class Batcher:
+    """Cuts a stream of chunks into batches of exactly ``batch_size`` rows.
+
+    A batch that lies within one chunk kept in its stored order is a view of it (no copy); one
+    of a chunk with an order of its own (shuffled) is gathered in that order into the batch's
+    own arrays; only a batch that straddles two chunks is joined. Rows are never copied more
+    than once on the way, except the few of a straddling batch.
+    """
+
+    def __init__(self, batch_size: int) -> None:
+        self.batch_size = batch_size
+        self.pending: Deque[Picked] = deque()
+        self.count = 0
+
+    def push(self, chunk: Optional[Chunk], order: Optional[np.ndarray] = None) -> Iterator[Batch]:
+        """The batches that are complete once ``chunk`` arrived; ``order``, when given, is the
+        order in which its rows leave (indices into it; rows not in it are left out)."""
+        if chunk is None:
+            return
+        picked = (chunk, order)
+        n = _count(picked)
+        if n == 0:
+            return
+        self.pending.append(picked)
+        self.count += n
+        size = self.batch_size
+        while self.count >= size:
+            if _count(self.pending[0]) >= size:
+                yield self._take(size)
+            else:
+                parts = []
+                need = size
+                while need:
+                    rows = min(need, _count(self.pending[0]))
+                    parts.append(self._take(rows))
+                    need -= rows
+                yield {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
+            self.count -= size
+
+    def _take(self, rows: int) -> Chunk:
+        """The next ``rows`` rows of the first pending chunk (at most all of it): views of a chunk
+        in stored order, the rows gathered for one with an order of its own."""
+        chunk, order = self.pending[0]
+        if order is None:
+            if len(next(iter(chunk.values()))) <= rows:
+                self.pending.popleft()
+                return chunk
+            self.pending[0] = ({k: v[rows:] for k, v in chunk.items()}, None)
+            return {k: v[:rows] for k, v in chunk.items()}
+        if len(order) <= rows:
+            self.pending.popleft()
+        else:
+            self.pending[0] = (chunk, order[rows:])
+        return _gather(chunk, order[:rows])
+
+
+@dataclass(frozen=True)
+class Ordered:
+    """Rows a source hands on with the order they leave in (indices into ``rows``), past the
+    shuffle window: a pass drawn from :class:`ShardCache`."""
+
+    rows: Chunk
+    order: np.ndarray
+
+
+class ShardCache:
+    """The row groups one rank has decoded, held as one contiguous array per column.
+
+    Row groups are added as a pass reads them (their pieces, as decoded) and joined into the
+    contiguous arrays when a pass draws from the cache: one copy of each row group, once. A pass
+    over cached row groups is then an index, not a copy: the rows of its groups in a seeded
+    permutation (or, without a shuffle window, group by group as stored), cut into batches by
+    ``np.take`` straight into each batch's arrays."""
+
+    def __init__(self) -> None:
+        self.rows: Chunk = {}
+        """Column name to the contiguous array of every joined row group's rows."""
+        self.ranges: Dict[int, Tuple[int, int]] = {}
+        """Row group index to its rows' ``(start, stop)`` in :attr:`rows`."""
+        self._pending: Dict[int, List[Chunk]] = {}
+
+    def __contains__(self, index: int) -> bool:
+        return index in self.ranges or index in self._pending
+
+    def add(self, index: int, pieces: List[Chunk]) -> None:
+        """Keep row group ``index``, decoded as ``pieces``."""
+        if pieces and index not in self:
+            self._pending[index] = pieces
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held, joined or not."""
+        joined = sum(v.nbytes for v in self.rows.values())
+        return joined + sum(v.nbytes for pieces in self._pending.values() for piece in pieces for v in piece.values())
+
+    def _join(self) -> None:
+        if not self._pending:
+            return
+        start = len(next(iter(self.rows.values()))) if self.rows else 0
+        parts: Dict[str, List[np.ndarray]] = {k: [v] for k, v in self.rows.items()}
+        for index, pieces in self._pending.items():
+            count = sum(len(next(iter(p.values()))) for p in pieces)
+            self.ranges[index] = (start, start + count)
+            start += count
+            for piece in pieces:
+                for k, v in piece.items():
+                    parts.setdefault(k, []).append(v)
+        self._pending = {}
+        self.rows = {k: np.concatenate(v) if len(v) > 1 else np.array(v[0]) for k, v in parts.items()}
+
+    def draw(self, indices: Sequence[int], rng: Optional[np.random.Generator], window: bool) -> Ordered:
+        """The rows of row groups ``indices`` (all cached), in that group order: permuted as a whole
+        by ``rng`` when ``window`` (a shuffle window of at least one row), else as stored."""
+        self._join()
+        spans = [np.arange(*self.ranges[i], dtype=np.int64) for i in indices]
+        order = np.concatenate(spans) if spans else np.empty(0, dtype=np.int64)
+        if rng is not None and window:
+            order = order[rng.permutation(len(order))]
+        return Ordered(self.rows, order)
+
+
+CACHE_MEMORY_SHARE = 0.25
+"""With ``cache_all="auto"``, the share of the memory available on the host (divided among the ranks
+on it) that the decoded rows a rank may read can take up and still be cached."""
+
+
+def _available_memory() -> Optional[int]:
+    """Bytes of memory the host has available now (Linux's MemAvailable; None where it is not known)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _local_ranks() -> int:
+    """Ranks on this host when a world is initialized (they share its memory), else 1."""
+    import spark_hvd.runtime as rt
+
+    return rt.local_size() if rt.is_initialized() else 1
+
+
+def cache_fits(layout: ParquetLayout, groups: Sequence[int], available: Optional[int], local_ranks: int) -> bool:
+    """Whether the decoded row groups ``groups`` of ``layout`` (their uncompressed size) fit in
+    :data:`CACHE_MEMORY_SHARE` of ``available`` bytes shared by ``local_ranks`` ranks."""
+    if available is None:
+        return False
+    needed = sum(layout.row_groups[i].byte_size or 0 for i in groups)
+    return needed <= CACHE_MEMORY_SHARE * available / max(1, local_ranks)
+
+
+def cache_fits_here(layout: ParquetLayout, groups: Sequence[int]) -> bool:
+    """:func:`cache_fits` with this host's available memory and the ranks on it."""
+    return cache_fits(layout, groups, _available_memory(), _local_ranks())
