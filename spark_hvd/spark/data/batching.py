@@ -12,7 +12,7 @@ import numpy as np
 
 from spark_hvd.spark.data.layout import ParquetLayout
 
-__all__ = ["Batch", "Chunk", "Picked", "Batcher", "Ordered", "ShardCache", "CACHE_MEMORY_SHARE", "cache_fits",
+__all__ = ["Batch", "Chunk", "Picked", "ShuffleWindow", "Batcher", "Ordered", "ShardCache", "CACHE_MEMORY_SHARE", "cache_fits",
            "cache_fits_here"]
 
 Batch = Dict[str, np.ndarray]
@@ -25,7 +25,7 @@ Picked = Tuple[Optional[Chunk], Optional[np.ndarray]]
 as stored); ``Batcher.push(*picked)`` takes them."""
 
 
-class _ShuffleBuffer:
+class ShuffleWindow:
     """Bounded shuffle across chunks: rows leave in random order once more than ``capacity``
     rows have arrived, so memory stays at ``capacity`` rows plus one chunk. With ``capacity`` 0
     rows leave in their stored order (only the order of the row groups is shuffled).

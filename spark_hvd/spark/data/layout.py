@@ -23,6 +23,7 @@ __all__ = [
     "ROW_BYTES_KEY",
     "RowGroup",
     "ParquetLayout",
+    "open_filesystem",
     "scan_parquet",
     "deal_row_groups",
     "arrow_to_numpy",
@@ -73,7 +74,8 @@ class ParquetLayout:
         return sum(rg.num_rows for rg in self.row_groups)
 
 
-def _filesystem(url: str, storage_options: Optional[Mapping[str, Any]]) -> Tuple[Any, str]:
+def open_filesystem(url: str, storage_options: Optional[Mapping[str, Any]]) -> Tuple[Any, str]:
+    """The fsspec filesystem of ``url`` and the path in it."""
     import fsspec.core
 
     return fsspec.core.url_to_fs(url, **dict(storage_options or {}))
@@ -97,7 +99,7 @@ def scan_parquet(urls: Union[str, Sequence[str]],
     files: List[str] = []
     fs = None
     for url in urls:
-        fs, path = _filesystem(url, storage_options)
+        fs, path = open_filesystem(url, storage_options)
         if fs.isdir(path):
             found = [p for p in fs.find(path) if _is_data_file(posixpath.basename(p))]
             files.extend(sorted(found))

@@ -11,9 +11,9 @@ from typing import (Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequ
 
 import numpy as np
 
-from spark_hvd.spark.data.batching import (Batch, Batcher, Chunk, Ordered, ShardCache, _ShuffleBuffer,
+from spark_hvd.spark.data.batching import (Batch, Batcher, Chunk, Ordered, ShardCache, ShuffleWindow,
                                            cache_fits_here)
-from spark_hvd.spark.data.layout import (ParquetLayout, RowGroup, _filesystem, arrow_to_numpy, deal_row_groups,
+from spark_hvd.spark.data.layout import (ParquetLayout, RowGroup, open_filesystem, arrow_to_numpy, deal_row_groups,
                                          scan_parquet)
 
 __all__ = [
@@ -240,7 +240,7 @@ class BatchReader:
         try:
             epoch = reading.epoch
             rng = np.random.default_rng([self.seed, epoch, self.rank]) if self.shuffle else None
-            buffer = _ShuffleBuffer(self.shuffle_buffer_rows, rng)
+            buffer = ShuffleWindow(self.shuffle_buffer_rows, rng)
             batcher = Batcher(self.batch_size)
             pass_index = 0
             # A rank whose shard is shorter than steps * batch_size wraps around it: every rank
@@ -310,7 +310,7 @@ def _builtin_source(layout: ParquetLayout, rank: int, size: int, columns: Sequen
             rng = np.random.default_rng([seed, epoch, rank, pass_index, 2]) if shuffle else None
             yield cache.draw([shard[j] for j in order], rng, window=shuffle_window > 0)
             return
-        fs, _ = _filesystem(url, storage_options)
+        fs, _ = open_filesystem(url, storage_options)
         opened: Dict[str, Tuple[Any, Any]] = {}  # file -> (handle, ParquetFile); footers parsed once
         reading: Tuple[int, List[Chunk]] = (-1, [])  # the row group being read, and its pieces so far
         try:
