@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Deque, Dict, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -139,52 +139,58 @@ class Ordered:
 class ShardCache:
     """The row groups one rank has decoded, held as one contiguous array per column.
 
-    Row groups are added as a pass reads them (their pieces, as decoded) and joined into the
-    contiguous arrays when a pass draws from the cache: one copy of each row group, once. A pass
-    over cached row groups is then an index, not a copy: the rows of its groups in a seeded
-    permutation (or, without a shuffle window, group by group as stored), cut into batches by
-    ``np.take`` straight into each batch's arrays."""
+    The arrays are allocated once for every row the rank may read (``capacity`` rows; memory is
+    only taken as rows arrive) and each piece is copied in as it is read, so the cache never holds
+    a row twice. A row group counts once all of its rows are in (:meth:`commit`). A pass over
+    cached row groups is then an index, not a copy: the rows of its groups in a seeded permutation
+    (or, without a shuffle window, group by group as stored), cut into batches by ``np.take``
+    straight into each batch's arrays."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        """Rows the arrays are allocated for."""
         self.rows: Chunk = {}
-        """Column name to the contiguous array of every joined row group's rows."""
+        """Column name to the array of every cached row (allocated with the first piece)."""
         self.ranges: Dict[int, Tuple[int, int]] = {}
         """Row group index to its rows' ``(start, stop)`` in :attr:`rows`."""
-        self._pending: Dict[int, List[Chunk]] = {}
+        self.filled = 0
+        self._open: Optional[Tuple[int, int]] = None
 
     def __contains__(self, index: int) -> bool:
-        return index in self.ranges or index in self._pending
+        return index in self.ranges
 
-    def add(self, index: int, pieces: List[Chunk]) -> None:
-        """Keep row group ``index``, decoded as ``pieces``."""
-        if pieces and index not in self:
-            self._pending[index] = pieces
+    def begin(self, index: int) -> bool:
+        """Start keeping row group ``index``; False (nothing is kept) when it is cached already."""
+        if index in self.ranges:
+            return False
+        self._open = (index, self.filled)
+        return True
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes held, joined or not."""
-        joined = sum(v.nbytes for v in self.rows.values())
-        return joined + sum(v.nbytes for pieces in self._pending.values() for piece in pieces for v in piece.values())
+    def add(self, piece: Chunk) -> None:
+        """Copy ``piece``, the next rows of the row group begun, into the arrays."""
+        n = len(next(iter(piece.values())))
+        if not self.rows:
+            self.rows = {k: np.empty((self.capacity,) + v.shape[1:], dtype=v.dtype) for k, v in piece.items()}
+        if self.filled + n > self.capacity:
+            raise RuntimeError(f"the shard cache holds {self.capacity} rows and got {self.filled + n}; this is a bug")
+        for k, v in piece.items():
+            self.rows[k][self.filled:self.filled + n] = v
+        self.filled += n
 
-    def _join(self) -> None:
-        if not self._pending:
+    def commit(self, rows: int) -> None:
+        """End the row group begun: kept when ``rows`` (its rows) all arrived, else its rows are dropped."""
+        if self._open is None:
             return
-        start = len(next(iter(self.rows.values()))) if self.rows else 0
-        parts: Dict[str, List[np.ndarray]] = {k: [v] for k, v in self.rows.items()}
-        for index, pieces in self._pending.items():
-            count = sum(len(next(iter(p.values()))) for p in pieces)
-            self.ranges[index] = (start, start + count)
-            start += count
-            for piece in pieces:
-                for k, v in piece.items():
-                    parts.setdefault(k, []).append(v)
-        self._pending = {}
-        self.rows = {k: np.concatenate(v) if len(v) > 1 else np.array(v[0]) for k, v in parts.items()}
+        index, start = self._open
+        self._open = None
+        if self.filled - start == rows:
+            self.ranges[index] = (start, self.filled)
+        else:
+            self.filled = start
 
     def draw(self, indices: Sequence[int], rng: Optional[np.random.Generator], window: bool) -> Ordered:
         """The rows of row groups ``indices`` (all cached), in that group order: permuted as a whole
         by ``rng`` when ``window`` (a shuffle window of at least one row), else as stored."""
-        self._join()
         spans = [np.arange(*self.ranges[i], dtype=np.int64) for i in indices]
         order = np.concatenate(spans) if spans else np.empty(0, dtype=np.int64)
         if rng is not None and window:

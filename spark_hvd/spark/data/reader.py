@@ -297,7 +297,8 @@ def _builtin_source(layout: ParquetLayout, rank: int, size: int, columns: Sequen
     groups = layout.row_groups
     fixed = deal_row_groups(groups, size, None, seed)[rank]
     shard_rows = sum(groups[i].num_rows for i in fixed)
-    cache = ShardCache() if cache_all else None
+    may_read = range(len(groups)) if shuffle and reshuffle else fixed
+    cache = ShardCache(sum(groups[i].num_rows for i in may_read)) if cache_all else None
 
     def read_pass(epoch: int, pass_index: int) -> Iterator[Union[Chunk, Ordered]]:
         import pyarrow.parquet as pq
@@ -312,7 +313,7 @@ def _builtin_source(layout: ParquetLayout, rank: int, size: int, columns: Sequen
             return
         fs, _ = open_filesystem(url, storage_options)
         opened: Dict[str, Tuple[Any, Any]] = {}  # file -> (handle, ParquetFile); footers parsed once
-        reading: Tuple[int, List[Chunk]] = (-1, [])  # the row group being read, and its pieces so far
+        keeping = -1  # the row group being copied into the cache, if any
         try:
             for j in order:
                 index = shard[j]
@@ -320,26 +321,24 @@ def _builtin_source(layout: ParquetLayout, rank: int, size: int, columns: Sequen
                 if rg.file not in opened:
                     handle = fs.open(rg.file, "rb")
                     opened[rg.file] = (handle, pq.ParquetFile(handle))
-                reading = (index, [])
+                keeping = index if cache is not None and cache.begin(index) else -1
                 # Decoded in pieces on this thread alone (pyarrow's pool threads would compete
                 # with the ranks of the host), each handed on before the next is decoded.
                 for table in opened[rg.file][1].iter_batches(batch_size=_piece_rows(rg), row_groups=[rg.index],
                                                              columns=list(columns), use_threads=False):
                     chunk = {c: arrow_to_numpy(table.column(c), shapes.get(c), c, layout.row_bytes.get(c))
                              for c in columns}
-                    if cache is not None:
-                        reading[1].append(chunk)
+                    if keeping >= 0:
+                        cache.add(chunk)
                     yield chunk
-                if cache is not None:
-                    cache.add(*reading)
-                reading = (-1, [])
+                if keeping >= 0:
+                    cache.commit(rg.num_rows)
+                keeping = -1
         finally:
             # The consumer may stop at the epoch's last batch, within a row group: that group is
             # kept if its last piece was read.
-            index, pieces = reading
-            if cache is not None and pieces and sum(len(next(iter(p.values()))) for p in pieces) \
-                    == groups[index].num_rows:
-                cache.add(index, pieces)
+            if keeping >= 0 and cache is not None:
+                cache.commit(groups[keeping].num_rows)
             for handle, _ in opened.values():
                 handle.close()
 

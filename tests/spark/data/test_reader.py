@@ -375,3 +375,33 @@ def test_cache_auto_caches_what_fits_the_memory_share(tmp_path, monkeypatch, ava
         else:
             with pytest.raises(FileNotFoundError):
                 list(reader.iter_epoch(1))
+
+
+def test_the_shard_cache_copies_each_row_once_and_keeps_only_whole_row_groups():
+    """Pieces are copied into arrays allocated once; a row group read only in part is dropped (its place
+    reused), one cached already is not kept twice, and a draw indexes the cached rows of the groups asked."""
+    from spark_hvd.spark.data.batching import ShardCache
+
+    cache = ShardCache(30)
+    assert cache.begin(3)
+    for start in (0, 6):
+        ids = np.arange(start, start + 6)
+        cache.add({"id": ids, "x": np.stack([ids, -ids], axis=1)})
+    cache.commit(12)
+    arrays = cache.rows["x"]
+    assert 3 in cache and cache.ranges[3] == (0, 12) and arrays.shape == (30, 2)
+    assert cache.begin(5)
+    cache.add({"id": np.arange(100, 104), "x": np.zeros((4, 2), dtype=np.int64)})
+    cache.commit(10)  # 4 of its 10 rows: dropped
+    assert 5 not in cache and cache.filled == 12
+    assert not cache.begin(3)
+    assert cache.begin(7)
+    cache.add({"id": np.arange(50, 55), "x": np.ones((5, 2), dtype=np.int64)})
+    cache.commit(5)
+    assert cache.ranges[7] == (12, 17) and cache.rows["x"] is arrays
+    drawn = cache.draw([7, 3], np.random.default_rng(0), window=False)
+    assert np.take(drawn.rows["id"], drawn.order).tolist() == [50, 51, 52, 53, 54] + list(range(12))
+    shuffled = cache.draw([7, 3], np.random.default_rng(0), window=True)
+    ids = np.take(shuffled.rows["id"], shuffled.order)
+    assert sorted(ids.tolist()) == sorted([50, 51, 52, 53, 54] + list(range(12))) and ids.tolist() != sorted(ids)
+    np.testing.assert_array_equal(np.take(shuffled.rows["x"], shuffled.order, axis=0)[ids < 50, 0], ids[ids < 50])
