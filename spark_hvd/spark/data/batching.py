@@ -161,7 +161,10 @@ class ShardCache:
 
     def begin(self, index: int) -> bool:
         """Start keeping row group ``index``; False (nothing is kept) when it is cached already."""
+        if self._open is not None:  # a row group left unfinished (its read failed): dropped
+            self.filled = self._open[1]
         if index in self.ranges:
+            self._open = None
             return False
         self._open = (index, self.filled)
         return True

@@ -307,38 +307,35 @@ def _builtin_source(layout: ParquetLayout, rank: int, size: int, columns: Sequen
         order = list(range(len(shard)))
         if shuffle:
             order = list(np.random.default_rng([seed, epoch, rank, pass_index, 1]).permutation(len(shard)))
-        if cache is not None and all(index in cache for index in shard):
-            rng = np.random.default_rng([seed, epoch, rank, pass_index, 2]) if shuffle else None
-            yield cache.draw([shard[j] for j in order], rng, window=shuffle_window > 0)
-            return
         fs, _ = open_filesystem(url, storage_options)
         opened: Dict[str, Tuple[Any, Any]] = {}  # file -> (handle, ParquetFile); footers parsed once
-        keeping = -1  # the row group being copied into the cache, if any
+
+        def pieces(rg: RowGroup) -> Iterator[Chunk]:
+            # Decoded in pieces on this thread alone (pyarrow's pool threads would compete with
+            # the ranks of the host), each handed on before the next is decoded.
+            if rg.file not in opened:
+                handle = fs.open(rg.file, "rb")
+                opened[rg.file] = (handle, pq.ParquetFile(handle))
+            for table in opened[rg.file][1].iter_batches(batch_size=_piece_rows(rg), row_groups=[rg.index],
+                                                         columns=list(columns), use_threads=False):
+                yield {c: arrow_to_numpy(table.column(c), shapes.get(c), c, layout.row_bytes.get(c))
+                       for c in columns}
+
         try:
-            for j in order:
-                index = shard[j]
-                rg = groups[index]
-                if rg.file not in opened:
-                    handle = fs.open(rg.file, "rb")
-                    opened[rg.file] = (handle, pq.ParquetFile(handle))
-                keeping = index if cache is not None and cache.begin(index) else -1
-                # Decoded in pieces on this thread alone (pyarrow's pool threads would compete
-                # with the ranks of the host), each handed on before the next is decoded.
-                for table in opened[rg.file][1].iter_batches(batch_size=_piece_rows(rg), row_groups=[rg.index],
-                                                             columns=list(columns), use_threads=False):
-                    chunk = {c: arrow_to_numpy(table.column(c), shapes.get(c), c, layout.row_bytes.get(c))
-                             for c in columns}
-                    if keeping >= 0:
+            if cache is None:
+                for j in order:
+                    yield from pieces(groups[shard[j]])
+                return
+            # With the cache, an epoch's rows are drawn from it whether they were cached before or
+            # are read now: the same batches in a fresh process (a resumed fit) as in a warm one.
+            for index in shard:
+                if cache.begin(index):
+                    for chunk in pieces(groups[index]):
                         cache.add(chunk)
-                    yield chunk
-                if keeping >= 0:
-                    cache.commit(rg.num_rows)
-                keeping = -1
+                    cache.commit(groups[index].num_rows)
+            rng = np.random.default_rng([seed, epoch, rank, pass_index, 2]) if shuffle else None
+            yield cache.draw([shard[j] for j in order], rng, window=shuffle_window > 0)
         finally:
-            # The consumer may stop at the epoch's last batch, within a row group: that group is
-            # kept if its last piece was read.
-            if keeping >= 0 and cache is not None:
-                cache.commit(groups[keeping].num_rows)
             for handle, _ in opened.values():
                 handle.close()
 
@@ -406,9 +403,12 @@ def make_reader(kind: str, urls: Union[str, Sequence[str]], *, rank: int, size: 
     ``reshuffle`` (the default) deals the row groups to the ranks anew every epoch (a seeded
     permutation, balanced by rows; see :func:`deal_row_groups`), so over the epochs every rank
     sees all of the data; ``reshuffle=False`` keeps row group ``i`` on rank ``i % size``.
-    ``cache_all`` keeps every row group read in memory for the next epochs, decoded: one contiguous
-    array per column, from which later epochs draw their batches by index (a seeded permutation
-    of the rank's rows, when shuffling with a window) with no file read and no decoding;
+    ``cache_all`` keeps every row group read in memory, decoded: one contiguous array per column,
+    from which every epoch draws its batches by index once the epoch's row groups are in (read
+    whole at the epoch's start where they are not), so later epochs read no file and decode
+    nothing; shuffling is then a seeded permutation of all the rank's rows of the epoch (with
+    ``shuffle_buffer_rows=0``, row groups in a seeded order, each as stored), the same batches
+    whether the rows were cached before or not;
     ``"auto"`` caches when what the rank may read (its shard, or with ``reshuffle`` every row group)
     fits :data:`CACHE_MEMORY_SHARE` of the host's available memory divided among its ranks. The
     ``"petastorm"`` reader caches nothing. The builtin reader
