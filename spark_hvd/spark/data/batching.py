@@ -5,14 +5,13 @@ How much of a rank's data the cache may hold is decided here too (:func:`cache_f
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-from typing import Deque, Dict, Iterator, Optional, Sequence, Tuple
+from typing import Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from spark_hvd.spark.data.layout import ParquetLayout
 
-__all__ = ["Batch", "Chunk", "Picked", "ShuffleWindow", "Batcher", "Ordered", "ShardCache", "CACHE_MEMORY_SHARE", "cache_fits",
+__all__ = ["Batch", "Chunk", "Picked", "ShuffleWindow", "Batcher", "ShardCache", "CACHE_MEMORY_SHARE", "cache_fits",
            "cache_fits_here"]
 
 Batch = Dict[str, np.ndarray]
@@ -127,24 +126,15 @@ class Batcher:
         return _gather(chunk, order[:rows])
 
 
-@dataclass(frozen=True)
-class Ordered:
-    """Rows a source hands on with the order they leave in (indices into ``rows``), past the
-    shuffle window: a pass drawn from :class:`ShardCache`."""
-
-    rows: Chunk
-    order: np.ndarray
-
-
 class ShardCache:
     """The row groups one rank has decoded, held as one contiguous array per column.
 
     The arrays are allocated once for every row the rank may read (``capacity`` rows; memory is
     only taken as rows arrive) and each piece is copied in as it is read, so the cache never holds
-    a row twice. A row group counts once all of its rows are in (:meth:`commit`). A pass over
-    cached row groups is then an index, not a copy: the rows of its groups in a seeded permutation
-    (or, without a shuffle window, group by group as stored), cut into batches by ``np.take``
-    straight into each batch's arrays."""
+    a row twice. A row group counts once all of its rows are in (:meth:`commit`), and is handed
+    out again as views of the same pieces (:meth:`pieces`): what follows (the shuffle window, the
+    batches) sees the rows exactly as it saw them read, so a pass gives the same batches whether
+    its row groups were cached or read."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -155,6 +145,8 @@ class ShardCache:
         """Row group index to its rows' ``(start, stop)`` in :attr:`rows`."""
         self.filled = 0
         self._open: Optional[Tuple[int, int]] = None
+        self._sizes: List[int] = []  # rows of each piece of the row group begun
+        self._pieces: Dict[int, List[Tuple[int, int]]] = {}
 
     def __contains__(self, index: int) -> bool:
         return index in self.ranges
@@ -167,6 +159,7 @@ class ShardCache:
             self._open = None
             return False
         self._open = (index, self.filled)
+        self._sizes = []
         return True
 
     def add(self, piece: Chunk) -> None:
@@ -179,6 +172,7 @@ class ShardCache:
         for k, v in piece.items():
             self.rows[k][self.filled:self.filled + n] = v
         self.filled += n
+        self._sizes.append(n)
 
     def commit(self, rows: int) -> None:
         """End the row group begun: kept when ``rows`` (its rows) all arrived, else its rows are dropped."""
@@ -188,17 +182,15 @@ class ShardCache:
         self._open = None
         if self.filled - start == rows:
             self.ranges[index] = (start, self.filled)
+            bounds = np.cumsum([start] + self._sizes).tolist()
+            self._pieces[index] = list(zip(bounds[:-1], bounds[1:]))
         else:
             self.filled = start
 
-    def draw(self, indices: Sequence[int], rng: Optional[np.random.Generator], window: bool) -> Ordered:
-        """The rows of row groups ``indices`` (all cached), in that group order: permuted as a whole
-        by ``rng`` when ``window`` (a shuffle window of at least one row), else as stored."""
-        spans = [np.arange(*self.ranges[i], dtype=np.int64) for i in indices]
-        order = np.concatenate(spans) if spans else np.empty(0, dtype=np.int64)
-        if rng is not None and window:
-            order = order[rng.permutation(len(order))]
-        return Ordered(self.rows, order)
+    def pieces(self, index: int) -> Iterator[Chunk]:
+        """Row group ``index`` (cached) as views of the pieces it was read in."""
+        for start, stop in self._pieces[index]:
+            yield {k: v[start:stop] for k, v in self.rows.items()}
 
 
 CACHE_MEMORY_SHARE = 0.25

@@ -11,7 +11,7 @@ from typing import (Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequ
 
 import numpy as np
 
-from spark_hvd.spark.data.batching import (Batch, Batcher, Chunk, Ordered, ShardCache, ShuffleWindow,
+from spark_hvd.spark.data.batching import (Batch, Batcher, Chunk, ShardCache, ShuffleWindow,
                                            cache_fits_here)
 from spark_hvd.spark.data.layout import (ParquetLayout, RowGroup, open_filesystem, arrow_to_numpy, deal_row_groups,
                                          scan_parquet)
@@ -250,11 +250,6 @@ class BatchReader:
                 chunks = self._source(epoch, pass_index)
                 try:
                     for chunk in chunks:
-                        if isinstance(chunk, Ordered):  # rows from the cache, already in their order
-                            rows_seen += len(chunk.order)
-                            if not reading.emit(batcher.push(chunk.rows, chunk.order)):
-                                return
-                            continue
                         rows_seen += len(next(iter(chunk.values())))
                         if not reading.emit(batcher.push(*buffer.add(chunk))):
                             return
@@ -292,15 +287,14 @@ class BatchReader:
 def _builtin_source(layout: ParquetLayout, rank: int, size: int, columns: Sequence[str],
                     shapes: Mapping[str, Tuple[int, ...]], shuffle: bool, seed: int,
                     storage_options: Optional[Mapping[str, Any]], url: str, reshuffle: bool = True,
-                    cache_all: bool = False, shuffle_window: int = 1
-                    ) -> Tuple[Callable[[int, int], Iterator[Union[Chunk, Ordered]]], int]:
+                    cache_all: bool = False) -> Tuple[Callable[[int, int], Iterator[Chunk]], int]:
     groups = layout.row_groups
     fixed = deal_row_groups(groups, size, None, seed)[rank]
     shard_rows = sum(groups[i].num_rows for i in fixed)
     may_read = range(len(groups)) if shuffle and reshuffle else fixed
     cache = ShardCache(sum(groups[i].num_rows for i in may_read)) if cache_all else None
 
-    def read_pass(epoch: int, pass_index: int) -> Iterator[Union[Chunk, Ordered]]:
+    def read_pass(epoch: int, pass_index: int) -> Iterator[Chunk]:
         import pyarrow.parquet as pq
 
         shard = deal_row_groups(groups, size, epoch, seed)[rank] if shuffle and reshuffle else fixed
@@ -321,21 +315,28 @@ def _builtin_source(layout: ParquetLayout, rank: int, size: int, columns: Sequen
                 yield {c: arrow_to_numpy(table.column(c), shapes.get(c), c, layout.row_bytes.get(c))
                        for c in columns}
 
+        keeping = -1  # the row group being copied into the cache, if any
         try:
-            if cache is None:
-                for j in order:
-                    yield from pieces(groups[shard[j]])
-                return
-            # With the cache, an epoch's rows are drawn from it whether they were cached before or
-            # are read now: the same batches in a fresh process (a resumed fit) as in a warm one.
-            for index in shard:
-                if cache.begin(index):
+            for j in order:
+                index = shard[j]
+                if cache is None:
+                    yield from pieces(groups[index])
+                elif index in cache:  # the same pieces as read, from memory
+                    yield from cache.pieces(index)
+                else:
+                    keeping = index if cache.begin(index) else -1
                     for chunk in pieces(groups[index]):
-                        cache.add(chunk)
-                    cache.commit(groups[index].num_rows)
-            rng = np.random.default_rng([seed, epoch, rank, pass_index, 2]) if shuffle else None
-            yield cache.draw([shard[j] for j in order], rng, window=shuffle_window > 0)
+                        if keeping >= 0:
+                            cache.add(chunk)
+                        yield chunk
+                    if keeping >= 0:
+                        cache.commit(groups[index].num_rows)
+                    keeping = -1
         finally:
+            # The consumer may stop at the epoch's last batch, within a row group: that group is
+            # kept if its last piece was read.
+            if cache is not None and keeping >= 0:
+                cache.commit(groups[keeping].num_rows)
             for handle, _ in opened.values():
                 handle.close()
 
@@ -403,12 +404,10 @@ def make_reader(kind: str, urls: Union[str, Sequence[str]], *, rank: int, size: 
     ``reshuffle`` (the default) deals the row groups to the ranks anew every epoch (a seeded
     permutation, balanced by rows; see :func:`deal_row_groups`), so over the epochs every rank
     sees all of the data; ``reshuffle=False`` keeps row group ``i`` on rank ``i % size``.
-    ``cache_all`` keeps every row group read in memory, decoded: one contiguous array per column,
-    from which every epoch draws its batches by index once the epoch's row groups are in (read
-    whole at the epoch's start where they are not), so later epochs read no file and decode
-    nothing; shuffling is then a seeded permutation of all the rank's rows of the epoch (with
-    ``shuffle_buffer_rows=0``, row groups in a seeded order, each as stored), the same batches
-    whether the rows were cached before or not;
+    ``cache_all`` keeps every row group read in memory, decoded, in one contiguous array per
+    column, and hands it out again as views of the pieces it was read in: later epochs read no
+    file and decode nothing, and give the same batches as reading the files would (a resumed
+    fit's fresh process trains the uninterrupted run's batches);
     ``"auto"`` caches when what the rank may read (its shard, or with ``reshuffle`` every row group)
     fits :data:`CACHE_MEMORY_SHARE` of the host's available memory divided among its ranks. The
     ``"petastorm"`` reader caches nothing. The builtin reader
@@ -459,8 +458,7 @@ def make_reader(kind: str, urls: Union[str, Sequence[str]], *, rank: int, size: 
                 deal_row_groups(layout.row_groups, size, None, seed)[rank]
             cache_all = cache_fits_here(layout, may_read)
         source, shard_rows = _builtin_source(layout, rank, size, columns, shape_map, shuffle, seed,
-                                             storage_options, url_list[0], reshuffle, cache_all,
-                                             shuffle_buffer_rows)
+                                             storage_options, url_list[0], reshuffle, cache_all)
     else:
         source, shard_rows = _petastorm_source(url_list, layout, rank, size, columns, shape_map, shuffle,
                                                seed, storage_options)

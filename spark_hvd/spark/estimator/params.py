@@ -522,8 +522,7 @@ HOROVOD_ESTIMATOR_PARAMS: Tuple[ParamSpec, ...] = (
     ParamSpec("backend", "How the ranks are run: a SparkBackend(num_proc=..., env=...), instead of num_proc.", None,
               ToBackend(), json=False),
     ParamSpec("shuffle_buffer_size", "Rows each process holds to shuffle within, filled from its row groups "
-                                     "as they are read (default 10,000; 0 shuffles row groups only); with the "
-                                     "in-memory cache all of its rows are shuffled together.", None, ToInt(0)),
+                                     "as they are read (default 10,000; 0 shuffles row groups only).", None, ToInt(0)),
     ParamSpec("partitions_per_process", "Parquet files written per process when the data is materialized "
                                         "(default: from the data's size).", None, ToInt(1)),
     ParamSpec("label_shapes", "Shape of each label column's per-row value as the loss receives it (e.g. [[1]]).",
