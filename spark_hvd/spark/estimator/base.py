@@ -39,7 +39,7 @@ from spark_hvd.spark.data.columns import inspect_column, plan_columns, sample_ba
 from spark_hvd.spark.data.prepare import PreparedData, prepare_data
 from spark_hvd.spark.data.reader import steps_for
 from spark_hvd.spark.data.store import Store
-from spark_hvd.spark.estimator import checks
+from spark_hvd.spark.estimator import checks, tuning
 from spark_hvd.spark.estimator.fingerprint import changed_parts, start_over_or_refuse
 from spark_hvd.spark.estimator.mlflow_log import params_for_logging, start_logging
 from spark_hvd.spark.estimator.persistence import ParamsReader, ParamsWriter
@@ -54,6 +54,8 @@ __all__ = ["PROBE_ROWS", "Checkpoint", "Fit", "DistributedEstimator", "local_def
            "prepare_lock"]
 
 log = logging.getLogger("spark_hvd.spark")
+
+tuning.install()  # a grid over objects is refused when its tuning object is saved, naming the Param
 
 PROBE_ROWS = 64
 """Rows of real data the driver puts through the model and the loss before materializing."""

@@ -97,15 +97,21 @@ class ToInt(Converter):
 
 
 class ToFloat(Converter):
-    """A real number."""
+    """A real number, optionally finite and bounded below."""
 
-    expected = "a number"
-    example = "0.5"
+    def __init__(self, minimum: Optional[float] = None, example: str = "0.5") -> None:
+        super().__init__()
+        self.minimum = minimum
+        self.expected = "a number" if minimum is None else f"a finite number >= {minimum:g}"
+        self.example = example
 
     def __call__(self, value: Any) -> float:
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise self.fail(value)
-        return float(value)
+        result = float(value)
+        if self.minimum is not None and not (np.isfinite(result) and result >= self.minimum):
+            raise self.fail(value)
+        return result
 
 
 class ToBool(Converter):
@@ -477,6 +483,11 @@ ESTIMATOR_PARAMS: Tuple[ParamSpec, ...] = (
     ParamSpec("cleanup_intermediate", "Remove the fit's materialized data from the store after a successful "
                                       "fit (otherwise it is kept for the next fit of the same DataFrame).",
               False, ToBool()),
+    ParamSpec("learning_rate", "Learning rate set on every parameter group of the optimizer before training (Keras: "
+                               "the optimizer's learning_rate; Lightning: every optimizer configure_optimizers "
+                               "returns, and its schedulers' base rates); unset: the optimizer's own. A plain number, "
+                               "so ParamGridBuilder can tune it and tuning models save; with scale_lr (TorchEstimator, "
+                               "KerasEstimator) the ranks multiply it by num_proc.", None, ToFloat(0.0, "1e-3")),
 )
 """Params of the estimators: every one of TorchEstimator and KerasEstimator; LightningEstimator takes
 those that mean the same for a LightningModule (see ``spark_hvd.spark.lightning.params``)."""

@@ -19,6 +19,7 @@ __all__ = [
     "check_model",
     "compiled_settings",
     "check_optimizer",
+    "with_learning_rate",
     "check_losses",
     "check_metrics",
     "loss_name",
@@ -62,6 +63,14 @@ def compiled_settings(model: Any) -> Dict[str, Any]:
 
 def _deserialize_loss(loss: Any) -> Any:
     return loss if isinstance(loss, str) else keras.losses.deserialize(loss)
+
+
+def with_learning_rate(optimizer: Any, lr: Optional[float]) -> Any:
+    """A fresh optimizer of ``optimizer``'s class and settings with learning rate ``lr`` (replacing
+    a schedule); ``optimizer`` itself when ``lr`` is None."""
+    if lr is None:
+        return optimizer
+    return type(optimizer).from_config({**optimizer.get_config(), "learning_rate": float(lr)})
 
 
 def check_optimizer(optimizer: Any) -> Any:

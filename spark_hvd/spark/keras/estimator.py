@@ -102,6 +102,7 @@ class KerasEstimator(DistributedEstimator, KerasEstimatorParams):
         compiled = checks.compiled_settings(model)
         optimizer = checks.check_optimizer(self.getOptimizer() if self.getOptimizer() is not None
                                            else compiled.get("optimizer"))
+        optimizer = checks.with_learning_rate(optimizer, self.getLearningRate())
         return _Keras(model, optimizer, compiled)
 
     def _check_training(self, own: _Keras, feature_cols: List[str], label_cols: List[str]) -> None:

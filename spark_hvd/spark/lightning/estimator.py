@@ -95,7 +95,7 @@ class LightningEstimator(TorchModuleHooks, DistributedEstimator, LightningEstima
     def _check_training(self, own: _Lightning, feature_cols: List[str], label_cols: List[str]) -> None:
         torch_checks.check_compression(self.getGradientCompression())
         torch_checks.check_feature_count(own.model, feature_cols)
-        own.optimizer = _optimizer_spec(own.model)
+        own.optimizer = _optimizer_spec(own.model).with_learning_rate(self.getLearningRate())
 
     # ---- dry runs -------------------------------------------------------------------------------
     def _try_batch(self, fit: Fit, batch: Dict[str, Any], sizes: List[int]) -> None:
@@ -129,7 +129,8 @@ class LightningEstimator(TorchModuleHooks, DistributedEstimator, LightningEstima
     def _spec(self, fit: Fit, common_fields: Dict[str, Any], resume: Optional[Checkpoint]) -> LightningTrainingSpec:
         own: _Lightning = fit.own
         return LightningTrainingSpec(**common_fields, model=fit.model, resume=resume is not None,
-                                     trainer_args=self._trainer_args(own), callbacks=own.callbacks)
+                                     trainer_args=self._trainer_args(own), callbacks=own.callbacks,
+                                     learning_rate=self.getLearningRate())
 
     def _trainer_args(self, own: _Lightning) -> Dict[str, Any]:
         """``trainer_args`` with what Horovod's Params set: accumulation, logger, logging interval, profiler."""

@@ -23,14 +23,14 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
-from pytorch_lightning.callbacks import Checkpoint, ModelCheckpoint
+from pytorch_lightning.callbacks import Callback, Checkpoint, ModelCheckpoint
 
 from spark_hvd.spark.torch.batches import feature_tensors, model_dtype, weight_tensor
 from spark_hvd.spark.estimator.progress import ProgressReporter
 from spark_hvd.spark.estimator.step_profile import LIGHTNING_PHASES, step_profile
 from spark_hvd.spark.estimator.training import RunFiles, TrainingSpec, close_readers, rank_threads
 
-__all__ = ["LightningTrainingSpec", "fit_on_rank", "CHECKPOINT_KEY", "history_entry"]
+__all__ = ["LightningTrainingSpec", "fit_on_rank", "CHECKPOINT_KEY", "history_entry", "set_learning_rate"]
 
 CHECKPOINT_KEY = "spark_hvd"
 """Key of the estimator's own record (format, completed epochs, history, fingerprint) in a Lightning checkpoint."""
@@ -54,6 +54,8 @@ class LightningTrainingSpec(TrainingSpec):
     resume: bool = False
     """Whether ``checkpoint_path`` holds the checkpoint to continue from."""
     trainer_args: Dict[str, Any] = field(default_factory=dict)
+    learning_rate: Optional[float] = None
+    """The ``learning_rate`` Param: set on every optimizer configure_optimizers returns, or None."""
 
 
 def module_batch(batch: Dict[str, np.ndarray], feature_cols: List[str], label_cols: List[str],
@@ -129,6 +131,34 @@ def history_entry(logged: Dict[str, Any]) -> Dict[str, float]:
         if key.endswith("_epoch") or name not in entry:
             entry[name] = number
     return entry
+
+
+def set_learning_rate(optimizers: List[Any], schedulers: List[Any], lr: float) -> None:
+    """Make ``lr`` every parameter group's base learning rate: a group's current rate keeps its ratio to
+    its base (a scheduler's factor at the start), and the schedulers' base rates become ``lr``."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            base = group.get("initial_lr", group["lr"])
+            group["lr"] = group["lr"] * (lr / base) if base else lr
+            if "initial_lr" in group:
+                group["initial_lr"] = lr
+    for scheduler in schedulers:
+        if hasattr(scheduler, "base_lrs"):
+            scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
+            optimizer = getattr(scheduler, "optimizer", None)
+            if optimizer is not None and hasattr(scheduler, "_last_lr"):
+                scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+class _LearningRate(Callback):
+    """Sets the ``learning_rate`` Param on the optimizers the Trainer built, before the first step (and
+    before a resumed run's optimizer state, which holds the same rate, is loaded)."""
+
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        set_learning_rate(list(trainer.optimizers), [c.scheduler for c in trainer.lr_scheduler_configs], self.lr)
 
 
 class _EpochEnd(Checkpoint):
@@ -296,7 +326,9 @@ def fit_on_rank(spec: LightningTrainingSpec) -> Optional[Dict[str, Any]]:
                 callback.dirpath = files.path(callback.dirpath or "checkpoints")
         trainer = pl.Trainer(strategy=strategy, accelerator="gpu" if use_gpu else "cpu", devices=1, num_nodes=1,
                              max_epochs=spec.epochs, enable_checkpointing=True,
-                             callbacks=list(spec.callbacks) + [epoch_end], **kwargs)
+                             callbacks=list(spec.callbacks) + [epoch_end] + (
+                                 [_LearningRate(spec.learning_rate)] if spec.learning_rate is not None else []),
+                             **kwargs)
         try:
             rank, size = hvd.rank(), hvd.size()
             torch.set_num_threads(rank_threads(hvd.local_size()))

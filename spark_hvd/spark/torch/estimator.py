@@ -105,7 +105,8 @@ class TorchEstimator(TorchModuleHooks, DistributedEstimator, TorchEstimatorParam
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer={optimizer!r} is not valid: expected a torch.optim.Optimizer over the "
                              "model's parameters; pass e.g. optimizer=torch.optim.Adam(model.parameters(), lr=1e-3)")
-        return _Torch(model, OptimizerSpec.of(optimizer, model), [], [], [])
+        spec = OptimizerSpec.of(optimizer, model).with_learning_rate(self.getLearningRate())
+        return _Torch(model, spec, [], [], [])
 
     def _check_training(self, own: _Torch, feature_cols: List[str], label_cols: List[str]) -> None:
         own.losses, own.loss_weights = checks.check_losses(self._loss(), self.getLossWeights(), label_cols)

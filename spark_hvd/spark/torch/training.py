@@ -70,6 +70,18 @@ class OptimizerSpec:
         state = optimizer.state_dict() if optimizer.state else None
         return cls(type(optimizer), dict(optimizer.defaults), groups, _to_cpu(state) if state else None)
 
+    def with_learning_rate(self, lr: Optional[float]) -> "OptimizerSpec":
+        """This spec with every parameter group's learning rate (and its defaults', and its saved
+        state's) set to ``lr``; itself when ``lr`` is None."""
+        if lr is None:
+            return self
+        groups = [(ids, {**hyper, "lr": lr, **({"initial_lr": lr} if "initial_lr" in hyper else {})})
+                  for ids, hyper in self.groups]
+        state = self.state
+        if state is not None:
+            state = {**state, "param_groups": [{**group, "lr": lr} for group in state.get("param_groups", [])]}
+        return OptimizerSpec(self.cls, {**self.defaults, "lr": lr}, groups, state)
+
     def build(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         """A fresh optimizer of the same class and hyperparameters over ``model``'s parameters."""
         params = list(model.parameters())

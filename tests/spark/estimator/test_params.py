@@ -42,7 +42,8 @@ ISSUE_PARAMS = [
     "train_minibatch_fn", "use_gpu", "verbose", "reader", "scale_lr",
 ]
 OUR_PARAMS = ["invalid_rows", "overwrite_run", "task", "prediction_col", "probability_col", "raw_prediction_col",
-              "log_to_mlflow", "max_retries", "checkpoint_every_steps", "sharding", "cleanup_intermediate"]
+              "log_to_mlflow", "max_retries", "checkpoint_every_steps", "sharding", "cleanup_intermediate",
+              "learning_rate"]
 HOROVOD_ONLY = [s.name for s in HOROVOD_ESTIMATOR_PARAMS]
 
 
@@ -119,6 +120,10 @@ def test_constructor_and_setters_convert_values():
     ("loss_weights", ["a"], "expected a list of numbers"),
     ("store", 3, "expected a spark_hvd.spark.Store"),
     ("verbose", -1, "expected an integer >= 0"),
+    ("learning_rate", -0.1, "learning_rate=-0.1 is not valid: expected a finite number >= 0; pass e.g. "
+                            "learning_rate=1e-3"),
+    ("learning_rate", float("nan"), "learning_rate=nan is not valid"),
+    ("learning_rate", "0.1", "expected a finite number >= 0"),
 ])
 def test_conversion_errors_name_the_param_and_the_fix(name, value, fragment):
     """Invalid values raise ValueError naming the Param, the value and what is expected."""

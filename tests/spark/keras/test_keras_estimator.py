@@ -227,14 +227,18 @@ def test_the_same_run_id_resumes_after_the_last_completed_epoch_and_retries_a_ki
 
 
 def test_cross_validator_fits_per_fold_and_picks_the_best(frame, tmp_path):
-    """CrossValidator fits a model per fold (two at a time, one rank each) and the best model scores."""
-    est = make_estimator(tmp_path, num_proc=1)
-    grid = ParamGridBuilder().addGrid(est.getParam("batch_size"), [16]).build()
+    """CrossValidator fits a model per fold (two at a time, one rank each) and the best model scores;
+    the grid's learning_rate replaces the optimizer's own (0.0, which would leave the weights as they
+    were)."""
+    est = make_estimator(tmp_path, num_proc=1, optimizer=keras.optimizers.Adam(0.0))
+    initial = est.getModel().get_weights()
+    grid = ParamGridBuilder().addGrid(est.learning_rate, [0.05]).addGrid(est.getParam("batch_size"), [16]).build()
     cv = CrossValidator(estimator=est, estimatorParamMaps=grid, evaluator=BinaryClassificationEvaluator(labelCol="y"),
                         numFolds=2, parallelism=2, seed=1)
     cv_model = cv.fit(frame)
     assert len(cv_model.avgMetrics) == 1 and 0.0 <= cv_model.avgMetrics[0] <= 1.0
     best = cv_model.bestModel
     assert isinstance(best, KerasModel) and best.getTask() == "binary"
+    assert not all(np.array_equal(a, b) for a, b in zip(initial, best.getModel().get_weights()))
     out = best.transform(frame)
     assert out.count() == ROWS and 0.5 < BinaryClassificationEvaluator(labelCol="y").evaluate(out) <= 1.0

@@ -329,15 +329,37 @@ def test_same_run_id_resumes_with_its_optimizer_state_and_a_saved_estimator_retu
 
 
 @pytest.mark.timeout(600)
+def test_set_learning_rate_keeps_a_schedulers_factor_and_sets_its_base():
+    """The learning_rate Param on what configure_optimizers built: a LambdaLR at factor 0.5 keeps
+    its factor of the new base rate, and its later steps follow the new base."""
+    from spark_hvd.spark.lightning.training import set_learning_rate
+
+    net = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 0.5 ** (epoch + 1))
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+    set_learning_rate([optimizer], [scheduler], 0.4)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.2)
+    assert scheduler.get_last_lr() == [pytest.approx(0.2)]
+    optimizer.step()
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
+
+
 def test_cross_validator_fits_folds_and_picks_a_model(frame, tmp_path):
-    """CrossValidator over two batch sizes (two one-rank fits at a time) gives a metric per
-    grid point and a LightningModel that transforms."""
+    """CrossValidator over two learning rates (two one-rank fits at a time) gives a metric per
+    grid point and a LightningModel that transforms; the learning_rate Param replaces the rate
+    configure_optimizers gives (0.0 leaves the module's weights as they were)."""
     est = make_estimator(tmp_path, num_proc=1)
-    grid = ParamGridBuilder().addGrid(est.getParam("batch_size"), [8, 48]).build()
+    initial = [p.detach().clone() for p in est.getModel().parameters()]
+    grid = ParamGridBuilder().addGrid(est.learning_rate, [0.0, 0.05]).build()
     cv = CrossValidator(estimator=est, estimatorParamMaps=grid, evaluator=BinaryClassificationEvaluator(labelCol="y"),
-                        numFolds=2, parallelism=2, seed=1)
+                        numFolds=2, parallelism=2, seed=1, collectSubModels=True)
     cv_model = cv.fit(frame)
     assert len(cv_model.avgMetrics) == 2 and all(0.0 <= m <= 1.0 for m in cv_model.avgMetrics)
+    for still, moved in cv_model.subModels:
+        assert all(torch.equal(a, b) for a, b in zip(initial, still.getModel().parameters()))
+        assert not all(torch.equal(a, b) for a, b in zip(initial, moved.getModel().parameters()))
     best = cv_model.bestModel
     assert isinstance(best, LightningModel) and best.getTask() == "binary"
     assert best.transform(frame).select("prediction").distinct().count() >= 1

@@ -309,6 +309,44 @@ def test_cross_validator_with_a_parameter_grid(frame, tmp_path):
     assert best.transform(frame).count() == ROWS
 
 
+@pytest.mark.session_kinds("classic")
+def test_cross_validator_tunes_learning_rate_and_saves(frame, tmp_path):
+    """A grid over the learning_rate Param: the sub-model fitted with 0.0 keeps the initial weights
+    (the optimizer's own 0.05 is replaced), the one with 0.05 moves them; the CrossValidatorModel
+    saves and loads with identical predictions. A grid over optimizer objects is refused when the
+    CrossValidator is saved, naming the Param and learning_rate, before anything is written."""
+    from pyspark.ml.tuning import CrossValidatorModel
+
+    est = make_estimator(tmp_path, num_proc=1, epochs=1)
+    initial = [p.detach().clone() for p in est.getModel().parameters()]
+    grid = ParamGridBuilder().addGrid(est.learning_rate, [0.0, 0.05]).build()
+    cv = CrossValidator(estimator=est, estimatorParamMaps=grid, evaluator=BinaryClassificationEvaluator(labelCol="y"),
+                        numFolds=2, seed=1, collectSubModels=True)
+    cv_model = cv.fit(frame)
+    for fold in cv_model.subModels:
+        still, moved = fold
+        assert all(torch.equal(a, b) for a, b in zip(initial, still.getModel().parameters()))
+        assert not all(torch.equal(a, b) for a, b in zip(initial, moved.getModel().parameters()))
+    assert cv_model.bestModel.getHistory()[-1]["loss"] > 0
+
+    path = str(tmp_path / "cv")
+    cv_model.write().overwrite().save(path)
+    loaded = CrossValidatorModel.load(path)
+    assert [m[est.learning_rate] for m in loaded.getEstimatorParamMaps()] == [0.0, 0.05]
+    before = [r["probability"] for r in cv_model.transform(frame).collect()]
+    assert before == [r["probability"] for r in loaded.transform(frame).collect()]
+
+    model = est.getModel()
+    objects = ParamGridBuilder().addGrid(est.optimizer, [torch.optim.SGD(model.parameters(), lr=lr)
+                                                         for lr in (0.01, 0.1)]).build()
+    unfitted = CrossValidator(estimator=est, estimatorParamMaps=objects,
+                              evaluator=BinaryClassificationEvaluator(labelCol="y"))
+    with pytest.raises(TypeError, match=r"CrossValidator cannot be saved: estimatorParamMaps\[0\] sets optimizer=<a torch.optim.sgd.SGD>"
+                                        r".*tune learning_rate instead"):
+        unfitted.write().overwrite().save(str(tmp_path / "unsaved"))
+    assert not (tmp_path / "unsaved").exists()
+
+
 # -- bad data: counted, named, never silent ------------------------------------------------------
 
 
