@@ -63,6 +63,12 @@ class PreparedData:
     num_proc: int
     """Number of training processes the dataset was sharded for."""
     format_version: int = field(default=FORMAT_VERSION)
+    label_ranges: Dict[str, List[Any]] = field(default_factory=dict)
+    """Per numeric label column, what its written rows hold: ``[least, greatest, rows with a
+    fractional value]`` (array labels: over their elements), so the losses' label checks need no
+    pass of their own; empty for datasets written before it was recorded."""
+    skipped_rows: int = 0
+    """Rows left out with ``skip_invalid`` (a null, NaN or infinite value)."""
 
     def column(self, name: str) -> ColumnInfo:
         """The :class:`ColumnInfo` named ``name``."""
@@ -158,10 +164,32 @@ def _laid_out(frame: Any, num_files: int, num_proc: int, exact: bool) -> Any:
     return frame
 
 
-def _observed(frame: Any, planned: List[StoredColumn], name: str) -> Tuple[Any, Any]:
+def _source_observed(frame: Any, planned: List[StoredColumn], skip_invalid: bool,
+                     marker: Optional[str]) -> Tuple[Any, Any]:
+    """``frame`` (every selected row, before rows are skipped or split) with an Observation of the
+    rows ``skip_invalid`` leaves out and of the values of the validation ``marker`` column that are
+    not 0/1/true/false; (frame, None) when there is nothing to count. The first write gathers it."""
+    from pyspark.sql import Observation
+    from pyspark.sql import functions as F
+
+    metrics = []
+    if skip_invalid:
+        metrics.append(F.sum(F.when(valid_rows(planned), 0).otherwise(1)).alias("skipped"))
+    if marker is not None:
+        col = F.col(marker)
+        bad = col.isNotNull() & ~F.coalesce(col.cast("double").isin(0.0, 1.0), F.lit(False))
+        metrics += [F.sum(F.when(bad, 1).otherwise(0)).alias("marks"),
+                    F.first(F.when(bad, col.cast("string")), ignorenulls=True).alias("mark")]
+    if not metrics:
+        return frame, None
+    observation = Observation("spark_hvd_source")
+    return frame.observe(observation, *metrics), observation
+
+
+def _observed(frame: Any, planned: List[StoredColumn], name: str, labels: Sequence[str] = ()) -> Tuple[Any, Any]:
     """``frame`` with an Observation of what the check of the data needs, gathered while it is
-    written (no second pass): rows, nulls, rows with a NaN, infinite or null element, and the
-    least and greatest array length per array column."""
+    written (no second pass): rows, nulls, rows with a NaN, infinite or null element, the least and
+    greatest array length per array column, and the range of every numeric ``labels`` column."""
     from pyspark.sql import Observation
     from pyspark.sql import functions as F
 
@@ -187,6 +215,13 @@ def _observed(frame: Any, planned: List[StoredColumn], name: str) -> Tuple[Any, 
             count(bad, f"b{i}")
         elif is_float(c):
             count(F.isnan(col) | (F.abs(col) == F.lit(float("inf"))), f"b{i}")
+        if c.name in labels and c.dtype != "bool":
+            values = col if c.kind == "scalar" else None
+            low = F.array_min(col) if values is None else values
+            high = F.array_max(col) if values is None else values
+            metrics += [F.min(low).alias(f"lmin{i}"), F.max(high).alias(f"lmax{i}")]
+            if values is not None and is_float(c):
+                count((values % 1) != 0, f"lfrac{i}")
     observation = Observation(f"spark_hvd_{name}")
     return frame.observe(observation, *metrics), observation
 
@@ -207,14 +242,37 @@ def _as_row_bytes(frame: Any, planned: List[StoredColumn]) -> Any:
 
 
 def _write(frame: Any, planned: List[StoredColumn], num_files: int, num_proc: int, exact: bool, url: str,
-           row_group_bytes: int, name: str) -> Dict[str, Any]:
+           row_group_bytes: int, name: str, labels: Sequence[str]) -> Dict[str, Any]:
     """Write ``frame`` as Parquet at ``url`` in one pass, array columns as raw rows; returns what
     :func:`_observed` gathered from the rows on their way."""
-    observed, observation = _observed(_laid_out(frame, num_files, num_proc, exact), planned, name)
+    observed, observation = _observed(_laid_out(frame, num_files, num_proc, exact), planned, name, labels)
     (_as_row_bytes(observed, planned).write.mode("overwrite")
      .option("parquet.block.size", str(row_group_bytes))
      .parquet(url))
     return dict(observation.get)
+
+
+def _label_ranges(observed: List[Dict[str, Any]], planned: List[StoredColumn]) -> Dict[str, List[Any]]:
+    """[least, greatest, fractional rows] of each observed label column over every write."""
+    ranges: Dict[str, List[Any]] = {}
+    for i, c in enumerate(planned):
+        if not any(f"lmin{i}" in o for o in observed):
+            continue
+        lows = [o[f"lmin{i}"] for o in observed if o.get(f"lmin{i}") is not None]
+        highs = [o[f"lmax{i}"] for o in observed if o.get(f"lmax{i}") is not None]
+        ranges[c.name] = [min(lows) if lows else None, max(highs) if highs else None,
+                          sum(int(o.get(f"lfrac{i}") or 0) for o in observed)]
+    return ranges
+
+
+def _check_marks(source: Dict[str, Any], validation: str) -> None:
+    """A ValueError when the validation column holds values other than 0/1/true/false."""
+    if source.get("marks"):
+        raise ValueError(
+            f"validation column {validation!r} holds values other than 0/1/true/false in {source['marks']} rows (the "
+            f"first: {source['mark']}): expected 1 or true for validation rows and 0 or false for training rows; "
+            f"fix: derive it as a 0/1 column, e.g. F.when(F.col({validation!r}) == 'val', 1).otherwise(0), or pass "
+            "validation=0.2 to hold out a fraction")
 
 
 def _lengths(observed: List[Dict[str, Any]], planned: List[StoredColumn]) -> Optional[Dict[str, int]]:
@@ -338,23 +396,25 @@ def prepare_data(df: Any, store: Store, feature_cols: Sequence[str], label_cols:
     train_path = store.get_train_data_path(key)
     val_path = store.get_val_data_path(key) if validation is not None else None
     estimate = _estimated_bytes(df)
+    source: Any = None
     if isinstance(validation, str):
         is_val = F.coalesce(F.col(quote(validation)).cast("boolean"), F.lit(False))
-        marked = df.select(*exprs, is_val.alias("__spark_hvd_is_val"))
+        marked = df.select(*exprs, is_val.alias("__spark_hvd_is_val"), F.col(quote(validation)).alias("__spark_hvd_mark"))
+        marked, source = _source_observed(marked, planned, skip_invalid, "__spark_hvd_mark")
         if skip_invalid:
             marked = marked.filter(valid_rows(planned))
-        train_df = marked.filter(~F.col("__spark_hvd_is_val")).drop("__spark_hvd_is_val")
-        val_df = marked.filter(F.col("__spark_hvd_is_val")).drop("__spark_hvd_is_val")
+        train_df = marked.filter(~F.col("__spark_hvd_is_val")).drop("__spark_hvd_is_val", "__spark_hvd_mark")
+        val_df = marked.filter(F.col("__spark_hvd_is_val")).drop("__spark_hvd_is_val", "__spark_hvd_mark")
         fractions = (1.0, 1.0)  # unknown split: size both for the whole frame
     elif validation is not None:
         fraction = float(validation)
-        selected = df.select(*exprs)
+        selected, source = _source_observed(df.select(*exprs), planned, skip_invalid, None)
         if skip_invalid:
             selected = selected.filter(valid_rows(planned))
         train_df, val_df = selected.randomSplit([1.0 - fraction, fraction], seed=seed)
         fractions = (1.0 - fraction, fraction)
     else:
-        selected = df.select(*exprs)
+        selected, source = _source_observed(df.select(*exprs), planned, skip_invalid, None)
         train_df, val_df, fractions = (selected.filter(valid_rows(planned)) if skip_invalid else selected), None, (1.0, 0.0)
 
     urls = [store.spark_url(train_path)]
@@ -363,13 +423,16 @@ def prepare_data(df: Any, store: Store, feature_cols: Sequence[str], label_cols:
     try:
         observed = [_write(train_df, planned, _num_files(estimate, fractions[0], num_proc, target_file_bytes,
                                                          files_per_proc), num_proc, exact, urls[0], row_group_bytes,
-                           "train")]
+                           "train", label_cols)]
+        counted = dict(source.get) if source is not None else {}
+        if isinstance(validation, str):
+            _check_marks(counted, validation)
         if val_df is not None and val_path is not None:
             urls.append(store.spark_url(val_path))
             written.append(val_path)
             observed.append(_write(val_df, planned, _num_files(estimate, fractions[1], num_proc, target_file_bytes,
                                                                files_per_proc), num_proc, exact, urls[1],
-                                   row_group_bytes, "val"))
+                                   row_group_bytes, "val", label_cols))
         if not any(o.get("rows") for o in observed):
             raise ValueError("the DataFrame has no rows: expected at least one row to train on; check the "
                              "filters that produced it")
@@ -397,7 +460,8 @@ def prepare_data(df: Any, store: Store, feature_cols: Sequence[str], label_cols:
         train_files=len(train.files), val_files=len(val.files) if val else 0,
         train_row_groups=len(train.row_groups), val_row_groups=len(val.row_groups) if val else 0,
         columns=columns, feature_cols=tuple(feature_cols), label_cols=tuple(label_cols),
-        sample_weight_col=sample_weight_col, num_proc=num_proc)
+        sample_weight_col=sample_weight_col, num_proc=num_proc, label_ranges=_label_ranges(observed, planned),
+        skipped_rows=int(counted.get("skipped") or 0))
     # Written last: its presence is what marks the dataset complete for later calls.
     store.write(metadata_path, info.to_json().encode())
     return info

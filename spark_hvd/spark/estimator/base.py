@@ -41,6 +41,7 @@ from spark_hvd.spark.data.reader import steps_for
 from spark_hvd.spark.data.store import Store
 from spark_hvd.spark.estimator import checks, tuning
 from spark_hvd.spark.estimator.fingerprint import changed_parts, start_over_or_refuse
+from spark_hvd.spark.estimator.labels import LabelRule, check_labels, probe_breaks, rule_for_loss, rule_for_task
 from spark_hvd.spark.estimator.mlflow_log import params_for_logging, start_logging
 from spark_hvd.spark.estimator.persistence import ParamsReader, ParamsWriter
 from spark_hvd.spark.estimator.progress import ProgressPrinter
@@ -131,6 +132,8 @@ class Fit:
     """Values per row of each feature column that the model was last tried with."""
     shapes: Optional[List[Tuple[int, ...]]] = None
     """Per-row shape of each feature as the model receives it, once known."""
+    output_shapes: Optional[List[Tuple[int, ...]]] = None
+    """Per-row shape of the model's output for each label, from the last dry run."""
     fingerprint: Dict[str, str] = field(default_factory=dict)
 
 
@@ -158,6 +161,9 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
     """What the user calls the model in messages ('module' for a LightningModule)."""
     fitted_class: ClassVar[type]
     """The FittedModel class fit returns."""
+    label_rules_from_task: ClassVar[bool] = False
+    """Check labels by the declared ``task`` where no loss names a rule (a LightningModule's loss is
+    inside its training_step)."""
     dry_run_loss_on_zeros: ClassVar[bool] = False
     """Also put rows of zeros through the loss before any Spark job, when the schema tells the
     labels' sizes too."""
@@ -181,6 +187,10 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
     def _infer_task(self, own: Any, label_cols: List[str]) -> str:
         """The concrete prediction task (the ``task`` Param, or what the loss implies)."""
         return str(self.getOrDefault("task"))
+
+    def _loss_names(self, fit: Fit) -> List[Optional[str]]:
+        """The name of each label column's loss (class or function), where the framework knows it."""
+        return [None] * len(fit.label_cols)
 
     def _working_copy(self, own: Any) -> Any:
         """The driver's copy of the model that fit trains and returns."""
@@ -312,14 +322,28 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
         if all(size is not None for size in schema_sizes):
             sizes = [int(s) for s in schema_sizes]  # type: ignore[arg-type]
             self._try(fit, sizes, self._zero_batch(df, fit, sizes))
-        weight_col = fit.sample_weight_col
-        columns = fit.feature_cols + fit.label_cols + ([weight_col] if weight_col else [])
-        batch = sample_batch(df, columns, min(self.getOrDefault("batch_size"), PROBE_ROWS), fit.dtype)
+        batch = sample_batch(df, self._columns(fit), min(self.getOrDefault("batch_size"), PROBE_ROWS), fit.dtype)
         batch = adapt_batch(batch, self.getOrDefault("transformation_fn"), self._removed_fields(), fit.label_cols,
                             self.getOrDefault("label_shapes"))
         if not batch or len(next(iter(batch.values()))) == 0:
             return  # no complete row: the materialization names the nulls, or the empty frame
-        self._try(fit, _sizes(batch, fit.feature_cols), batch)
+        sizes = _sizes(batch, fit.feature_cols)
+        self._probe_labels(df, fit, batch, sizes)
+        self._try(fit, sizes, batch)
+
+    def _columns(self, fit: Fit) -> List[str]:
+        """The columns training reads: features, labels and the sample weight."""
+        return fit.feature_cols + fit.label_cols + ([fit.sample_weight_col] if fit.sample_weight_col else [])
+
+    def _probe_labels(self, df: Any, fit: Fit, batch: Dict[str, Any], sizes: List[int]) -> None:
+        """Labels of the probe batch that their loss cannot take are named with their counts over
+        ``df`` (one Spark job, only then), before the loss meets them and fails less clearly."""
+        rules = self._label_rules(df, fit)
+        if any(rule.kind == "classes" for rule in rules) and fit.output_shapes is None:
+            self._try(fit, sizes)  # the model's outputs say how many classes there are
+            rules = self._label_rules(df, fit)
+        if probe_breaks(batch, rules):
+            check_labels(df, rules, {}, self._columns(fit), fit.dtype, self.getOrDefault("invalid_rows") == "skip")
 
     def _try(self, fit: Fit, sizes: List[int], batch: Optional[Dict[str, Any]] = None) -> None:
         if batch is None:
@@ -345,6 +369,24 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
         if fit.sample_weight_col is not None:
             batch[fit.sample_weight_col] = np.ones(2, dtype=fit.dtype)
         return batch
+
+    def _label_rules(self, df: Any, fit: Fit) -> List[LabelRule]:
+        """What each label column must hold for its loss (or, see ``label_rules_from_task``, its task);
+        none when ``transformation_fn`` may change the labels before the loss sees them."""
+        if self.getOrDefault("transformation_fn") is not None:
+            return []
+        fields = {f.name: f.dataType for f in df.schema.fields}
+        names = self._loss_names(fit)
+        rules = []
+        for i, col in enumerate(fit.label_cols):
+            scalar = inspect_column(col, fields[col], fit.dtype).kind == "scalar"
+            shape = fit.output_shapes[i] if fit.output_shapes and i < len(fit.output_shapes) else None
+            rule = rule_for_loss(col, names[i], shape, scalar) if names[i] else None
+            if rule is None and self.label_rules_from_task and len(fit.label_cols) == 1:
+                rule = rule_for_task(col, fit.task, shape, scalar)
+            if rule is not None:
+                rules.append(rule)
+        return rules
 
     # ---- 3. fingerprint and resume --------------------------------------------------------------
     def _fingerprint(self, df: Any, fit: Fit) -> Dict[str, str]:
@@ -444,7 +486,18 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
         sizes = [max(1, int(np.prod(prepared.column(col).shape))) for col in fit.feature_cols]
         if sizes != fit.sizes or fit.shapes is None:
             self._try(fit, sizes)  # the stored data's sizes, which the ranks will read
+        check_labels(dataset, self._label_rules(dataset, fit), prepared.label_ranges, self._columns(fit), fit.dtype,
+                     self.getOrDefault("invalid_rows") == "skip")
         timings["materialization"] = time.monotonic() - mark
+        summary = {"train_rows": prepared.train_rows, "val_rows": prepared.val_rows,
+                   "skipped_rows": prepared.skipped_rows}
+        if prepared.skipped_rows:
+            text = (f"invalid_rows='skip' left out {prepared.skipped_rows} rows with a null, NaN or infinite value; "
+                    f"training on {prepared.train_rows} rows" + (f" and validating on {prepared.val_rows}"
+                                                                 if prepared.val_path else ""))
+            log.warning(text)
+            if self.getOrDefault("verbose"):
+                print(f"spark-hvd: {text}")
 
         epochs = self.getOrDefault("epochs")
         start_epoch = resume.epoch if resume else 0
@@ -458,7 +511,7 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
                       f"{self.model_word}, optimizer, loss and data: returning its model without training (raise "
                       "epochs to continue, or use a new run_id)")
             model = self._fitted(fit, list(resume.history) if resume else [])
-            model.fit_timings = timings
+            model.fit_timings, model.fit_summary = timings, summary
             return self._finish(model, fit)
 
         current = [self._spec(fit, self._common_spec(fit, prepared, resume, seed), resume)]
@@ -508,7 +561,7 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
         self._load_result(fit, result)
         model = self._fitted(fit, list(result["history"]))
         timings["collection"] = max(0.0, time.time() - last_epoch)
-        model.fit_timings = timings
+        model.fit_timings, model.fit_summary = timings, summary
         if self.getOrDefault("cleanup_intermediate"):
             fit.store.remove_intermediate([prepared.key])
         if not fit.store.save_runs:
@@ -528,6 +581,7 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
                                "run_id": fit.run_id, "task": fit.task, "lr": lr})
             logger.log_history(model.getHistory() or [])
             logger.log_timings(model.fit_timings)
+            logger.log_summary(model.fit_summary)
             logger.log_model(lambda mlflow: self._log_model(mlflow, model))
             model.mlflow_run_id = logger.run_id
         finally:

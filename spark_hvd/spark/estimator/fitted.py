@@ -11,7 +11,7 @@ from pyspark.ml.util import MLReadable, MLWritable
 
 from spark_hvd.spark.estimator import checks
 from spark_hvd.spark.estimator.inference import (InferencePlan, Predictor, allow_vector_inputs, feature_args,
-                                                 output_is_scalar, prediction_udf)
+                                                 output_is_scalar, prediction_udf, usable_args, usable_rows)
 from spark_hvd.spark.estimator.outputs import ONE_VALUE_TASKS, check_task, column_kinds, spark_columns
 from spark_hvd.spark.estimator.params import ModelParams
 from spark_hvd.spark.estimator.persistence import ParamsReader, ParamsWriter
@@ -39,6 +39,9 @@ class FittedModel(Model, ModelParams, MLReadable, MLWritable):
         self.fit_timings: Dict[str, float] = {}
         """Seconds fit() spent per phase (validation, materialization, launch, training,
         collection); empty for a model that was loaded or built by hand."""
+        self.fit_summary: Dict[str, int] = {}
+        """Rows fit() trained on (``train_rows``), validated on (``val_rows``) and left out with
+        ``invalid_rows='skip'`` (``skipped_rows``); empty for a model that was loaded or built by hand."""
         self.mlflow_run_id: Optional[str] = None
         """The MLflow run this model's fit was logged to, if it was."""
 
@@ -126,8 +129,16 @@ class FittedModel(Model, ModelParams, MLReadable, MLWritable):
             dtype=dtype, sys_path=tuple(p for p in sys.path if isinstance(p, str)), task=self.getTask(),
             raw_outputs=self._raw_outputs())
         allow_vector_inputs(session, dataset.schema, feature_cols)
-        predicted = prediction_udf(plan, payload, self._predictor())(*feature_args(dataset.schema, feature_cols, dtype))
-        return self._add_predictions(dataset, predicted, output_cols, scalar)
+        args = feature_args(dataset.schema, feature_cols, dtype)
+        valid = None
+        if self.getInvalidRows() != "error":
+            valid = usable_rows(dataset.schema, feature_cols, args, shapes, dtype)
+            if self.getInvalidRows() == "skip":
+                dataset, valid = dataset.filter(valid), None
+            else:  # 'keep': the model sees zeros in those rows, whose predictions become null
+                args = usable_args(dataset.schema, feature_cols, args, shapes, dtype, valid)
+        predicted = prediction_udf(plan, payload, self._predictor())(*args)
+        return self._add_predictions(dataset, predicted, output_cols, scalar, valid)
 
     # ---- checks ---------------------------------------------------------------------------
     def _check_columns(self, df: Any) -> Tuple[List[str], List[str]]:
@@ -144,7 +155,7 @@ class FittedModel(Model, ModelParams, MLReadable, MLWritable):
         if labels and len(output_cols) != len(labels):
             raise ValueError(f"output_cols={output_cols} has {len(output_cols)} names for {len(labels)} label "
                              f"column(s) {labels}: expected one output column per label column")
-        new_cols = (self._task_columns() + (output_cols if self._raw_outputs() else [])) or output_cols
+        new_cols = self._new_columns(output_cols)
         if len(set(new_cols)) != len(new_cols):
             raise ValueError(f"prediction columns {new_cols} repeat a name: expected distinct names; fix: "
                              "setPredictionCol / setProbabilityCol / setRawPredictionCol")
@@ -160,6 +171,10 @@ class FittedModel(Model, ModelParams, MLReadable, MLWritable):
             raise ValueError(f"output column(s) {clash} already exist in the DataFrame: expected new names; fix: "
                              f"{setter} with other names, or drop those columns first")
         return list(feature_cols), output_cols
+
+    def _new_columns(self, output_cols: List[str]) -> List[str]:
+        """The columns transform() adds, in order."""
+        return (self._task_columns() + (output_cols if self._raw_outputs() else [])) or output_cols
 
     def _task_columns(self) -> List[str]:
         """Names of the Spark ML columns transform() adds for the task, in the UDF's field order."""
@@ -180,13 +195,19 @@ class FittedModel(Model, ModelParams, MLReadable, MLWritable):
 
     # ---- the UDF's columns ----------------------------------------------------------------
     def _add_predictions(self, dataset: Any, predicted: Any, output_cols: List[str],
-                         scalar: Sequence[bool]) -> Any:
+                         scalar: Sequence[bool], valid: Any = None) -> Any:
         """``dataset`` with the columns of the prediction UDF's result ``predicted`` (see
         :func:`spark_hvd.spark.estimator.inference.prediction_udf`): the task's Spark ML columns, or one raw
-        output column per label (dense Vectors where an output has several values per row)."""
+        output column per label (dense Vectors where an output has several values per row); null in
+        the rows where the condition ``valid`` (when given) is false."""
         from pyspark.ml.functions import array_to_vector
         from pyspark.sql import functions as F
 
+        if valid is not None:
+            predicted = F.when(valid, predicted)
+            return self._add_predictions(dataset, predicted, output_cols, scalar).select(
+                *[F.col(f"`{c}`") for c in dataset.columns],
+                *[F.when(valid, F.col(f"`{c}`")).alias(c) for c in self._new_columns(output_cols)])
         task = self.getTask()
         if task in ONE_VALUE_TASKS:
             # The UDF returns the model's one value per row; Spark makes the columns from it.
@@ -269,6 +290,7 @@ class FittedModel(Model, ModelParams, MLReadable, MLWritable):
         """A copy sharing the framework's model object, with ``extra`` Params set."""
         that = super().copy(extra)
         that.fit_timings = dict(self.fit_timings)
+        that.fit_summary = dict(self.fit_summary)
         that.mlflow_run_id = self.mlflow_run_id
         return that
 

@@ -23,12 +23,16 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from spark_hvd.spark.data.columns import inspect_column, is_vector, quote, stack_rows, vector_as_array
+from spark_hvd.spark.data.columns import bad_value, inspect_column, is_float, is_vector, quote, stack_rows, vector_as_array
 from spark_hvd.spark.estimator.outputs import ONE_VALUE_TASKS, column_kinds, standard_columns
 
-__all__ = ["InferencePlan", "Predictor", "output_is_scalar", "prediction_udf", "feature_args", "allow_vector_inputs"]
+__all__ = ["InferencePlan", "Predictor", "output_is_scalar", "prediction_udf", "feature_args", "allow_vector_inputs",
+           "usable_rows", "usable_args"]
 
 log = logging.getLogger("spark_hvd.spark")
+
+_FIX = ("clean them before transform() (DataFrame.fillna, DataFrame.dropna, a filter), or set the model's "
+        "invalid_rows='skip' to leave those rows out or 'keep' for null predictions in them")
 
 _CACHE_SIZE = 2
 _models: "OrderedDict[Tuple[str, str], Any]" = OrderedDict()
@@ -57,6 +61,8 @@ class InferencePlan:
     """The Spark ML columns to compute from the single output (see ``spark_hvd.spark.estimator.outputs``)."""
     raw_outputs: bool = False
     """With a task, also the raw output of each label (fields ``o0, o1, ...``): ``output_cols`` was set."""
+    fix: str = _FIX
+    """How to get past rows the model cannot take, for the errors that name them."""
 
 
 def output_is_scalar(row_shape: Sequence[int]) -> bool:
@@ -92,25 +98,61 @@ def _load(plan: InferencePlan, payload: Any, predictor: Predictor) -> Tuple[Any,
     return model, device
 
 
-def _series_to_numpy(series: pd.Series, column: str) -> np.ndarray:
-    """A feature column's batch as an ndarray: (rows,) for scalars, (rows, n) for arrays."""
-    if series.isna().any():
-        raise ValueError(f"feature column {column!r} has null values: expected a value in every row; fix: fill "
-                         "them (DataFrame.fillna) or drop those rows before transform()")
-    values = series.to_numpy()
-    if values.dtype == object:  # array columns arrive as one ndarray per row
-        values = stack_rows(values, column)
+def _nulls(column: str, rows: int, fix: str) -> ValueError:
+    return ValueError(f"feature column {column!r} has null values in {rows} rows of a batch: expected a value in every "
+                      f"row; fix: {fix}")
+
+
+def _width(shape: Sequence[int]) -> int:
+    return int(np.prod(shape)) if len(shape) else 1
+
+
+def _check_lengths(lengths: np.ndarray, column: str, shape: Sequence[int], fix: str) -> None:
+    """A ValueError when rows of an array feature do not hold the values the model takes per row."""
+    wrong = lengths != _width(shape)
+    if np.any(wrong):
+        raise ValueError(f"feature column {column!r} has {int(np.count_nonzero(wrong))} rows of a batch with "
+                         f"{int(lengths[wrong][0])} values where the model takes {_width(shape)} per row (input shape "
+                         f"{tuple(shape)}): expected the column the model was fitted on; fix: {fix}")
+
+
+def _checked_values(values: np.ndarray, column: str, shape: Sequence[int], fix: str) -> np.ndarray:
+    """``values`` of one feature column after the checks the model's input needs: rows of the length
+    ``shape`` holds, and no NaN or infinity; a ValueError naming the column, the rows and the fix."""
+    if values.ndim == 2:
+        _check_lengths(np.full(len(values), values.shape[1]), column, shape, fix)
+    if values.dtype.kind == "f":
+        finite = np.isfinite(values)
+        bad = int(np.count_nonzero(~finite if finite.ndim == 1 else ~finite.all(axis=tuple(range(1, finite.ndim)))))
+        if bad:
+            raise ValueError(f"feature column {column!r} has NaN or infinite values in {bad} rows of a batch of "
+                             f"{len(values)}: expected finite numbers; fix: {fix}")
     return values
 
 
-def _arrow_to_numpy(array: Any, column: str) -> np.ndarray:
+def _series_to_numpy(series: pd.Series, column: str, shape: Sequence[int], fix: str = _FIX) -> np.ndarray:
+    """A feature column's batch as an ndarray: (rows,) for scalars, (rows, n) for arrays."""
+    nulls = int(series.isna().sum())
+    if nulls:
+        raise _nulls(column, nulls, fix)
+    values = series.to_numpy()
+    if values.dtype == object:  # array columns arrive as one ndarray per row
+        _check_lengths(np.array([len(v) for v in values]), column, shape, fix)
+        values = stack_rows(values, column)
+    return _checked_values(values, column, shape, fix)
+
+
+def _arrow_to_numpy(array: Any, column: str, shape: Sequence[int], fix: str = _FIX) -> np.ndarray:
+    import pyarrow.compute as pc
+
     from spark_hvd.spark.data.reader import arrow_to_numpy
 
     nulls = array.null_count + (array.flatten().null_count if pa.types.is_list(array.type) else 0)
     if nulls:
-        raise ValueError(f"feature column {column!r} has null values: expected a value in every row; fix: fill "
-                         "them (DataFrame.fillna) or drop those rows before transform()")
-    return arrow_to_numpy(array, None, column)
+        raise _nulls(column, nulls, fix)
+    if pa.types.is_list(array.type) and len(array):
+        _check_lengths(np.asarray(pc.list_value_length(array)), column, shape, fix)
+    return _checked_values(arrow_to_numpy(array, None, column), column, shape, fix)
 
 
 def _arrow_output(values: np.ndarray, scalar: bool) -> Any:
@@ -138,7 +180,7 @@ def _predict_arrow(plan: InferencePlan, payload: Any, predictor: Predictor, batc
     model, device = _load(plan, payload, predictor)
     for batch in batches:
         arrays = batch if isinstance(batch, tuple) else (batch,)
-        columns = [_arrow_to_numpy(a, c) for a, c in zip(arrays, plan.feature_cols)]
+        columns = [_arrow_to_numpy(a, c, s, plan.fix) for a, c, s in zip(arrays, plan.feature_cols, plan.input_shapes)]
         predicted = predictor.predict(model, device, plan, columns)
         if plan.task in ONE_VALUE_TASKS:
             yield pa.array(predicted[0].reshape(-1))
@@ -163,7 +205,7 @@ def _predict_pandas(plan: InferencePlan, payload: Any, predictor: Predictor, bat
     model, device = _load(plan, payload, predictor)
     for batch in batches:
         series = batch if isinstance(batch, tuple) else (batch,)
-        columns = [_series_to_numpy(s, c) for s, c in zip(series, plan.feature_cols)]
+        columns = [_series_to_numpy(v, c, s, plan.fix) for v, c, s in zip(series, plan.feature_cols, plan.input_shapes)]
         predicted = predictor.predict(model, device, plan, columns)
         if plan.task in ONE_VALUE_TASKS:
             yield pd.Series(predicted[0].reshape(-1))
@@ -261,3 +303,42 @@ def feature_args(schema: Any, feature_cols: Sequence[str], dtype: str) -> List[A
             column = column.cast(stored.cast)
         args.append(column)
     return args
+
+
+def usable_rows(schema: Any, feature_cols: Sequence[str], args: Sequence[Any], shapes: Sequence[Sequence[int]],
+                dtype: str) -> Any:
+    """A Spark condition true for the rows whose feature arguments (``args``, see :func:`feature_args`)
+    the model can take: no null, NaN or infinite value, and arrays of the length of ``shapes``."""
+    from pyspark.sql import functions as F
+
+    fields = {f.name: f.dataType for f in schema.fields}
+    condition = F.lit(True)
+    for col, arg, shape in zip(feature_cols, args, shapes):
+        stored = inspect_column(col, fields[col], dtype)
+        condition = condition & arg.isNotNull()
+        floats = is_float(stored) or stored.cast is not None
+        if stored.kind != "scalar":
+            bad = (lambda x: x.isNull() | bad_value(x)) if floats else (lambda x: x.isNull())
+            condition = condition & (F.size(arg) == F.lit(_width(shape))) & ~F.exists(arg, bad)
+        elif floats:
+            condition = condition & ~bad_value(arg)
+    return condition
+
+
+def usable_args(schema: Any, feature_cols: Sequence[str], args: Sequence[Any], shapes: Sequence[Sequence[int]],
+                dtype: str, valid: Any) -> List[Any]:
+    """``args`` with zeros of the model's input shape in the rows where ``valid`` is false, so the
+    model runs on every row (their predictions are then set to null)."""
+    from pyspark.sql import functions as F
+
+    fields = {f.name: f.dataType for f in schema.fields}
+    replaced = []
+    for col, arg, shape in zip(feature_cols, args, shapes):
+        stored = inspect_column(col, fields[col], dtype)
+        if stored.kind == "vector":
+            type_text = "array<double>" if dtype == "float64" else "array<float>"
+        else:
+            type_text = stored.cast or fields[col].simpleString()
+        zero = (F.array_repeat(F.lit(0), _width(shape)) if stored.kind != "scalar" else F.lit(0)).cast(type_text)
+        replaced.append(F.when(valid, arg).otherwise(zero))
+    return replaced

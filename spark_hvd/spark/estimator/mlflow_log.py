@@ -59,6 +59,11 @@ class MLflowLogger:
         if timings:
             self.mlflow.log_metrics({f"fit_{phase}_s": float(seconds) for phase, seconds in timings.items()})
 
+    def log_summary(self, summary: Mapping[str, int]) -> None:
+        """The rows a fit trained, validated and left out (``fit_summary``), as metrics."""
+        if summary:
+            self.mlflow.log_metrics({key: float(value) for key, value in summary.items()})
+
     def log_model(self, log_flavor: Callable[[Any], Any]) -> None:
         """Log the model through ``log_flavor(mlflow)``, e.g. ``mlflow.pytorch.log_model``."""
         log_flavor(self.mlflow)

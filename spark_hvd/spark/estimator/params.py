@@ -500,6 +500,10 @@ MODEL_PARAMS: Tuple[ParamSpec, ...] = (
                              "(default: '<label>__output' when task is 'none').", None, ToStringList()),
     ParamSpec("input_shapes", "Shape of each feature column's per-row value.", None, ToShapes()),
     ParamSpec("inference_batch_size", "Rows per forward pass in transform().", 1024, ToInt(1)),
+    ParamSpec("invalid_rows", "Rows whose features transform() cannot use (a null, NaN or infinite value, or an "
+                              "array or Vector of another length than the model takes): 'error' fails naming the "
+                              "column and the fix, 'skip' leaves them out, 'keep' keeps them with null prediction "
+                              "columns.", "error", ToChoice(("error", "skip", "keep"))),
     ParamSpec("task", "Which prediction columns transform() adds (see the estimator's task).", "none",
               ToChoice(TASKS[1:])),
     ParamSpec("prediction_col", "Column of the predicted class index or value.", "prediction", ToString()),

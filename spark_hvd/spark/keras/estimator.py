@@ -128,6 +128,10 @@ class KerasEstimator(DistributedEstimator, KerasEstimatorParams):
     def _model_dtype(self, own: _Keras) -> str:
         return checks.model_dtype(own.model)
 
+    def _loss_names(self, fit: Fit) -> List[Optional[str]]:
+        losses = fit.own.losses
+        return [checks.loss_name(fn)[0] for fn in (losses * len(fit.label_cols) if len(losses) == 1 else losses)]
+
     def _infer_task(self, own: _Keras, label_cols: List[str]) -> str:
         return checks.infer_task(self.getTask(), own.losses, label_cols)
 
@@ -139,13 +143,14 @@ class KerasEstimator(DistributedEstimator, KerasEstimatorParams):
         """Feature shapes from the columns' sizes, then two rows of zeros through the model (which
         builds a model without defined inputs): the outputs must match the labels and the task."""
         fit.shapes = checks.feature_shapes(self.getInputShapes(), fit.model, fit.feature_cols, sizes)
-        fit.own.output_shapes = checks.dry_run(fit.model, fit.shapes, len(fit.label_cols), fit.dtype)
+        fit.own.output_shapes = fit.output_shapes = checks.dry_run(fit.model, fit.shapes, len(fit.label_cols),
+                                                                   fit.dtype)
         check_task(fit.task, fit.own.output_shapes)
 
     def _try_batch(self, fit: Fit, batch: Dict[str, Any], sizes: List[int]) -> None:
         fit.shapes = checks.feature_shapes(self.getInputShapes(), fit.model, fit.feature_cols, sizes)
-        fit.own.output_shapes = checks.dry_run_batch(fit.model, fit.own.losses, batch, fit.feature_cols,
-                                                     fit.label_cols, fit.shapes, fit.dtype, task=fit.task)
+        fit.own.output_shapes = fit.output_shapes = checks.dry_run_batch(
+            fit.model, fit.own.losses, batch, fit.feature_cols, fit.label_cols, fit.shapes, fit.dtype, task=fit.task)
 
     # ---- the run --------------------------------------------------------------------------------
     def _run_fingerprint(self, df: Any, fit: Fit, columns: List[str]) -> Dict[str, str]:

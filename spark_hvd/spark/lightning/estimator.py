@@ -82,6 +82,7 @@ class LightningEstimator(TorchModuleHooks, DistributedEstimator, LightningEstima
     worker_modules = ("torch", "pytorch_lightning")
     rank_preload = ("torch", "torch._dynamo", "pytorch_lightning")
     model_word = "module"
+    label_rules_from_task = True
 
     # ---- checks ---------------------------------------------------------------------------------
     def _check_model(self) -> _Lightning:
@@ -104,7 +105,8 @@ class LightningEstimator(TorchModuleHooks, DistributedEstimator, LightningEstima
         tensors = module_batch(batch, fit.feature_cols, fit.label_cols, fit.sample_weight_col, fit.shapes,
                                model_dtype(fit.model))
         outputs = torch_checks.call_forward(fit.model, [tensors[col] for col in fit.feature_cols])
-        check_task(fit.task, [tuple(out.shape[1:]) for out in outputs_list(outputs, len(fit.label_cols))])
+        fit.output_shapes = [tuple(out.shape[1:]) for out in outputs_list(outputs, len(fit.label_cols))]
+        check_task(fit.task, fit.output_shapes)
         checks.dry_run_training_step(fit.model, tensors)
 
     # ---- the run --------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from spark_hvd.spark.torch.batches import outputs_list
 
 __all__ = [
     "check_losses",
+    "loss_name",
     "check_metrics",
     "check_compression",
     "forward_arity",
@@ -48,6 +49,11 @@ def check_losses(loss: Any, loss_weights: Optional[Sequence[float]], label_cols:
         raise ValueError(f"loss_weights={list(weights)} has {len(weights)} entries for {len(label_cols)} label "
                          f"column(s) {list(label_cols)}: expected one weight per label column")
     return losses, weights
+
+
+def loss_name(fn: Any) -> str:
+    """The name of a loss: its class for a torch.nn module, else the function's name."""
+    return type(fn).__name__ if isinstance(fn, torch.nn.Module) else getattr(fn, "__name__", type(fn).__name__)
 
 
 def check_metrics(metrics: Optional[Sequence[Any]]) -> List[Callable[..., Any]]:
@@ -139,8 +145,9 @@ _ELEMENTWISE_LOSSES = (torch.nn.MSELoss, torch.nn.L1Loss, torch.nn.SmoothL1Loss,
 
 def dry_run_batch(model: torch.nn.Module, loss_fn: Any, batch: Mapping[str, Any], feature_cols: Sequence[str],
                   label_cols: Sequence[str], shapes: Sequence[Tuple[int, ...]], dtype: torch.dtype,
-                  task: str = "none") -> None:
-    """One real batch through ``forward`` and the loss, as the ranks will run them, on the driver.
+                  task: str = "none") -> List[Tuple[int, ...]]:
+    """One real batch through ``forward`` and the loss, as the ranks will run them, on the driver;
+    returns each output's per-row shape.
 
     Raises a ValueError naming the shapes when the outputs do not suit the labels or ``task``, or
     the loss refuses an output and its label, or would silently broadcast them (torch's
@@ -151,7 +158,7 @@ def dry_run_batch(model: torch.nn.Module, loss_fn: Any, batch: Mapping[str, Any]
 
     rows = len(next(iter(batch.values()))) if batch else 0
     if rows == 0:
-        return
+        return []
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     inputs = feature_tensors(batch, feature_cols, shapes, dtype, device)
     labels = label_tensors(batch, label_cols, device)
@@ -159,7 +166,7 @@ def dry_run_batch(model: torch.nn.Module, loss_fn: Any, batch: Mapping[str, Any]
     outs, labs = transform_outputs(outputs, labels)
     check_task(task, [tuple(out.shape[1:]) for out in outs])
     for fn, col, out, lab, raw in zip(loss_fn.losses, label_cols, outs, labs, labels):
-        name = type(fn).__name__ if isinstance(fn, torch.nn.Module) else getattr(fn, "__name__", repr(fn))
+        name = loss_name(fn)
         shapes_text = (f"{name} got the model's output of shape {tuple(out.shape)} and label {col!r} of shape "
                        f"{tuple(raw.shape)} (as given to the loss: {tuple(lab.shape)})")
         fix = (f"fix: make the model return {int(raw[0].numel())} value(s) per row for {col!r}, or give a label "
@@ -185,3 +192,4 @@ def dry_run_batch(model: torch.nn.Module, loss_fn: Any, batch: Mapping[str, Any]
         if broadcast:
             raise ValueError(f"the loss would broadcast the label against the output: {shapes_text}; torch warned "
                              f"'{broadcast[0].message}'; {fix}")
+    return [tuple(out.shape[1:]) for out in outs]

@@ -46,7 +46,8 @@ class TorchModuleHooks:
 
     def _try_model(self, fit: Fit, sizes: List[int]) -> None:
         fit.shapes = common.known_shapes(self.getInputShapes(), fit.feature_cols, sizes)  # type: ignore[attr-defined]
-        check_task(fit.task, checks.dry_run(fit.model, fit.shapes, len(fit.label_cols), model_dtype(fit.model)))
+        fit.output_shapes = checks.dry_run(fit.model, fit.shapes, len(fit.label_cols), model_dtype(fit.model))
+        check_task(fit.task, fit.output_shapes)
 
     def _load_result(self, fit: Fit, result: Dict[str, Any]) -> None:
         fit.model.load_state_dict(result["model"])
@@ -130,6 +131,9 @@ class TorchEstimator(TorchModuleHooks, DistributedEstimator, TorchEstimatorParam
             losses.append(make())
         return losses[0] if len(losses) == 1 else losses
 
+    def _loss_names(self, fit: Fit) -> List[Optional[str]]:
+        return [checks.loss_name(fn) for fn in fit.own.losses]
+
     def _infer_task(self, own: _Torch, label_cols: List[str]) -> str:
         return infer_task(self.getTask(), own.losses, label_cols)
 
@@ -137,8 +141,9 @@ class TorchEstimator(TorchModuleHooks, DistributedEstimator, TorchEstimatorParam
     def _try_batch(self, fit: Fit, batch: Dict[str, Any], sizes: List[int]) -> None:
         fit.shapes = common.known_shapes(self.getInputShapes(), fit.feature_cols, sizes)
         own: _Torch = fit.own
-        checks.dry_run_batch(fit.model, LossFunction(own.losses, own.loss_weights), batch, fit.feature_cols,
-                             fit.label_cols, fit.shapes, model_dtype(fit.model), task=fit.task)
+        fit.output_shapes = checks.dry_run_batch(fit.model, LossFunction(own.losses, own.loss_weights), batch,
+                                                 fit.feature_cols, fit.label_cols, fit.shapes, model_dtype(fit.model),
+                                                 task=fit.task)
 
     # ---- the run --------------------------------------------------------------------------------
     def _run_fingerprint(self, df: Any, fit: Fit, columns: List[str]) -> Dict[str, str]:

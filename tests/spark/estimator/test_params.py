@@ -66,7 +66,9 @@ def test_no_param_name_means_two_things():
     assert {s.name for s in shared} >= {"feature_cols", "label_cols", "prediction_col", "probability_col"}
     for spec in shared:
         other = model_specs[spec.name]
-        assert spec.name in ("model", "run_id", "input_shapes", "task", "label_cols") or spec.doc == other.doc, spec.name
+        # invalid_rows: the same choice for fit's rows and transform's, which can also keep them.
+        assert spec.name in ("model", "run_id", "input_shapes", "task", "label_cols", "invalid_rows") or \
+            spec.doc == other.doc, spec.name
         assert spec.name in ("task", "model") or spec.default == other.default, spec.name
     assert "batch_size" not in model_specs and model_specs["inference_batch_size"].default == 1024
 

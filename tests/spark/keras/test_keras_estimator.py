@@ -226,6 +226,20 @@ def test_the_same_run_id_resumes_after_the_last_completed_epoch_and_retries_a_ki
         np.testing.assert_array_equal(a, b)
 
 
+def test_labels_the_loss_cannot_take_are_refused_before_training(frame, tmp_path):
+    """BinaryCrossentropy refuses 0/2 labels and sparse_categorical_crossentropy a class past the
+    model's outputs, each naming the column, the rows and the first value."""
+    with pytest.raises(ValueError, match=rf"label column 'y' holds values outside \[0, 1\] in "
+                                         rf"{frame.filter('y = 1').count()} rows \(the first: 2.0\), but "
+                                         r"BinaryCrossentropy takes labels"):
+        make_estimator(tmp_path).fit(frame.withColumn("y", F.col("y") * 2))
+    classes = frame.withColumn("k", F.when(F.col("x1") > 1.0, 3).otherwise(1))
+    with pytest.raises(ValueError, match=rf"label column 'k' holds {classes.filter('k = 3').count()} rows that are not "
+                                         r"class indices 0 to 2 \(the first: 3\), but sparse_categorical_crossentropy"):
+        make_estimator(tmp_path, model=small_model(units=3), loss="sparse_categorical_crossentropy",
+                       label_cols=["k"]).fit(classes)
+
+
 def test_cross_validator_fits_per_fold_and_picks_the_best(frame, tmp_path):
     """CrossValidator fits a model per fold (two at a time, one rank each) and the best model scores;
     the grid's learning_rate replaces the optimizer's own (0.0, which would leave the weights as they

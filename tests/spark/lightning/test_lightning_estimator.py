@@ -329,6 +329,14 @@ def test_same_run_id_resumes_with_its_optimizer_state_and_a_saved_estimator_retu
 
 
 @pytest.mark.timeout(600)
+def test_labels_outside_the_declared_binary_task_are_refused_before_training(frame, tmp_path):
+    """task='binary' declares the module's loss binary: 0/2 labels are named before any rank starts."""
+    with pytest.raises(ValueError, match=rf"label column 'y' holds values outside \[0, 1\] in "
+                                         rf"{frame.filter('y = 1').count()} rows \(the first: 2.0\), but "
+                                         r"task='binary' takes labels in \[0, 1\]"):
+        make_estimator(tmp_path).fit(frame.withColumn("y", F_sql.col("y") * 2))
+
+
 def test_set_learning_rate_keeps_a_schedulers_factor_and_sets_its_base():
     """The learning_rate Param on what configure_optimizers built: a LambdaLR at factor 0.5 keeps
     its factor of the new base rate, and its later steps follow the new base."""

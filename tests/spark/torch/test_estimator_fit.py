@@ -352,7 +352,7 @@ def test_cross_validator_tunes_learning_rate_and_saves(frame, tmp_path):
 
 # The counts are one DataFrame aggregation, the same on both kinds of session.
 @pytest.mark.session_kinds("classic")
-def test_nan_and_infinite_values_are_refused_naming_columns_and_counts_or_skipped(spark, frame, tmp_path):
+def test_nan_and_infinite_values_are_refused_naming_columns_and_counts_or_skipped(spark, frame, tmp_path, capsys):
     """NaN in an array feature and infinities in the label fail the fit with each column's count;
     invalid_rows='skip' trains on the remaining rows instead."""
     bad = (frame.withColumn("arr", F.array(F.when(F.col("x1") > 1.0, F.lit(float("nan"))).otherwise(F.col("x1")),
@@ -366,12 +366,57 @@ def test_nan_and_infinite_values_are_refused_naming_columns_and_counts_or_skippe
     with pytest.raises(ValueError, match=rf"column 'arr': {counts['nan']} rows with NaN; column 'y': {counts['inf']} "
                                          r"infinite\): expected a finite number.*invalid_rows='skip'"):
         est.fit(bad)
-    model = est.setInvalidRows("skip").fit(bad)
+    model = est.setInvalidRows("skip").setVerbose(1).fit(bad)
     assert np.isfinite(model.getHistory()[0]["loss"])
     store = est.getStore()
     metadata = [n for n in store.listdir(store.prefix) if n.startswith("intermediate_data_metadata")]
     rows = {json.loads(store.read(store.join(n)))["train_rows"] for n in metadata}
     assert ROWS - counts["either"] in rows
+    assert model.fit_summary == {"train_rows": ROWS - counts["either"], "val_rows": 0, "skipped_rows": counts["either"]}
+    assert (f"invalid_rows='skip' left out {counts['either']} rows with a null, NaN or infinite value; training on "
+            f"{ROWS - counts['either']} rows") in capsys.readouterr().out
+
+
+@pytest.mark.session_kinds("classic")
+def test_labels_a_loss_cannot_take_are_refused_before_any_rank_starts(spark, frame, tmp_path):
+    """0/2 labels with BCEWithLogitsLoss, a class 3 for CrossEntropyLoss over 3 outputs, a 1.5 for a
+    class index and a validation column holding 2: each fails fit naming the column, the count, the
+    first value and the fix, and no rank ever ran (no checkpoint). Labels the driver's probe batch
+    holds are named before the data is written; those past it, from the ranges the write observed.
+    With the labels fixed the same data trains, and a bool label passes BCE."""
+    # Past the probe: its 8 rows (batch_size) are the first rows of the first partition.
+    late = F.monotonically_increasing_id() >= 8
+    twos = frame.withColumn("y", F.when(late, F.col("y") * 2).otherwise(F.col("y"))).cache()
+    est = make_estimator(tmp_path, run_id="labels")
+    store = est.getStore()
+    with pytest.raises(ValueError, match=rf"label column 'y' holds values outside \[0, 1\] in "
+                                         rf"{twos.filter('y = 2').count()} rows \(the first: 2.0\), but "
+                                         r"BCEWithLogitsLoss takes labels in \[0, 1\].*fix: map them to 0 and 1"):
+        est.fit(twos)
+    assert not nothing_materialized(est)  # found by the write's ranges
+    assert not store.exists(store.get_checkpoint_path("labels"))
+
+    classes = frame.withColumn("k", (F.col("x1") > 1.0).cast("int") * 3)  # 0, or 3 past the last class
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    multiclass = make_estimator(tmp_path, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                loss=torch.nn.CrossEntropyLoss(), label_cols=["k"], run_id="classes")
+    with pytest.raises(ValueError, match=rf"label column 'k' holds {frame.filter('x1 > 1.0').count()} rows that are "
+                                         r"not class indices 0 to 2 \(the first: 3\), but CrossEntropyLoss over the "
+                                         r"model's 3 outputs takes an integer class index in \[0, 3\).*StringIndexer"):
+        multiclass.fit(classes)
+    with pytest.raises(ValueError, match=r"label column 'k' holds \d+ rows that are not class indices 0 to 2 "
+                                         r"\(the first: 1.5\)"):
+        multiclass.fit(frame.withColumn("k", F.when(F.col("x1") > 1.0, 1.5).otherwise(1.0)))
+    assert not store.exists(store.get_checkpoint_path("classes"))
+
+    marked = frame.withColumn("is_val", F.col("is_val") * 2)
+    with pytest.raises(ValueError, match=rf"validation column 'is_val' holds values other than 0/1/true/false in "
+                                         rf"{frame.filter('is_val = 1').count()} rows \(the first: 2\)"):
+        make_estimator(tmp_path, validation="is_val").fit(marked)
+
+    fixed = classes.withColumn("k", (F.col("k") > 0).cast("long") * 2)
+    assert multiclass.fit(fixed).getHistory()[-1]["loss"] > 0
+    assert make_estimator(tmp_path).fit(frame.withColumn("y", F.col("y") > 0)).getHistory()[-1]["loss"] > 0
 
 
 def test_null_vectors_are_named_in_fit_and_in_transform(spark, frame, basic_fit, tmp_path):
@@ -388,6 +433,45 @@ def test_null_vectors_are_named_in_fit_and_in_transform(spark, frame, basic_fit,
     text = str(info.value)
     assert "feature column 'features' has null values" in text and "fillna" in text
     assert "Py4JJavaError" not in text and "at org.apache.spark" not in text
+
+
+def test_transform_names_rows_it_cannot_score_or_skips_or_keeps_them(spark, frame, basic_fit):
+    """NaN, infinite and null features and Vectors of the wrong length: invalid_rows='error' (the
+    default) fails naming the column, the rows and the fix (the wrong length also the expected one);
+    'skip' scores only the usable rows, with the predictions of the clean frame; 'keep' returns every
+    row, with null prediction columns in the unusable ones."""
+    from pyspark.ml.functions import array_to_vector
+    from pyspark.ml.linalg import Vectors, VectorUDT
+
+    model = basic_fit["model"]
+    short = F.udf(lambda v: Vectors.dense(v.toArray()[:2]), VectorUDT())
+    ids = frame.withColumn("row_id", F.monotonically_increasing_id()).cache()
+    kinds = {"nan": F.array(F.lit(float("nan")), "x2", "x3"), "inf": F.array("x1", F.lit(float("inf")), "x3")}
+    bad = ids.withColumn("features", F.when(F.col("row_id") % 10 == 1, array_to_vector(kinds["nan"]))
+                         .when(F.col("row_id") % 10 == 2, array_to_vector(kinds["inf"]))
+                         .when(F.col("row_id") % 10 == 3, F.lit(None))
+                         .when(F.col("row_id") % 10 == 4, short("features"))
+                         .otherwise(F.col("features")))
+    usable = ~(F.col("row_id") % 10).isin(1, 2, 3, 4)
+    for rows, message in ((bad.filter(F.col("row_id") % 10 == 1), r"has NaN or infinite values in \d+ rows"),
+                          (bad.filter(F.col("row_id") % 10 == 3), r"has null values in \d+ rows"),
+                          (bad.filter(F.col("row_id") % 10 == 4), r"has \d+ rows of a batch with 2 values where the "
+                                                                  r"model takes 3 per row")):
+        with pytest.raises(Exception, match=r"feature column 'features' " + message + r".*invalid_rows='skip'"):
+            model.transform(rows).collect()
+
+    expected = {r["row_id"]: r["probability"] for r in model.transform(ids).collect()}
+    skipped = model.copy().setInvalidRows("skip").transform(bad).collect()
+    assert sorted(r["row_id"] for r in skipped) == sorted(r["row_id"] for r in ids.filter(usable).collect())
+    # The same rows in other batches: equal up to the summation order of a batch's matrix product.
+    assert all(np.allclose(r["probability"].toArray(), expected[r["row_id"]].toArray()) for r in skipped)
+    kept = model.copy().setInvalidRows("keep").transform(bad).collect()
+    assert len(kept) == ROWS
+    for r in kept:
+        if r["row_id"] % 10 in (1, 2, 3, 4):
+            assert r["prediction"] is None and r["probability"] is None and r["rawPrediction"] is None
+        else:
+            assert np.allclose(r["probability"].toArray(), expected[r["row_id"]].toArray())
 
 
 def test_a_label_the_loss_would_broadcast_fails_after_one_probe_batch_before_materialization(spark, frame, tmp_path):
