@@ -42,7 +42,7 @@ from spark_hvd.spark.data.store import Store
 from spark_hvd.spark.estimator import checks, tuning
 from spark_hvd.spark.estimator.fingerprint import changed_parts, start_over_or_refuse
 from spark_hvd.spark.estimator.labels import LabelRule, check_labels, probe_breaks, rule_for_loss, rule_for_task
-from spark_hvd.spark.estimator.mlflow_log import params_for_logging, start_logging
+from spark_hvd.spark.estimator.mlflow_log import active_run_id, params_for_logging, start_logging, under_tuning_run
 from spark_hvd.spark.estimator.persistence import ParamsReader, ParamsWriter
 from spark_hvd.spark.estimator.progress import ProgressPrinter
 from spark_hvd.spark.estimator.training import adapt_batch
@@ -588,6 +588,14 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
             logger.close()
         return model
 
+    def fitMultiple(self, dataset: Any, paramMaps: Sequence[Any]) -> Any:
+        """Spark ML's ``fitMultiple``: one model per Param map, as ``(index, model)`` pairs from a
+        thread-safe iterator. Inside an active MLflow run each fit is logged as a child run of it,
+        whichever thread takes the next model."""
+        models = super().fitMultiple(dataset, paramMaps)
+        parent = active_run_id()
+        return models if parent is None else _UnderRun(models, parent)
+
     # ---- persistence ----------------------------------------------------------------------------
     def write(self) -> ParamsWriter:
         """A writer saving this estimator and its Params (``.save(path)``)."""
@@ -597,6 +605,19 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
     def read(cls) -> ParamsReader[Any]:
         """A reader loading a saved estimator of this class (``<Class>.load(path)``)."""
         return ParamsReader(cls)
+
+
+class _UnderRun:
+    """A ``fitMultiple`` iterator whose fits log as child runs of MLflow run ``parent``."""
+
+    def __init__(self, models: Any, parent: str) -> None:
+        self.models, self.parent = models, parent
+
+    def __iter__(self) -> "_UnderRun":
+        return self
+
+    def __next__(self) -> Any:
+        return under_tuning_run(self.parent, lambda: next(self.models))
 
 
 def _describe_resume(checkpoint: Optional[Checkpoint], train_steps: int) -> str:

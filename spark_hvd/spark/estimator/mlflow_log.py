@@ -4,15 +4,44 @@ MLflow is an optional dependency. A fit logs when MLflow is importable and a run
 when the estimator's ``log_to_mlflow`` Param is True (a run is then started and ended around
 the logging); ``log_to_mlflow=False`` never logs. Framework-neutral: the estimator hands a
 function that logs its model flavor.
+
+Fits made for tuning (``CrossValidator``, ``TrainValidationSplit``, ``fitMultiple``) run on
+pyspark's worker threads, where MLflow's active run (kept per thread) is not set: the run active
+where tuning began is carried to them (:func:`under_tuning_run`), and each such fit is logged as a
+nested child run of it.
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import numbers
-from typing import Any, Callable, Dict, List, Mapping, Optional
+import sys
+from typing import Any, Callable, Dict, List, Mapping, Optional, TypeVar
 
-__all__ = ["MLflowLogger", "start_logging", "params_for_logging", "PARAM_VALUE_CHARS"]
+__all__ = ["MLflowLogger", "start_logging", "params_for_logging", "PARAM_VALUE_CHARS", "active_run_id",
+           "under_tuning_run"]
+
+T = TypeVar("T")
+
+_TUNING_RUN: "contextvars.ContextVar[Optional[str]]" = contextvars.ContextVar("spark_hvd_tuning_run", default=None)
+"""The MLflow run a tuning fit logs its child run under, where one was active when tuning began."""
+
+
+def active_run_id() -> Optional[str]:
+    """The MLflow run active in this thread, or None (MLflow is not imported for the question)."""
+    mlflow = sys.modules.get("mlflow")
+    run = mlflow.active_run() if mlflow is not None else None
+    return run.info.run_id if run is not None else None
+
+
+def under_tuning_run(parent: Optional[str], fn: Callable[[], T]) -> T:
+    """``fn()``, with fits inside it logged as child runs of MLflow run ``parent`` (None: as usual)."""
+    token = _TUNING_RUN.set(parent)
+    try:
+        return fn()
+    finally:
+        _TUNING_RUN.reset(token)
 
 log = logging.getLogger("spark_hvd.spark")
 
@@ -76,12 +105,21 @@ class MLflowLogger:
 
 def start_logging(setting: Optional[bool]) -> Optional[MLflowLogger]:
     """A logger for this fit, or None: ``setting`` None logs into an active run only, True starts
-    a run when none is active (and needs MLflow installed), False never logs."""
+    a run when none is active (and needs MLflow installed), False never logs. A fit made for
+    tuning under an active run (see :func:`under_tuning_run`) gets a child run of it."""
     if setting is False:
         return None
     mlflow = _import_mlflow(required=setting is True)
     if mlflow is None:
         return None
+    parent = _TUNING_RUN.get()
+    if parent is not None:
+        if mlflow.active_run() is not None:
+            mlflow.start_run(nested=True)
+        else:  # a pyspark worker thread: MLflow's active run is per thread
+            experiment = mlflow.tracking.MlflowClient().get_run(parent).info.experiment_id
+            mlflow.start_run(experiment_id=experiment, tags={"mlflow.parentRunId": parent})
+        return MLflowLogger(mlflow, started_run=True)
     if mlflow.active_run() is not None:
         return MLflowLogger(mlflow, started_run=False)
     if setting is True:

@@ -1,18 +1,21 @@
-"""Saving Spark ML tuning objects whose grid sets the estimators' Params.
+"""Spark ML tuning with the estimators: saving grids, and MLflow runs for the fits tuning makes.
 
 pyspark's ``CrossValidator`` and ``TrainValidationSplit`` (and their models) store each grid value
 as JSON, so a grid over objects (an optimizer per learning rate, a model per width) fails only
 when the tuning object is saved, after the whole tuning run, with Python's bare
 ``TypeError: Object of type Adam is not JSON serializable``. :func:`install` makes that save fail
 first, before anything is written, with a message naming the Param and the plain-valued Param to
-tune instead (``learning_rate`` for optimizers).
+tune instead (``learning_rate`` for optimizers). It also carries the MLflow run active where tuning
+begins to the worker threads its fits run on, so each fit is logged as a child run of it.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from typing import Any, Callable
+from typing import Any, Callable, List
+
+from spark_hvd.spark.estimator.mlflow_log import active_run_id, under_tuning_run
 
 __all__ = ["install", "check_grid_saves", "GRID_ALTERNATIVES"]
 
@@ -58,12 +61,28 @@ def _checked(save: Callable[..., Any]) -> Callable[..., Any]:
     return save_impl
 
 
+def _logged_under_caller(make_tasks: Callable[..., List[Callable[[], Any]]]) -> Callable[..., Any]:
+    @functools.wraps(make_tasks)
+    def parallel_fit_tasks(*args: Any, **kwargs: Any) -> List[Callable[[], Any]]:
+        tasks = make_tasks(*args, **kwargs)
+        parent = active_run_id()  # this is tuning's own thread; the tasks run on pool threads
+        if parent is None:
+            return tasks
+        return [functools.partial(under_tuning_run, parent, task) for task in tasks]
+
+    parallel_fit_tasks.spark_hvd_checked = True  # type: ignore[attr-defined]
+    return parallel_fit_tasks
+
+
 def install() -> None:
-    """Check grids before pyspark's tuning writers save them (idempotent)."""
+    """Check grids before pyspark's tuning writers save them, and carry the caller's MLflow run to
+    the fits of ``CrossValidator`` and ``TrainValidationSplit`` (idempotent)."""
     from pyspark.ml import tuning
 
     shared = getattr(tuning, "_ValidatorSharedReadWrite", None)
     save = getattr(shared, "saveImpl", None)
-    if save is None or getattr(save, "spark_hvd_checked", False):
-        return
-    shared.saveImpl = staticmethod(_checked(save))
+    if save is not None and not getattr(save, "spark_hvd_checked", False):
+        shared.saveImpl = staticmethod(_checked(save))
+    make_tasks = getattr(tuning, "_parallelFitTasks", None)
+    if make_tasks is not None and not getattr(make_tasks, "spark_hvd_checked", False):
+        setattr(tuning, "_parallelFitTasks", _logged_under_caller(make_tasks))

@@ -310,24 +310,42 @@ def test_cross_validator_with_a_parameter_grid(frame, tmp_path):
 
 
 @pytest.mark.session_kinds("classic")
-def test_cross_validator_tunes_learning_rate_and_saves(frame, tmp_path):
-    """A grid over the learning_rate Param: the sub-model fitted with 0.0 keeps the initial weights
-    (the optimizer's own 0.05 is replaced), the one with 0.05 moves them; the CrossValidatorModel
-    saves and loads with identical predictions. A grid over optimizer objects is refused when the
-    CrossValidator is saved, naming the Param and learning_rate, before anything is written."""
+def test_cross_validator_tunes_learning_rate_saves_and_logs_child_runs(frame, tmp_path, monkeypatch):
+    """A grid over the learning_rate Param, on a Pipeline, inside an active MLflow run: the sub-model
+    fitted with 0.0 keeps the initial weights (the optimizer's own 0.05 is replaced), the one with
+    0.05 moves them; each fold's fit (on pyspark's worker threads, two at a time) is a child run of
+    the active run with its learning rate and per-epoch loss, and so is each fit of fitMultiple. The
+    CrossValidatorModel saves and loads with identical predictions. A grid over optimizer objects is
+    refused when the CrossValidator is saved, naming the Param and learning_rate, before anything is
+    written."""
+    import mlflow
     from pyspark.ml.tuning import CrossValidatorModel
 
     est = make_estimator(tmp_path, num_proc=1, epochs=1)
     initial = [p.detach().clone() for p in est.getModel().parameters()]
     grid = ParamGridBuilder().addGrid(est.learning_rate, [0.0, 0.05]).build()
-    cv = CrossValidator(estimator=est, estimatorParamMaps=grid, evaluator=BinaryClassificationEvaluator(labelCol="y"),
-                        numFolds=2, seed=1, collectSubModels=True)
-    cv_model = cv.fit(frame)
+    cv = CrossValidator(estimator=Pipeline(stages=[est]), estimatorParamMaps=grid,
+                        evaluator=BinaryClassificationEvaluator(labelCol="y"), numFolds=2, seed=1, parallelism=2,
+                        collectSubModels=True)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    mlflow.set_tracking_uri((tmp_path / "mlruns").as_uri())
+    try:
+        with mlflow.start_run() as parent:
+            cv_model = cv.fit(frame)
+            fitted = [model for _, model in est.fitMultiple(frame, grid)]
+        runs = mlflow.search_runs(experiment_ids=[parent.info.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    finally:
+        mlflow.set_tracking_uri("")
+    assert len(runs) == 2 * 2 + 2
+    assert sorted(runs["params.learning_rate"]) == ["0.0"] * 3 + ["0.05"] * 3
+    assert runs["metrics.loss"].notna().all() and runs["metrics.train_rows"].notna().all()
+    assert {m.mlflow_run_id for m in fitted} <= set(runs["run_id"])
     for fold in cv_model.subModels:
-        still, moved = fold
+        still, moved = (m.stages[-1] for m in fold)
         assert all(torch.equal(a, b) for a, b in zip(initial, still.getModel().parameters()))
         assert not all(torch.equal(a, b) for a, b in zip(initial, moved.getModel().parameters()))
-    assert cv_model.bestModel.getHistory()[-1]["loss"] > 0
+    assert cv_model.bestModel.stages[-1].getHistory()[-1]["loss"] > 0
 
     path = str(tmp_path / "cv")
     cv_model.write().overwrite().save(path)
