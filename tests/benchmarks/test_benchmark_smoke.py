@@ -160,3 +160,24 @@ def test_reader_benchmark_quick_run_prints_every_layout(tmp_path):
         reads = record["layouts"][layout]
         assert reads["decode"] > 0 and reads["to numpy"] > 0
         assert all((reads[r] is not None) == (layout in bench.READABLE) for r in bench.READS[2:]), (layout, reads)
+
+
+def test_repeat_fits_report_names_each_target():
+    """The repeat-fit benchmark's report: a row per fit, the first fit's preparation against Spark's
+    writes, and each repeat's ratio to its training phase and its launch."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import repeat_fits
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    fits = [{"fit": 1, "wall_s": 9.0, "validation_s": 1.0, "materialization_s": 3.0, "launch_s": 2.0,
+             "training_s": 2.0, "collection_s": 0.1},
+            {"fit": 2, "wall_s": 4.0, "validation_s": 0.1, "materialization_s": 0.0, "launch_s": 0.4,
+             "training_s": 2.0, "collection_s": 0.1}]
+    lines = repeat_fits.report({"fits": fits, "spark_write_s": [4.0, 2.0]})
+    assert "| 2 | 4.00 | 0.10 | 0.00 | 0.40 | 2.00 | 0.10 |" in lines
+    assert any("1.00x its first write in the session, 2.00x its fastest" in line for line in lines)
+    assert any("the Pipeline's wall 2.00x its training phase, the estimator's phases 1.30x" in line
+               and "launch 0.40 s" in line for line in lines)
+    with pytest.raises(SystemExit):
+        repeat_fits.main(["--fits", "1"])

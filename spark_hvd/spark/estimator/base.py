@@ -28,6 +28,7 @@ import threading
 import time
 import uuid
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -36,6 +37,7 @@ from pyspark.ml import Estimator
 from pyspark.ml.util import MLReadable, MLWritable
 
 from spark_hvd.spark.data.columns import inspect_column, plan_columns, sample_batch
+from spark_hvd.spark.data.identity import data_identity
 from spark_hvd.spark.data.prepare import PreparedData, prepare_data
 from spark_hvd.spark.data.reader import steps_for
 from spark_hvd.spark.data.store import Store
@@ -322,7 +324,7 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
         if all(size is not None for size in schema_sizes):
             sizes = [int(s) for s in schema_sizes]  # type: ignore[arg-type]
             self._try(fit, sizes, self._zero_batch(df, fit, sizes))
-        batch = sample_batch(df, self._columns(fit), min(self.getOrDefault("batch_size"), PROBE_ROWS), fit.dtype)
+        batch = _probe_batch(df, self._columns(fit), min(self.getOrDefault("batch_size"), PROBE_ROWS), fit.dtype)
         batch = adapt_batch(batch, self.getOrDefault("transformation_fn"), self._removed_fields(), fit.label_cols,
                             self.getOrDefault("label_shapes"))
         if not batch or len(next(iter(batch.values()))) == 0:
@@ -605,6 +607,31 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
     def read(cls) -> ParamsReader[Any]:
         """A reader loading a saved estimator of this class (``<Class>.load(path)``)."""
         return ParamsReader(cls)
+
+
+_PROBES: "OrderedDict[Tuple[Any, ...], Dict[str, Any]]" = OrderedDict()
+_PROBES_KEPT = 8
+_probes_lock = threading.Lock()
+
+
+def _probe_batch(df: Any, columns: List[str], rows: int, dtype: str) -> Dict[str, Any]:
+    """Up to ``rows`` real rows of ``columns`` (one small Spark job), remembered by the data's identity
+    (``data_identity``: the same plan, files and in-memory rows), so the repeat fits of tuning and of a
+    notebook skip the job."""
+    identity = data_identity(df, columns)
+    memo = (identity, tuple(columns), rows, dtype) if identity is not None else None
+    with _probes_lock:
+        found = _PROBES.get(memo) if memo is not None else None
+        if found is not None:
+            _PROBES.move_to_end(memo)
+    if found is None:
+        found = sample_batch(df, columns, rows, dtype)
+        if memo is not None:
+            with _probes_lock:
+                _PROBES[memo] = found
+                while len(_PROBES) > _PROBES_KEPT:
+                    _PROBES.popitem(last=False)
+    return {name: np.array(values, copy=True) for name, values in found.items()}
 
 
 class _UnderRun:
