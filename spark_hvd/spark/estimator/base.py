@@ -109,6 +109,8 @@ class Checkpoint:
     """Batches of the next epoch already trained (a mid-epoch checkpoint), else 0."""
     seed: Optional[int] = None
     """The shuffle seed of that epoch, for a mid-epoch resume to keep its order."""
+    finished: bool = False
+    """The run ended before its last epoch and is complete (early stopping)."""
     state: Any = None
     """The framework's own content (weights, optimizer state, ...)."""
 
@@ -504,6 +506,15 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
         epochs = self.getOrDefault("epochs")
         start_epoch = resume.epoch if resume else 0
         verbose = self.getOrDefault("verbose")
+        if resume is not None and resume.finished:
+            text = (f"run_id={fit.run_id!r} stopped early after epoch {start_epoch} (early_stopping); returning its "
+                    "model without training (use a new run_id to train again)")
+            log.warning(text)
+            if verbose:
+                print(text)
+            model = self._fitted(fit, list(resume.history))
+            model.fit_timings, model.fit_summary = timings, summary
+            return self._finish(model, fit)
         if start_epoch >= epochs:
             log.warning("run_id=%r has already trained %d of epochs=%d with this %s, optimizer, loss and data; "
                         "returning its model without training (raise epochs to continue it, or use a new run_id)",

@@ -22,6 +22,8 @@ from spark_hvd.spark.torch.batches import outputs_list
 __all__ = [
     "check_losses",
     "loss_name",
+    "check_early_stopping",
+    "check_lr_scheduler",
     "check_metrics",
     "check_compression",
     "forward_arity",
@@ -54,6 +56,40 @@ def check_losses(loss: Any, loss_weights: Optional[Sequence[float]], label_cols:
 def loss_name(fn: Any) -> str:
     """The name of a loss: its class for a torch.nn module, else the function's name."""
     return type(fn).__name__ if isinstance(fn, torch.nn.Module) else getattr(fn, "__name__", type(fn).__name__)
+
+
+def check_early_stopping(settings: Optional[Mapping[str, Any]], metric_names: Sequence[str], validation: bool,
+                         scheduled: bool) -> None:
+    """The ``early_stopping`` monitor must be a value the run's history will have."""
+    if settings is None:
+        return
+    names = ["loss", *metric_names] + (["lr"] if scheduled else [])
+    if validation:
+        names += ["val_loss", *(f"val_{name}" for name in metric_names)]
+    monitor = settings["monitor"]
+    if monitor not in names:
+        hint = "; it needs validation set (e.g. validation=0.2)" if monitor.startswith("val_") and not validation else ""
+        raise ValueError(f"early_stopping monitors {monitor!r}, which this fit's history will not have{hint}: "
+                         f"expected one of {names}; fix: set early_stopping={{'monitor': {names[-1]!r}, ...}}")
+
+
+def check_lr_scheduler(make: Optional[Callable[[Any], Any]], optimizer: Any, model: torch.nn.Module) -> None:
+    """``lr_scheduler_fn`` called once on the driver, on a copy of the optimizer, must return a
+    scheduler (something with ``step`` and ``state_dict``)."""
+    if make is None:
+        return
+    import copy
+
+    try:
+        scheduler = make(optimizer.build(copy.deepcopy(model)))
+    except Exception as exc:
+        raise ValueError(f"lr_scheduler_fn raised {type(exc).__name__}: {exc} when called with the optimizer: expected "
+                         "a function of the optimizer, e.g. lambda opt: torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)"
+                         ) from exc
+    if not all(callable(getattr(scheduler, name, None)) for name in ("step", "state_dict", "load_state_dict")):
+        raise ValueError(f"lr_scheduler_fn returned {scheduler!r}: expected a torch.optim.lr_scheduler scheduler "
+                         "(with step, state_dict and load_state_dict), e.g. lambda opt: "
+                         "torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)")
 
 
 def check_metrics(metrics: Optional[Sequence[Any]]) -> List[Callable[..., Any]]:

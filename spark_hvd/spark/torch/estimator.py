@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -20,6 +21,8 @@ from spark_hvd.spark.torch.model import TorchModel
 from spark_hvd.spark.torch.training import OptimizerSpec, TorchTrainingSpec, load_checkpoint, train_on_rank
 
 __all__ = ["TorchEstimator", "TorchModuleHooks", "log_torch_model"]
+
+log = logging.getLogger("spark_hvd.spark")
 
 
 @dataclass
@@ -114,6 +117,9 @@ class TorchEstimator(TorchModuleHooks, DistributedEstimator, TorchEstimatorParam
         own.metrics = checks.check_metrics(self.getMetrics())
         checks.check_compression(self.getGradientCompression())
         checks.check_feature_count(own.model, feature_cols)
+        checks.check_early_stopping(self.getEarlyStopping(), metric_names(own.metrics, label_cols),
+                                    self.getValidation() is not None, self.getLrSchedulerFn() is not None)
+        checks.check_lr_scheduler(self.getLrSchedulerFn(), own.optimizer, own.model)
 
     def _loss(self) -> Any:
         """``loss``, or what Horovod's ``loss_constructors`` make (each called once)."""
@@ -152,12 +158,15 @@ class TorchEstimator(TorchModuleHooks, DistributedEstimator, TorchEstimatorParam
 
     def _read_checkpoint(self, data: bytes) -> Checkpoint:
         state = load_checkpoint(data)
+        stopped = bool((state.get("early_stopping") or {}).get("stopped"))
         return Checkpoint(epoch=int(state["epoch"]), history=list(state["history"]),
                           fingerprint=dict(state.get("fingerprint") or {}), batch=int(state.get("batch") or 0),
-                          seed=state.get("seed"), state=state)
+                          seed=state.get("seed"), state=state, finished=stopped)
 
     def _restore(self, fit: Fit, checkpoint: Checkpoint) -> None:
-        fit.model.load_state_dict(checkpoint.state["model"])
+        state = checkpoint.state
+        best = state.get("best_model") if checkpoint.finished else None
+        fit.model.load_state_dict(best if best is not None else state["model"])
 
     def _spec(self, fit: Fit, common_fields: Dict[str, Any], resume: Optional[Checkpoint]) -> TorchTrainingSpec:
         own: _Torch = fit.own
@@ -173,10 +182,21 @@ class TorchEstimator(TorchModuleHooks, DistributedEstimator, TorchEstimatorParam
             partial=partial or None,
             resume_model=state["model"] if state else None, resume_optimizer=state["optimizer"] if state else None,
             backward_passes_per_step=passes, scale_lr=self.getScaleLr(), train_minibatch_fn=self.getTrainMinibatchFn(),
-            callbacks=list(self.getCallbacks() or []), checkpoint_every_steps=self.getCheckpointEverySteps())
+            callbacks=list(self.getCallbacks() or []), checkpoint_every_steps=self.getCheckpointEverySteps(),
+            early_stopping=self.getEarlyStopping(), lr_scheduler_fn=self.getLrSchedulerFn(),
+            lr_scheduler_interval=self.getLrSchedulerInterval(),
+            resume_extra={key: state[key] for key in ("early_stopping", "best_model", "scheduler")
+                          if state and state.get(key) is not None} or None)
 
     def _rank_function(self) -> Callable[[Any], Any]:
         return train_on_rank
+
+    def _load_result(self, fit: Fit, result: Dict[str, Any]) -> None:
+        super()._load_result(fit, result)
+        if result.get("early_stopping"):
+            log.info("%s", result["early_stopping"])
+            if self.getVerbose():
+                print(result["early_stopping"])
 
     # ---- MLflow ---------------------------------------------------------------------------------
     def _mlflow_params(self, fit: Fit) -> Tuple[Dict[str, Any], Optional[float]]:

@@ -24,6 +24,7 @@ import torch
 from spark_hvd.spark.torch.batches import (LossFunction, feature_tensors, label_tensors, metric_tensors, metric_values,
                                            model_dtype, transform_outputs, weight_tensor)
 from spark_hvd.spark.torch.callbacks import TrainingState, call_hook
+from spark_hvd.spark.torch.stopping import EarlyStopping, restore_scheduler, step_scheduler
 from spark_hvd.spark.estimator.progress import ProgressReporter
 from spark_hvd.spark.estimator.step_profile import TORCH_PHASES, step_profile
 from spark_hvd.spark.estimator.training import TrainingSpec, close_readers, rank_threads, run_trainer
@@ -126,21 +127,29 @@ class TorchTrainingSpec(TrainingSpec):
     """The running sums of epoch ``start_epoch`` at ``start_batch``, averaged over the ranks."""
     checkpoint_every_steps: Optional[int] = None
     """Rank 0 also checkpoints every this many optimizer steps within an epoch; None: per epoch only."""
+    early_stopping: Optional[Dict[str, Any]] = None
+    """The ``early_stopping`` Param's settings, or None."""
+    lr_scheduler_fn: Optional[Callable[[Any], Any]] = None
+    lr_scheduler_interval: str = "epoch"
+    resume_extra: Optional[Dict[str, Any]] = None
+    """From the checkpoint resumed: ``early_stopping`` state, ``best_model`` and ``scheduler`` state."""
 
 
 def checkpoint_bytes(epoch: int, model: torch.nn.Module, optimizer_state: Dict[str, Any],
                      history: List[Dict[str, Any]], fingerprint: Optional[Dict[str, str]] = None, *,
                      batch: int = 0, partial: Optional[Dict[str, float]] = None,
-                     seed: Optional[int] = None) -> bytes:
+                     seed: Optional[int] = None, extra: Optional[Dict[str, Any]] = None) -> bytes:
     """A checkpoint as stored: ``torch.save`` of a dict of plain values and tensors; ``fingerprint``
     identifies the model architecture, optimizer, loss and data the run trains. ``epoch`` counts
     completed epochs; a mid-epoch checkpoint also has ``batch`` (batches of the next epoch done),
-    ``partial`` (that epoch's running sums) and ``seed`` (of the shuffle order)."""
+    ``partial`` (that epoch's running sums) and ``seed`` (of the shuffle order). ``extra`` adds
+    the early-stopping state (``early_stopping``), the best weights (``best_model``) and the
+    learning-rate scheduler's state (``scheduler``) where the run has them."""
     buf = io.BytesIO()
     torch.save({"format": CHECKPOINT_FORMAT, "epoch": epoch, "model": _to_cpu(model.state_dict()),
                 "optimizer": _to_cpu(optimizer_state), "history": history,
                 "fingerprint": dict(fingerprint or {}), "batch": batch, "partial": dict(partial or {}),
-                "seed": seed}, buf)
+                "seed": seed, **_to_cpu(dict(extra or {}))}, buf)
     return buf.getvalue()
 
 
@@ -201,6 +210,13 @@ class _Trainer:
         if spec.compression is not None:
             kwargs["compression"] = spec.compression
         self.optimizer = hvd.DistributedOptimizer(optimizer, **kwargs)
+        extra = spec.resume_extra or {}
+        self.scheduler = spec.lr_scheduler_fn(self.optimizer) if spec.lr_scheduler_fn is not None else None
+        if self.scheduler is not None and extra.get("scheduler") is not None:
+            restore_scheduler(self.scheduler, self.optimizer, extra["scheduler"])
+        self.stopper = EarlyStopping(spec.early_stopping, extra.get("early_stopping")) \
+            if spec.early_stopping is not None else None
+        self.best_model: Optional[Dict[str, torch.Tensor]] = extra.get("best_model")
         self.loss_fn = LossFunction(spec.losses, spec.loss_weights)
         self.profile = step_profile(TORCH_PHASES)
         self.state = TrainingState(model=self.model, optimizer=self.optimizer, rank=self.rank, size=self.size,
@@ -223,6 +239,8 @@ class _Trainer:
             outputs, loss = spec.train_minibatch_fn(self.model, self.optimizer, transform_outputs, self.loss_fn,
                                                     inputs, labels, weights)
             outs, labs = transform_outputs(outputs, labels)
+            if self.scheduler is not None and spec.lr_scheduler_interval == "step":
+                self.scheduler.step()
             self.profile.mark("optimizer")  # the user's whole step
             return outs, labs, loss
         passes = spec.backward_passes_per_step
@@ -243,6 +261,8 @@ class _Trainer:
                     self.optimizer.step()
             else:
                 self.optimizer.step()
+            if self.scheduler is not None and spec.lr_scheduler_interval == "step":
+                self.scheduler.step()
         profile.mark("optimizer")
         return outs, labs, loss
 
@@ -331,10 +351,17 @@ class _Trainer:
             # The store keeps the learning rate as the user gave it; a resume scales it again.
             state = {**state, "param_groups": [{**group, "lr": group["lr"] / self.lr_scale}
                                                for group in state["param_groups"]]}
+        extra: Dict[str, Any] = {}
+        if self.stopper is not None:
+            extra["early_stopping"] = self.stopper.state()
+            if self.best_model is not None:
+                extra["best_model"] = self.best_model
+        if self.scheduler is not None:
+            extra["scheduler"] = self.scheduler.state_dict()
         self.spec.store.write(self.spec.checkpoint_path,
                               checkpoint_bytes(completed, self.model, state, self.state.history,
                                                self.spec.fingerprint, batch=batch, partial=partial,
-                                               seed=self.spec.seed))
+                                               seed=self.spec.seed, extra=extra))
 
     def run(self) -> Optional[Dict[str, Any]]:
         spec = self.spec
@@ -358,6 +385,7 @@ class _Trainer:
                 rows = done * spec.batch_size * self.size
                 logs["rows_per_s"] = rows / train_seconds if train_seconds > 0 else math.inf
                 logs["seconds"] = time.monotonic() - started
+                self._epoch_end(epoch, logs)
                 entry = {"epoch": epoch + 1, **logs, **({"profile": profiles} if profiles else {})}
                 self.state.history.append(entry)
                 self._checkpoint(epoch + 1)
@@ -367,10 +395,29 @@ class _Trainer:
                     break
         finally:
             close_readers(self.train_reader, self.val_reader)
+        stopper = self.stopper
+        if stopper is not None and stopper.restore_best_weights and self.best_model is not None:
+            self.model.load_state_dict(self.best_model)
         call_hook(spec.callbacks, "on_train_end", self.state)
         if self.rank != 0:
             return None
-        return {"model": _to_cpu(self.model.state_dict()), "history": self.state.history}
+        return {"model": _to_cpu(self.model.state_dict()), "history": self.state.history,
+                "early_stopping": stopper.describe() if stopper is not None else ""}
+
+    def _epoch_end(self, epoch: int, logs: Dict[str, Any]) -> None:
+        """The learning-rate schedule's epoch step, and early stopping, on the averaged ``logs``
+        (the same on every rank, so every rank decides alike); logs the rate the epoch trained at."""
+        if self.scheduler is not None:
+            logs["lr"] = self.optimizer.param_groups[0]["lr"] / self.lr_scale
+            if self.spec.lr_scheduler_interval == "epoch":
+                step_scheduler(self.scheduler, logs)
+        stopper = self.stopper
+        if stopper is None:
+            return
+        if stopper.update(epoch + 1, logs) and stopper.restore_best_weights:
+            self.best_model = _to_cpu({k: v.clone() for k, v in self.model.state_dict().items()})
+        if stopper.stopped:
+            self.state.stop_training = True
 
     def _gathered_profiles(self, epoch: int) -> Optional[List[Dict[str, float]]]:
         """Every rank's step profile of the epoch, in rank order; None when profiling is off."""

@@ -84,6 +84,11 @@ BAD_FITS = [
                           r"error in Broken.forward, not in the data"),
     ({"store": "/proc/spark-hvd-store"}, r"store '/proc/spark-hvd-store' cannot be written \(.*\): expected a "
                                          r"directory.*writable path"),
+    ({"early_stopping": {"monitor": "val_loss"}}, r"early_stopping monitors 'val_loss', which this fit's history "
+                                                  r"will not have; it needs validation set"),
+    ({"early_stopping": {"monitor": "val_accuracy"}, "validation": 0.25},
+     r"early_stopping monitors 'val_accuracy'.*expected one of \['loss', 'val_loss'\]"),
+    ({"lr_scheduler_fn": lambda opt: 3}, r"lr_scheduler_fn returned 3: expected a torch.optim.lr_scheduler"),
 ]
 
 
@@ -245,6 +250,37 @@ def test_validation_column_and_zero_sample_weights(frame, tmp_path):
     assert [h["val_loss"] for h in history] == [0.0, 0.0]
     for before, after in zip(est.getModel().parameters(), model.getModel().parameters()):
         assert torch.equal(before, after)
+
+
+# -- early stopping and learning-rate schedules --------------------------------------------------
+
+
+@pytest.mark.session_kinds("classic")
+def test_early_stopping_and_lr_schedule_survive_a_resume(frame, tmp_path):
+    """A StepLR schedule halves the rate every epoch (history's lr, as given, before scale_lr), and a
+    run resumed from its checkpoint goes on with the schedule's state. Early stopping watching loss
+    in 'max' mode (a falling loss never improves) stops after epoch 2 with patience 0 and returns
+    epoch 1's weights, those of a one-epoch fit; fitting the stopped run again trains nothing."""
+    def halving(opt):
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    scheduled = make_estimator(tmp_path, epochs=2, run_id="scheduled", lr_scheduler_fn=halving)
+    assert [h["lr"] for h in scheduled.fit(frame).getHistory()] == pytest.approx([0.05, 0.025])
+    resumed = scheduled.setEpochs(4).fit(frame).getHistory()
+    assert [h["epoch"] for h in resumed] == [1, 2, 3, 4]
+    assert [h["lr"] for h in resumed] == pytest.approx([0.05, 0.025, 0.0125, 0.00625])
+
+    stopping = make_estimator(tmp_path, epochs=5, run_id="stopping",
+                              early_stopping={"monitor": "loss", "mode": "max", "patience": 0})
+    stopped = stopping.fit(frame)
+    assert [h["epoch"] for h in stopped.getHistory()] == [1, 2]
+    one_epoch = make_estimator(tmp_path, epochs=1).fit(frame)
+    for a, b in zip(stopped.getModel().parameters(), one_epoch.getModel().parameters()):
+        torch.testing.assert_close(a, b)
+    again = stopping.fit(frame)
+    assert again.fit_timings.get("launch") is None and len(again.getHistory()) == 2
+    for a, b in zip(stopped.getModel().parameters(), again.getModel().parameters()):
+        torch.testing.assert_close(a, b)
 
 
 # -- Pipeline and CrossValidator ---------------------------------------------------------------

@@ -522,3 +522,29 @@ def test_the_next_epoch_is_read_while_this_one_validates_and_none_after_the_last
     plain = train_on_rank(_NoPrefetchSpec(**fields(pickle.loads(pickle.dumps(model)))))["model"]
     assert not torch.equal(trained["weight"], model.weight.detach())
     assert torch.equal(plain["weight"], trained["weight"]) and torch.equal(plain["bias"], trained["bias"])
+
+
+def test_early_stopping_follows_keras_rule():
+    """Patience counts epochs in a row without an improvement larger than min_delta; 'auto' reads
+    accuracy and AUC as higher-is-better; a NaN never improves; the state round-trips."""
+    from spark_hvd.spark.torch.params import ToEarlyStopping
+    from spark_hvd.spark.torch.stopping import EarlyStopping, monitor_mode
+
+    assert monitor_mode("val_accuracy") == "max" and monitor_mode("val_auc") == "max"
+    assert monitor_mode("val_loss") == "min" and monitor_mode("val_loss", "max") == "max"
+    rule = EarlyStopping(ToEarlyStopping().bind("early_stopping")({"patience": 2, "min_delta": 0.1}))
+    assert [rule.update(e, {"val_loss": v}) for e, v in enumerate([1.0, 0.95, 0.85, float("nan")], 1)] == \
+        [True, False, True, False]
+    assert not rule.stopped and rule.best_epoch == 3
+    again = EarlyStopping(ToEarlyStopping()({"patience": 2, "min_delta": 0.1}), rule.state())
+    assert not again.update(5, {"val_loss": 0.8}) and again.stopped and again.best == pytest.approx(0.85)
+    assert "did not improve by more than 0.1 for 2 epoch(s) after epoch 3" in again.describe()
+    with pytest.raises(KeyError, match="early_stopping monitors 'val_loss'"):
+        again.update(6, {"loss": 0.1})
+
+
+@pytest.mark.parametrize("value", [{"patience": -1}, {"monitor": ""}, {"mode": "up"}, {"patiance": 2}, "val_loss",
+                                   {"restore_best_weights": 1}])
+def test_early_stopping_param_refuses_bad_settings(value):
+    with pytest.raises(ValueError, match=r"early_stopping=.* is not valid: expected a dict with some of monitor"):
+        TorchEstimator(early_stopping=value)
