@@ -7,7 +7,11 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 __all__ = ["StoredColumn", "inspect_column", "is_vector", "is_vector_struct", "vector_as_array", "plan_columns", "quote", "is_float", "valid_rows", "to_arrays",
-           "stack_rows", "sample_batch"]
+           "stack_rows", "sample_batch", "STACKED_FEATURES", "scalar_columns", "stacked_column"]
+
+STACKED_FEATURES = "__spark_hvd_features"
+"""The array column several numeric feature columns are stacked into, in their order, for a model
+that takes one input (see :func:`stacked_column`)."""
 
 _NUMPY_DTYPES = {
     "ByteType": "int8",
@@ -226,3 +230,22 @@ def sample_batch(df: Any, columns: Sequence[str], rows: int, vector_dtype: str =
             values = stack_rows(values, c.name, c.dtype)
         batch[c.name] = values.astype(c.dtype, copy=False)
     return batch
+
+
+def scalar_columns(schema: Any, columns: Sequence[str]) -> bool:
+    """Whether every one of ``columns`` is in ``schema`` and holds one number per row."""
+    fields = {f.name: f.dataType for f in schema.fields}
+    try:
+        return all(c in fields and inspect_column(c, fields[c], "float64").kind == "scalar" for c in columns)
+    except ValueError:  # a column that cannot be a feature: the usual checks name it
+        return False
+
+
+def stacked_column(columns: Sequence[str], dtype: str) -> Any:
+    """The numeric ``columns`` as one array column of ``dtype`` ('float32' or 'float64'), in their
+    order: one (rows, len(columns)) input for a model of one input, as xgboost.spark takes a list
+    of feature columns."""
+    from pyspark.sql import functions as F
+
+    element = "float" if dtype == "float32" else "double"
+    return F.array(*[F.col(quote(c)).cast(element) for c in columns])

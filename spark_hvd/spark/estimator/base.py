@@ -36,7 +36,7 @@ import numpy as np
 from pyspark.ml import Estimator
 from pyspark.ml.util import MLReadable, MLWritable
 
-from spark_hvd.spark.data.columns import inspect_column, plan_columns, sample_batch
+from spark_hvd.spark.data.columns import STACKED_FEATURES, inspect_column, plan_columns, sample_batch, stacked_column
 from spark_hvd.spark.data.identity import data_identity
 from spark_hvd.spark.data.prepare import PreparedData, prepare_data
 from spark_hvd.spark.data.reader import steps_for
@@ -139,6 +139,8 @@ class Fit:
     output_shapes: Optional[List[Tuple[int, ...]]] = None
     """Per-row shape of the model's output for each label, from the last dry run."""
     fingerprint: Dict[str, str] = field(default_factory=dict)
+    stacked_from: Optional[List[str]] = None
+    """The ``feature_cols`` stacked into the one input column the model trains on, or None."""
 
 
 def _sizes(batch: Mapping[str, Any], cols: Sequence[str]) -> List[int]:
@@ -196,6 +198,11 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
         """The name of each label column's loss (class or function), where the framework knows it."""
         return [None] * len(fit.label_cols)
 
+    def _stacked_features(self, df: Any) -> Optional[Tuple[List[str], str]]:
+        """(feature columns, dtype) when several numeric columns are to be stacked into one input
+        for a model that takes one; None to give the model one input per column."""
+        return None
+
     def _working_copy(self, own: Any) -> Any:
         """The driver's copy of the model that fit trains and returns."""
         raise NotImplementedError
@@ -247,7 +254,7 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
         """The fitted model (of ``fitted_class``) around ``fit.model``."""
         assert fit.shapes is not None
         return self.fitted_class(
-            model=fit.model, feature_cols=fit.feature_cols, label_cols=fit.label_cols,
+            model=fit.model, feature_cols=fit.stacked_from or fit.feature_cols, label_cols=fit.label_cols,
             input_shapes=[list(s) for s in fit.shapes], run_id=fit.run_id, history=history, task=fit.task,
             prediction_col=self.getOrDefault("prediction_col"), probability_col=self.getOrDefault("probability_col"),
             raw_prediction_col=self.getOrDefault("raw_prediction_col"), **self._fitted_params(fit))
@@ -286,11 +293,11 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
         return backend
 
     # ---- 1. checks ------------------------------------------------------------------------------
-    def _check(self, df: Any) -> Fit:
+    def _check(self, df: Any, stacked: Optional[List[str]] = None) -> Fit:
         self._warn_unused()
         backend = self._backend()
         own = self._check_model()
-        feature_cols = self.getOrDefault("feature_cols")
+        feature_cols = [STACKED_FEATURES] if stacked else self.getOrDefault("feature_cols")
         checks.require("feature_cols", feature_cols, "the list of input columns", "['features']")
         label_cols = self.getOrDefault("label_cols")
         checks.require("label_cols", label_cols, "the list of target columns", "['label']")
@@ -316,7 +323,8 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
         run_id = self.getOrDefault("run_id") or f"{self.framework}-{uuid.uuid4().hex[:12]}"
         store.get_run_path(run_id)  # checks the name
         return Fit(model=self._working_copy(own), own=own, feature_cols=feature_cols, label_cols=label_cols,
-                   sample_weight_col=weight_col, num_proc=num_proc, store=store, run_id=run_id, task=task, dtype=dtype)
+                   sample_weight_col=weight_col, num_proc=num_proc, store=store, run_id=run_id, task=task, dtype=dtype,
+                   stacked_from=stacked)
 
     # ---- 2. dry runs ----------------------------------------------------------------------------
     def _dry_run(self, df: Any, fit: Fit) -> None:
@@ -473,7 +481,10 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
     def _fit(self, dataset: Any) -> Any:
         timings: Dict[str, float] = {}
         started = time.monotonic()
-        fit = self._check(dataset)
+        stacking = self._stacked_features(dataset)
+        if stacking is not None:
+            dataset = dataset.withColumn(STACKED_FEATURES, stacked_column(*stacking))
+        fit = self._check(dataset, stacking[0] if stacking is not None else None)
         self._dry_run(dataset, fit)
         fit.fingerprint = self._fingerprint(dataset, fit)
         resume = self._resume_state(fit)

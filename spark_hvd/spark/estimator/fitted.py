@@ -9,6 +9,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 from pyspark.ml import Model
 from pyspark.ml.util import MLReadable, MLWritable
 
+from spark_hvd.spark.data.columns import STACKED_FEATURES, stacked_column
 from spark_hvd.spark.estimator import checks
 from spark_hvd.spark.estimator.inference import (InferencePlan, Predictor, allow_vector_inputs, feature_args,
                                                  output_is_scalar, prediction_udf, usable_args, usable_rows)
@@ -117,8 +118,13 @@ class FittedModel(Model, ModelParams, MLReadable, MLWritable):
         feature_cols, output_cols = self._check_columns(dataset)
         session = dataset.sparkSession
         checks.ensure_executor_python(session, session_info(session), self.worker_modules)
-        shapes = self._shapes(model, feature_cols, self._input_sizes(dataset, feature_cols))
         dtype = self._dtype(model)
+        given = self.getInputShapes()
+        stacked = len(feature_cols) > 1 and given is not None and len(given) == 1
+        if stacked:  # fitted on the numeric columns stacked into one input, in order
+            dataset = dataset.withColumn(STACKED_FEATURES, stacked_column(feature_cols, dtype))
+            feature_cols = [STACKED_FEATURES]
+        shapes = self._shapes(model, feature_cols, self._input_sizes(dataset, feature_cols))
         row_shapes = self._dry_run(model, shapes, len(output_cols), dtype)
         check_task(self.getTask(), row_shapes)
         scalar = tuple(output_is_scalar(s) for s in row_shapes)
@@ -138,7 +144,8 @@ class FittedModel(Model, ModelParams, MLReadable, MLWritable):
             else:  # 'keep': the model sees zeros in those rows, whose predictions become null
                 args = usable_args(dataset.schema, feature_cols, args, shapes, dtype, valid)
         predicted = prediction_udf(plan, payload, self._predictor())(*args)
-        return self._add_predictions(dataset, predicted, output_cols, scalar, valid)
+        result = self._add_predictions(dataset, predicted, output_cols, scalar, valid)
+        return result.drop(STACKED_FEATURES) if stacked else result
 
     # ---- checks ---------------------------------------------------------------------------
     def _check_columns(self, df: Any) -> Tuple[List[str], List[str]]:

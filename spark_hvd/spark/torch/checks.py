@@ -127,8 +127,9 @@ def check_feature_count(model: torch.nn.Module, feature_cols: Sequence[str]) -> 
         takes = f"{required}" if maximum == required else f"{required} to {maximum if maximum is not None else 'any'}"
         raise ValueError(
             f"feature_cols={list(feature_cols)} gives {count} input(s) but {type(model).__name__}.forward takes {takes}: "
-            "each feature column is one argument of forward(); fix: assemble the columns into one vector "
-            "column (pyspark.ml.feature.VectorAssembler) or list one column per forward() argument")
+            "each feature column is one argument of forward() (only columns of one number each are stacked into "
+            "one input for a forward() of one argument); fix: assemble the columns into one vector column "
+            "(pyspark.ml.feature.VectorAssembler) or list one column per forward() argument")
 
 
 _SHAPE_WORDS = ("shape", "size", "mat1 and mat2", "dimension", "expected input")

@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from spark_hvd.spark.data.columns import scalar_columns
 from spark_hvd.spark.estimator import checks as common
 from spark_hvd.spark.estimator.base import Checkpoint, DistributedEstimator, Fit
 from spark_hvd.spark.estimator.outputs import check_task, infer_task
@@ -136,6 +137,17 @@ class TorchEstimator(TorchModuleHooks, DistributedEstimator, TorchEstimatorParam
                                  "loss, e.g. loss_constructors=[torch.nn.BCEWithLogitsLoss]")
             losses.append(make())
         return losses[0] if len(losses) == 1 else losses
+
+    def _stacked_features(self, df: Any) -> Optional[Tuple[List[str], str]]:
+        """Several numeric feature columns for a model whose forward takes one tensor: stacked, in
+        order, into one (rows, n) input."""
+        cols, model = self.getFeatureCols(), self.getModel()
+        shapes = self.getInputShapes()
+        if not cols or len(cols) < 2 or not isinstance(model, torch.nn.Module) or (shapes and len(shapes) != 1):
+            return None
+        if checks.forward_arity(model)[1] != 1 or not scalar_columns(df.schema, cols):
+            return None
+        return list(cols), "float64" if model_dtype(model) == torch.float64 else "float32"
 
     def _loss_names(self, fit: Fit) -> List[Optional[str]]:
         return [checks.loss_name(fn) for fn in fit.own.losses]

@@ -252,6 +252,32 @@ def test_validation_column_and_zero_sample_weights(frame, tmp_path):
         assert torch.equal(before, after)
 
 
+# -- feature columns stacked into one input ---------------------------------------------------------
+
+
+@pytest.mark.session_kinds("classic")
+def test_several_numeric_columns_are_stacked_for_a_model_of_one_input(frame, tmp_path):
+    """feature_cols=['x1', 'x2', 'x3'] for a model whose forward takes one tensor trains on the
+    (rows, 3) stack of the columns in that order, the same model as on the assembled Vector; the
+    fitted model keeps the three names, scores a frame that has only them, and saves and loads."""
+    by_columns = make_estimator(tmp_path, feature_cols=["x1", "x2", "x3"]).fit(frame)
+    by_vector = make_estimator(tmp_path).fit(frame)
+    for a, b in zip(by_columns.getModel().parameters(), by_vector.getModel().parameters()):
+        torch.testing.assert_close(a, b)
+    assert by_columns.getFeatureCols() == ["x1", "x2", "x3"] and by_columns.getInputShapes() == [[3]]
+    plain = frame.select("x1", "x2", "x3", "y")
+    scored = by_columns.transform(plain)
+    assert scored.columns == ["x1", "x2", "x3", "y", "rawPrediction", "probability", "prediction"]
+    rows = frame.orderBy("x1").collect()
+    expected = torch.sigmoid(torch.tensor(local_predictions(by_columns.getModel(), rows)))
+    got = [r["probability"][1] for r in scored.orderBy("x1").collect()]
+    np.testing.assert_allclose(got, expected.numpy(), rtol=1e-5, atol=1e-6)
+    path = str(tmp_path / "stacked")
+    by_columns.write().overwrite().save(path)
+    assert [r["probability"] for r in TorchModel.load(path).transform(plain).orderBy("x1").collect()] == \
+        [r["probability"] for r in scored.orderBy("x1").collect()]
+
+
 # -- early stopping and learning-rate schedules --------------------------------------------------
 
 
