@@ -260,8 +260,8 @@ def test_several_numeric_columns_are_stacked_for_a_model_of_one_input(frame, tmp
     """feature_cols=['x1', 'x2', 'x3'] for a model whose forward takes one tensor trains on the
     (rows, 3) stack of the columns in that order, the same model as on the assembled Vector; the
     fitted model keeps the three names, scores a frame that has only them, and saves and loads."""
-    by_columns = make_estimator(tmp_path, feature_cols=["x1", "x2", "x3"]).fit(frame)
-    by_vector = make_estimator(tmp_path).fit(frame)
+    by_columns = make_estimator(tmp_path, num_proc=1, feature_cols=["x1", "x2", "x3"]).fit(frame)
+    by_vector = make_estimator(tmp_path, num_proc=1).fit(frame)
     for a, b in zip(by_columns.getModel().parameters(), by_vector.getModel().parameters()):
         torch.testing.assert_close(a, b)
     assert by_columns.getFeatureCols() == ["x1", "x2", "x3"] and by_columns.getInputShapes() == [[3]]
@@ -515,6 +515,9 @@ def test_null_vectors_are_named_in_fit_and_in_transform(spark, frame, basic_fit,
     assert "Py4JJavaError" not in text and "at org.apache.spark" not in text
 
 
+# The checks run in the prediction UDF and the skip/keep conditions are DataFrame expressions: one
+# code path for both kinds of session.
+@pytest.mark.session_kinds("classic")
 def test_transform_names_rows_it_cannot_score_or_skips_or_keeps_them(spark, frame, basic_fit):
     """NaN, infinite and null features and Vectors of the wrong length: invalid_rows='error' (the
     default) fails naming the column, the rows and the fix (the wrong length also the expected one);
