@@ -612,6 +612,41 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
             logger.close()
         return model
 
+    def fit_on_parquet(self, params: Optional[Dict[Any, Any]] = None, dataset_idx: Optional[str] = None) -> Any:
+        """Horovod's ``fit_on_parquet``: train on Parquet already in the store, at
+        ``store.get_train_data_path(dataset_idx)``, validating on ``store.get_val_data_path(dataset_idx)``
+        when that holds data too; ``params`` overrides this estimator's Params for the fit.
+
+        The files are read with the active Spark session and fitted as ``fit`` fits a DataFrame
+        (checks, materialization, training); a ``validation`` Param is replaced by the held-out
+        files, or, without them, applies to the training files.
+        """
+        from pyspark.sql import SparkSession
+        from pyspark.sql import functions as F
+
+        estimator = self.copy(params) if params else self
+        store = estimator.getOrDefault("store")
+        if store is None:
+            raise ValueError("fit_on_parquet needs store=: expected the Store whose get_train_data_path() holds the "
+                             "training Parquet; fix: pass store=Store.create('/path') (the same as where it was written)")
+        train_path = store.get_train_data_path(dataset_idx)
+        if not store.exists(train_path):
+            raise ValueError(f"fit_on_parquet found no training data at {train_path} (dataset_idx={dataset_idx!r}): "
+                             "expected Parquet written there, e.g. df.write.parquet(store.get_train_data_path()); fix: "
+                             "write it first, or call fit(df)")
+        spark = SparkSession.getActiveSession()
+        if spark is None:
+            raise ValueError("fit_on_parquet needs an active SparkSession to read the store's Parquet: fix: create "
+                             "one first (spark_hvd.spark.local_session() or SparkSession.builder.getOrCreate())")
+        train = spark.read.parquet(store.spark_url(train_path))
+        val_path = store.get_val_data_path(dataset_idx)
+        if not store.exists(val_path):
+            return estimator.fit(train)
+        marker = "__spark_hvd_from_val_path"
+        both = train.withColumn(marker, F.lit(0)).unionByName(
+            spark.read.parquet(store.spark_url(val_path)).withColumn(marker, F.lit(1)))
+        return estimator.copy({estimator.getParam("validation"): marker}).fit(both)
+
     def fitMultiple(self, dataset: Any, paramMaps: Sequence[Any]) -> Any:
         """Spark ML's ``fitMultiple``: one model per Param map, as ``(index, model)`` pairs from a
         thread-safe iterator. Inside an active MLflow run each fit is logged as a child run of it,

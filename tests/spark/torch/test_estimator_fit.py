@@ -278,6 +278,25 @@ def test_several_numeric_columns_are_stacked_for_a_model_of_one_input(frame, tmp
         [r["probability"] for r in scored.orderBy("x1").collect()]
 
 
+@pytest.mark.session_kinds("classic")
+def test_fit_on_parquet_trains_on_the_stores_files_as_horovod(frame, tmp_path):
+    """Horovod's fit_on_parquet: Parquet written at store.get_train_data_path(idx) and
+    get_val_data_path(idx) trains a model validated on the second; without the store's files it
+    says where it looked."""
+    est = make_estimator(tmp_path, num_proc=1, epochs=1)
+    store = est.getStore()
+    with pytest.raises(ValueError, match=r"fit_on_parquet found no training data at .*intermediate_train_data.mine "
+                                         r"\(dataset_idx='mine'\)"):
+        est.fit_on_parquet(dataset_idx="mine")
+    columns = frame.select("features", "y")
+    columns.filter("is_val = 0").write.parquet(store.spark_url(store.get_train_data_path("mine")))
+    columns.filter("is_val = 1").write.parquet(store.spark_url(store.get_val_data_path("mine")))
+    model = est.fit_on_parquet(params={est.epochs: 2}, dataset_idx="mine")
+    assert len(model.getHistory()) == 2 and all("val_loss" in h for h in model.getHistory())
+    assert est.getEpochs() == 1 and est.getValidation() is None
+    assert model.transform(frame).count() == ROWS
+
+
 # -- early stopping and learning-rate schedules --------------------------------------------------
 
 
