@@ -273,10 +273,11 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
     def _removed_fields(self) -> Tuple[str, ...]:
         return tuple(self.getOrDefault("transformation_removed_fields") or ())
 
-    def _warn_unused(self) -> None:
-        """One warning per process for each set Horovod Param that means nothing here."""
+    def _warn_unused(self, used: Sequence[str] = ()) -> None:
+        """One warning per process for each set Horovod Param that means nothing here (``used``: those
+        that this fit uses after all)."""
         for spec in self.param_specs():  # type: ignore[attr-defined]
-            if spec.unused and self.isSet(spec.name):
+            if spec.unused and self.isSet(spec.name) and spec.name not in used:
                 key = (type(self).__name__, spec.name)
                 if key not in _WARNED:
                     _WARNED.add(key)

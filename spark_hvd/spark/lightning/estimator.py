@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pytorch_lightning as pl
 import torch
@@ -17,6 +17,7 @@ from spark_hvd.spark.lightning.model import LightningModel
 from spark_hvd.spark.lightning.params import LightningEstimatorParams
 from spark_hvd.spark.lightning.training import (CHECKPOINT_FORMAT, CHECKPOINT_KEY, LightningTrainingSpec,
                                                 fit_on_rank, module_batch)
+from spark_hvd.spark.lightning.wrap import ModuleAsLightning
 from spark_hvd.spark.torch import checks as torch_checks
 from spark_hvd.spark.torch.batches import model_dtype, outputs_list
 from spark_hvd.spark.torch.estimator import TorchModuleHooks
@@ -24,6 +25,14 @@ from spark_hvd.spark.torch.fingerprint import run_fingerprint
 from spark_hvd.spark.torch.training import OptimizerSpec
 
 __all__ = ["LightningEstimator"]
+
+_WRAPPED_PARAMS = ("optimizer", "loss", "loss_constructors", "loss_weights", "metrics")
+"""Horovod Params that a LightningModule brings itself, but that a plain torch.nn.Module needs."""
+
+
+def _plain_module(model: Any) -> bool:
+    return isinstance(model, torch.nn.Module) and not isinstance(model, pl.LightningModule) and not any(
+        base.__module__.startswith("lightning.pytorch") for base in type(model).__mro__)
 
 
 @dataclass
@@ -85,9 +94,15 @@ class LightningEstimator(TorchModuleHooks, DistributedEstimator, LightningEstima
     label_rules_from_task = True
 
     # ---- checks ---------------------------------------------------------------------------------
+    def _warn_unused(self, used: Sequence[str] = ()) -> None:
+        plain = _plain_module(self.getModel())
+        super()._warn_unused(tuple(used) + (_WRAPPED_PARAMS if plain else ()))
+
     def _check_model(self) -> _Lightning:
         model = self.getModel()
         common.require("model", model, "a pytorch_lightning.LightningModule", "MyModule()")
+        if _plain_module(model):
+            model = self._wrapped(model)
         checks.check_module(model, self.getValidation())
         trainer_args = checks.check_trainer_args(self.getTrainerArgs())
         callbacks = checks.check_callbacks(self.getCallbacks())
@@ -97,6 +112,36 @@ class LightningEstimator(TorchModuleHooks, DistributedEstimator, LightningEstima
         torch_checks.check_compression(self.getGradientCompression())
         torch_checks.check_feature_count(own.model, feature_cols)
         own.optimizer = _optimizer_spec(own.model).with_learning_rate(self.getLearningRate())
+        if isinstance(own.model, ModuleAsLightning):
+            losses, weights = torch_checks.check_losses(self._loss(), self.getLossWeights(), label_cols)
+            own.model.configure(losses, weights, torch_checks.check_metrics(self.getMetrics()), feature_cols,
+                                label_cols, self.getSampleWeightCol())
+
+    def _loss_names(self, fit: Fit) -> List[Optional[str]]:
+        if isinstance(fit.model, ModuleAsLightning):
+            return [torch_checks.loss_name(fn) for fn in fit.model.losses]
+        return super()._loss_names(fit)
+
+    def _wrapped(self, module: torch.nn.Module) -> ModuleAsLightning:
+        """A plain torch.nn.Module with the ``optimizer`` Param, as Horovod's Lightning estimator takes it."""
+        optimizer = self.getOptimizer()
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"model={type(module).__name__} is a plain torch.nn.Module and optimizer={optimizer!r}: "
+                             "expected a torch.optim.Optimizer over its parameters (with loss=...) to train it as "
+                             "a LightningModule, or a pytorch_lightning.LightningModule; fix: pass e.g. "
+                             "optimizer=torch.optim.Adam(model.parameters(), lr=1e-3), loss=torch.nn.MSELoss()")
+        if self.getLoss() is None and not self.getLossConstructors():
+            raise ValueError(f"model={type(module).__name__} is a plain torch.nn.Module but loss is unset: expected "
+                             "the loss to train it with; fix: pass e.g. loss=torch.nn.BCEWithLogitsLoss()")
+        return ModuleAsLightning(module, OptimizerSpec.of(optimizer, module).with_learning_rate(self.getLearningRate()))
+
+    def _loss(self) -> Any:
+        """``loss``, or what Horovod's ``loss_constructors`` make (each called once)."""
+        constructors = self.getLossConstructors()
+        if not constructors:
+            return self.getLoss()
+        losses = [make() for make in constructors]
+        return losses[0] if len(losses) == 1 else losses
 
     # ---- dry runs -------------------------------------------------------------------------------
     def _try_batch(self, fit: Fit, batch: Dict[str, Any], sizes: List[int]) -> None:
@@ -112,8 +157,8 @@ class LightningEstimator(TorchModuleHooks, DistributedEstimator, LightningEstima
     # ---- the run --------------------------------------------------------------------------------
     def _run_fingerprint(self, df: Any, fit: Fit, columns: List[str]) -> Dict[str, str]:
         own: _Lightning = fit.own
-        return run_fingerprint(fit.model, own.optimizer, [type(fit.model).training_step], [1.0], df, columns,
-                               self.getValidation())
+        losses = fit.model.losses if isinstance(fit.model, ModuleAsLightning) else [type(fit.model).training_step]
+        return run_fingerprint(fit.model, own.optimizer, losses, [1.0] * len(losses), df, columns, self.getValidation())
 
     def _read_checkpoint(self, data: bytes) -> Checkpoint:
         # A Lightning checkpoint holds pickled loop and hyperparameter state: the store is trusted,

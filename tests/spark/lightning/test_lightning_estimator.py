@@ -203,8 +203,9 @@ def make_estimator(tmp_path, **overrides):
 # -- checks before any Spark job ---------------------------------------------------------------
 
 BAD_FITS = [
-    ({"model": torch.nn.Linear(3, 1)}, r"model=Linear\(.*\) is not valid: expected a pytorch_lightning.LightningModule"
-                                       r".*TorchEstimator"),
+    ({"model": torch.nn.Linear(3, 1)}, r"model=Linear is a plain torch.nn.Module and optimizer=None: expected a "
+                                       r"torch.optim.Optimizer over its parameters \(with loss=...\)"),
+    ({"model": "module"}, r"model='module' is not valid: expected a pytorch_lightning.LightningModule"),
     ({"model": NoTrainingStep()}, r"NoTrainingStep does not define training_step.*fix: implement "
                                   r"NoTrainingStep.training_step"),
     ({"model": NoValidationStep(), "validation": 0.25}, r"validation=0.25 holds rows out for validation, but "
@@ -329,6 +330,33 @@ def test_same_run_id_resumes_with_its_optimizer_state_and_a_saved_estimator_retu
 
 
 @pytest.mark.timeout(600)
+def test_a_plain_module_with_optimizer_and_loss_trains_as_torch_estimator_does(frame, tmp_path):
+    """Horovod's Lightning estimator takes a plain torch.nn.Module with optimizer, loss and metrics:
+    it trains to the weights TorchEstimator reaches on the same rows, seed and batches, logs the
+    loss and the metric per epoch, and the fitted model scores with the module's forward."""
+    from spark_hvd.spark.torch import TorchEstimator
+
+    def accuracy(out, lab):
+        return ((out > 0).float() == lab).float().mean()
+
+    def plain(cls, **extra):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        return cls(num_proc=1, model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                   loss=torch.nn.BCEWithLogitsLoss(), metrics=[accuracy], feature_cols=["features"], label_cols=["y"],
+                   batch_size=8, epochs=2, store=Store.create(str(tmp_path / cls.__name__)), random_seed=3, verbose=0,
+                   validation=0.25, **extra)
+
+    lightning = plain(LightningEstimator, task="binary").fit(frame)
+    torch_model = plain(TorchEstimator).fit(frame)
+    for a, b in zip(lightning.getModel().parameters(), torch_model.getModel().parameters()):
+        torch.testing.assert_close(a, b)
+    last = lightning.getHistory()[-1]
+    assert {"loss", "accuracy", "val_loss", "val_accuracy"} <= set(last)
+    assert last["loss"] == pytest.approx(torch_model.getHistory()[-1]["loss"], rel=1e-5)
+    assert lightning.transform(frame).select("prediction").distinct().count() >= 1
+
+
 def test_labels_outside_the_declared_binary_task_are_refused_before_training(frame, tmp_path):
     """task='binary' declares the module's loss binary: 0/2 labels are named before any rank starts."""
     with pytest.raises(ValueError, match=rf"label column 'y' holds values outside \[0, 1\] in "
