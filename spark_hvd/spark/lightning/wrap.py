@@ -28,8 +28,9 @@ class ModuleAsLightning(pl.LightningModule):
         self.module = module
         self.optimizer_spec = optimizer
         self.losses: List[Any] = []
-        self.loss_weights: List[float] = []
+        self.loss_fn: Optional[LossFunction] = None
         self.metric_fns: List[Any] = []
+        self.metric_names: List[str] = []
         self.feature_cols: List[str] = []
         self.label_cols: List[str] = []
         self.weight_col: Optional[str] = None
@@ -37,9 +38,10 @@ class ModuleAsLightning(pl.LightningModule):
     def configure(self, losses: Sequence[Any], loss_weights: Sequence[float], metrics: Sequence[Any],
                   feature_cols: Sequence[str], label_cols: Sequence[str], weight_col: Optional[str]) -> None:
         """The loss, metrics and columns of the fit (known once the columns are checked)."""
-        self.losses, self.loss_weights = list(losses), list(loss_weights)
-        self.metric_fns = list(metrics)
+        self.losses = list(losses)
+        self.loss_fn = LossFunction(self.losses, loss_weights)  # made once: it keeps its per-row losses
         self.feature_cols, self.label_cols, self.weight_col = list(feature_cols), list(label_cols), weight_col
+        self.metric_fns, self.metric_names = list(metrics), metric_names(metrics, self.label_cols)
 
     def forward(self, *inputs: Any) -> Any:
         return self.module(*inputs)
@@ -52,13 +54,13 @@ class ModuleAsLightning(pl.LightningModule):
         outputs = self(*[batch[col] for col in self.feature_cols])
         outs, labels = transform_outputs(outputs, [batch[col] for col in self.label_cols])
         weights = batch.get(self.weight_col) if self.weight_col else None
-        loss = LossFunction(self.losses, self.loss_weights)(outs, labels, weights)
+        assert self.loss_fn is not None, "configure() gives the loss before training"
+        loss = self.loss_fn(outs, labels, weights)
         rows = len(labels[0]) if labels else None
         self.log(f"{prefix}loss", loss, on_step=False, on_epoch=True, batch_size=rows)
         if self.metric_fns:
-            names = metric_names(self.metric_fns, self.label_cols)
             with torch.no_grad():
-                for name, value in metric_values(self.metric_fns, names, outs, labels).items():
+                for name, value in metric_values(self.metric_fns, self.metric_names, outs, labels).items():
                     self.log(f"{prefix}{name}", float(value), on_step=False, on_epoch=True, batch_size=rows)
         return loss
 
