@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional
 
 __all__ = ["LOCAL_ENVIRONMENT", "local_spark_conf", "local_session", "SessionInfo", "session_info",
-           "is_connect", "active_session"]
+           "is_connect", "active_session", "task_max_failures", "SPARK_TASK_MAX_FAILURES"]
 
 LOCAL_ENVIRONMENT: Dict[str, str] = {"SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable}
 """Environment for a process that starts a local Spark JVM: loopback only, workers run this Python."""
 
-_LOCAL_MASTER = re.compile(r"^local(?:\[(\*|\d+)(?:,\s*\d+)?\])?$")
+_LOCAL_MASTER = re.compile(r"^local(?:\[(\*|\d+)(?:,\s*(\d+))?\])?$")
 _LOCAL_CLUSTER = re.compile(r"^local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*\d+\s*\]$")
 _LOOPBACK = ("localhost", "127.0.0.1", "::1", "[::1]")
 
@@ -186,6 +186,22 @@ def slots_from_conf(master: str, get: Any) -> Optional[int]:
     if instances and cores:
         return int(instances) * (int(cores) // task_cpus)
     return None
+
+
+SPARK_TASK_MAX_FAILURES = 4
+"""Spark's default ``spark.task.maxFailures`` on a cluster."""
+
+
+def task_max_failures(session: Any) -> int:
+    """How many times Spark lets one task fail before it fails the job: the ``F`` of a
+    ``local[N,F]`` master (1 for ``local[N]``, which does not retry tasks), else
+    ``spark.task.maxFailures`` (default 4)."""
+    master = str(session.sparkContext.master) if not is_connect(session) else (_conf(session, "spark.master") or "")
+    found = _LOCAL_MASTER.match(master)
+    if found:
+        return int(found.group(2) or 1)
+    value = _conf(session, "spark.task.maxFailures")
+    return int(value) if value else SPARK_TASK_MAX_FAILURES
 
 
 def _client_is_local(session: Any) -> bool:

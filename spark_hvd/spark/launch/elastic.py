@@ -7,7 +7,16 @@ secret; when a stage fails because a rank process or an executor was lost, the d
 at least ``min_num_proc`` slots and starts a new stage, whose first ``state.sync()`` hands the
 last commit to every rank. While a stage runs, the driver watches the cluster's slots: when more
 are free (and ``max_num_proc`` allows), it asks the ranks to end the world at their next commit
-and starts a larger one. Errors of the code fail the job at once, as with :func:`run`.
+and starts a larger one.
+
+An exception raised by a rank's code also starts a new world from the last commit, as Horovod's
+``run_elastic`` does: it counts as a failure of that rank's task, and the run fails with that
+exception once one rank's task has failed as often as Spark allows a task to fail
+(``spark.task.maxFailures``; the ``F`` of a ``local[N,F]`` master, 1 for ``local[N]``, so
+there a code error fails at once). Errors no new world can fix fail the run at once: those
+raised on the driver before any rank runs (bad arguments, a function that cannot be pickled),
+a rank's ImportError, SyntaxError or pickling error, and a rank that returned while its peers
+still trained.
 """
 
 from __future__ import annotations
@@ -18,8 +27,9 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, List, Mapping, Optional, Sequence, TextIO, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TextIO, Tuple
 
+from spark_hvd.runner.errors import RankFailedError
 from spark_hvd.runtime import config
 from spark_hvd.runtime.elastic import StageHooks, WorldResizeRequested
 
@@ -27,10 +37,10 @@ from spark_hvd.runtime.seal import seal, unseal
 from spark_hvd.spark.launch.store_log import STORE_CONTEXT
 from spark_hvd.spark.launch.retry import describe_failure, is_recoverable
 from spark_hvd.spark.launch.barrier import run
-from spark_hvd.spark.session import active_session, session_info
+from spark_hvd.spark.session import active_session, session_info, task_max_failures
 from spark_hvd.spark.data.store import Store
 
-__all__ = ["run_elastic", "ELASTIC_TIMEOUT_S"]
+__all__ = ["run_elastic", "restartable", "ELASTIC_TIMEOUT_S"]
 
 ELASTIC_TIMEOUT_S = 600.0
 """Default seconds run_elastic waits for ``min_num_proc`` free task slots before a new world."""
@@ -133,6 +143,21 @@ class _SlotWatcher:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2 * _WATCH_INTERVAL_S + 5.0)
+
+
+_NOT_FIXED_BY_A_NEW_WORLD = (ImportError, SyntaxError, pickle.PicklingError, pickle.UnpicklingError)
+
+
+def restartable(error: BaseException) -> bool:
+    """Whether a failed world's error is one a new world may not repeat: a rank's code raised
+    (not an import, syntax or pickling error), as opposed to a lost process (always restarted)
+    or a driver-side error (never)."""
+    if not isinstance(error, RankFailedError) or error.reaction is not None or error.exc_type is None:
+        return False
+    if error.original is not None:
+        return not isinstance(error.original, _NOT_FIXED_BY_A_NEW_WORLD)
+    name = error.exc_type.rsplit(".", 1)[-1]
+    return name not in {kind.__name__ for kind in _NOT_FIXED_BY_A_NEW_WORLD} | {"ModuleNotFoundError"}
 
 
 def _check_sizes(num_proc: int, min_num_proc: Optional[int], max_num_proc: Optional[int],
@@ -238,16 +263,22 @@ def run_elastic(
         min_num_proc: fewest ranks to train with (default ``num_proc``).
         max_num_proc: most ranks (default: as many as the cluster has slots).
         elastic_timeout: seconds to wait for ``min_num_proc`` slots before a new world (default 600).
-        reset_limit: how many new worlds may be started after the first (default unlimited);
-            one more raises RuntimeError.
+        reset_limit: how many new worlds may be started after the first (default unlimited); one
+            more raises the last world's error, or RuntimeError when that world was ended to grow.
         store: where commits are kept; default a temporary one on a local master.
         start_timeout, env, stdout, stderr, verbose, nics, prefix_output_with_timestamp, use_gpu, spark:
             as for :func:`run`. The positional order is Horovod's ``horovod.spark.run_elastic``,
             whose deprecated ``min_np`` and ``max_np`` mean ``min_num_proc`` and ``max_num_proc``.
 
+    A rank's exception starts a new world too, counted against that rank's task: once it has
+    failed ``spark.task.maxFailures`` times (the ``F`` of ``local[N,F]``; 1 for ``local[N]``)
+    the run fails with it. Import, syntax and pickling errors, and errors on the driver, fail at
+    once.
+
     Raises:
-        RankFailedError: a rank's code raised (not a lost process or executor).
-        RuntimeError: more than ``reset_limit`` new worlds were needed.
+        RankFailedError: a rank's code raised, more often than Spark lets a task fail, or an
+            error no new world fixes.
+        RuntimeError: more than ``reset_limit`` new worlds were needed to grow.
         TimeoutError: fewer than ``min_num_proc`` slots for ``elastic_timeout`` seconds.
     """
     session = spark if spark is not None else active_session("spark_hvd.spark.run_elastic()")
@@ -271,11 +302,13 @@ def run_elastic(
     secret = config.new_secret()
     size = num_proc
     resets = 0
+    max_failures = task_max_failures(session)
+    failures: Dict[int, int] = {}
     try:
         while True:
             stage = _ElasticStage(store=store, state_path=f"{job}/state", resize_path=f"{job}/resize-{resets}",
                                   secret=secret)
-            cause = ""
+            cause, failed = "", None
             with _SlotWatcher(session, size, high, store, stage.resize_path) as watcher:
                 try:
                     outcomes = run(_elastic_rank, args=(stage, fn, tuple(args), dict(kwargs or {})), num_proc=size,
@@ -283,17 +316,34 @@ def run_elastic(
                                    verbose=verbose, nics=nics, prefix_output_with_timestamp=prefix_output_with_timestamp,
                                    use_gpu=use_gpu, store=store, spark=session)
                 except Exception as error:
-                    if not is_recoverable(error):
+                    failed = error
+                    if is_recoverable(error):
+                        cause = f"the world of {size} lost a rank ({describe_failure(error)})"
+                    elif restartable(error):
+                        assert isinstance(error, RankFailedError)
+                        count = failures[error.rank] = failures.get(error.rank, 0) + 1
+                        if count >= max_failures:
+                            error.add_note(f"spark-hvd: run_elastic: the task of rank {error.rank} failed {count} "
+                                           f"time(s), Spark's limit for a task (spark.task.maxFailures="
+                                           f"{max_failures}); fix: correct the error, or allow more task failures "
+                                           "(spark.task.maxFailures, or a local[N,F] master)")
+                            raise
+                        cause = (f"{describe_failure(error)} (failure {count} of the {max_failures} Spark allows "
+                                 f"rank {error.rank}'s task)")
+                    else:
                         raise
-                    cause = f"the world of {size} lost a rank ({describe_failure(error)})"
                 else:
                     if all(kind == "done" for kind, _ in outcomes):
                         return [value for _, value in outcomes]
                     cause = f"{watcher.requested_size or 'more'} task slots are free"
             resets += 1
             if reset_limit is not None and resets > reset_limit:
-                raise RuntimeError(f"run_elastic needed new world number {resets} but reset_limit={reset_limit}; "
-                                   f"last cause: {cause}; fix: raise reset_limit (or pass None for no limit)")
+                message = (f"run_elastic needed new world number {resets} but reset_limit={reset_limit}; "
+                           f"last cause: {cause}; fix: raise reset_limit (or pass None for no limit)")
+                if failed is None:
+                    raise RuntimeError(message)
+                failed.add_note(f"spark-hvd: {message}")
+                raise failed
             size = _wait_for_world(session, low, high, timeout_s, size)
             if verbose > 0:
                 err.write(f"spark-hvd: run_elastic: {cause}; starting world {resets + 1} with {size} ranks from the "

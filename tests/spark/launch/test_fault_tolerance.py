@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -28,6 +29,8 @@ from spark_hvd.spark import Store, prepare_data, run_elastic
 from spark_hvd.spark.launch.task import WORKDIR_PREFIX, remove_stale_workdirs
 from spark_hvd.spark.data.identity import data_identity, dataset_key, normalize_ids
 from spark_hvd.spark.launch.retry import is_recoverable, run_with_retries
+from spark_hvd.spark.launch.elastic import restartable
+from spark_hvd.spark.session import task_max_failures
 from spark_hvd.spark.launch.barrier import StageLostError
 from spark_hvd.spark.torch import TorchEstimator
 
@@ -82,6 +85,7 @@ def cluster(fresh_keys):
             "spark.executorEnv.PYSPARK_PYTHON": sys.executable,
             "spark.executorEnv.SPARK_LOCAL_IP": "127.0.0.1",
             "spark.executor.memory": "512m",
+            "spark.task.maxFailures": "2",  # run_elastic restarts a rank's task once after its code raised
             # Short-lived JVMs on a busy machine: the C1 compiler alone starts them sooner.
             "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
             "spark.executor.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
@@ -271,6 +275,68 @@ def test_run_elastic_grows_into_free_slots_and_survives_a_killed_rank(cluster, s
     assert "starting world 2 with 2 ranks" in printed and "starting world 3 with 2 ranks" in printed
 
 
+def failing_training(markers, total):
+    """An hvd.elastic.run loop of ``total`` committed steps that raises, as Horovod's own elastic test
+    does, in the (rank, step) named by each marker file still present (removing it); returns the
+    steps committed and the worlds it ran in."""
+    import spark_hvd.torch as hvd
+
+    hvd.init()
+    state = hvd.elastic.ObjectState(step=0, worlds=0, steps=[])
+
+    @hvd.elastic.run
+    def train(state):
+        state.worlds += 1
+        while state.step < total:
+            marker = os.path.join(markers, f"rank_{hvd.rank()}_step_{state.step}")
+            if os.path.exists(marker):
+                if not marker.endswith("_always"):
+                    os.unlink(marker)
+                raise Exception("training failed, restart the task")
+            if os.path.exists(marker + "_always"):
+                raise Exception("training failed every time")
+            hvd.allreduce(torch.ones(1), name="elastic.step")
+            state.step += 1
+            state.steps = state.steps + [state.step]
+            state.commit()
+        return state.worlds, list(state.steps)
+
+    return train(state)
+
+
+def test_run_elastic_restarts_after_a_ranks_exception_up_to_sparks_task_failures(cluster, store, tmp_path, capsys):
+    """A rank's exception starts a new world from the last commit, named on stderr, once per task
+    failure Spark allows (spark.task.maxFailures=2 here); a rank that keeps failing ends the run
+    with its own exception and a note naming the limit."""
+    total = 12
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    (markers / "rank_1_step_4").touch()
+    (markers / "rank_0_step_9").touch()
+    results = run_elastic(failing_training, args=(str(markers), total), num_proc=2, min_num_proc=2,
+                          max_num_proc=2, store=store, spark=cluster)
+    assert results[0] == results[1] == (3, list(range(1, total + 1)))
+    printed = capsys.readouterr().err
+    assert ("rank 1 raised Exception: training failed, restart the task (failure 1 of the 2 Spark allows rank 1's "
+            "task); starting world 2 with 2 ranks") in printed
+    assert "rank 0 raised Exception: training failed, restart the task (failure 1 of the 2" in printed
+    assert not list(markers.iterdir())
+
+    (markers / "rank_1_step_3_always").touch()
+    with pytest.raises(RankFailedError, match="training failed every time") as raised:
+        run_elastic(failing_training, args=(str(markers), total), num_proc=2, min_num_proc=2, max_num_proc=2,
+                    store=store, spark=cluster)
+    assert raised.value.rank == 1
+    assert "the task of rank 1 failed 2 time(s), Spark's limit for a task (spark.task.maxFailures=2)" in \
+        "".join(raised.value.__notes__)
+    (markers / "rank_1_step_3_always").unlink()
+    (markers / "rank_0_step_2").touch()
+    with pytest.raises(RankFailedError, match="restart the task") as raised:
+        run_elastic(failing_training, args=(str(markers), total), num_proc=2, min_num_proc=2, max_num_proc=2,
+                    store=store, spark=cluster, reset_limit=0)
+    assert "run_elastic needed new world number 1 but reset_limit=0" in "".join(raised.value.__notes__)
+
+
 def test_dataset_key_is_the_same_in_a_fresh_process(cluster, fresh_keys, tmp_path):
     """The cache key of a Parquet-read frame and of an in-memory frame, and the data part of a run's
     fingerprint, are the same in another process's session; other files or other rows get another key."""
@@ -336,6 +402,34 @@ RECOVERABLE = [
     (RuntimeError("the barrier stage failed: something else"), False),
     (ValueError("num_proc=3 but the cluster has 2 task slots"), False),
 ]
+
+
+@pytest.mark.parametrize("error, expected", [
+    (RankFailedError(1, "rank 1 raised Exception: x", exc_type="Exception", original=Exception("x")), True),
+    (RankFailedError(1, "rank 1 raised KeyError: 'x'", exc_type="KeyError"), True),
+    (RankFailedError(0, "no module", exc_type="ModuleNotFoundError"), False),
+    (RankFailedError(0, "pickling", original=pickle.PicklingError("cannot pickle")), False),
+    (RankFailedError(1, "killed", exc_type=None), False),
+    (RankFailedError(1, "returned early", reaction=RankFailedError(0, "lost", exc_type="ValueError")), False),
+    (ValueError("num_proc=3 but the cluster has 2 task slots"), False),
+])
+def test_run_elastic_restarts_code_errors_but_not_ones_a_new_world_repeats(error, expected):
+    """A rank's exception is worth a new world; import and pickling errors, a rank that returned
+    early and driver-side errors are not (lost processes are handled as recoverable, apart)."""
+    assert restartable(error) is expected
+
+
+@pytest.mark.parametrize("master, conf, expected", [
+    ("local[2]", {}, 1), ("local", {}, 1), ("local[2,3]", {}, 3), ("local[*, 5]", {}, 5),
+    ("spark://h:7077", {}, 4), ("yarn", {"spark.task.maxFailures": "8"}, 8),
+    ("local-cluster[2,1,1024]", {"spark.task.maxFailures": "2"}, 2),
+])
+def test_task_max_failures_reads_the_master_and_the_setting(master, conf, expected):
+    from types import SimpleNamespace
+
+    session = SimpleNamespace(sparkContext=SimpleNamespace(master=master),
+                              conf=SimpleNamespace(get=lambda key, default=None: conf.get(key, default)))
+    assert task_max_failures(session) == expected
 
 
 @pytest.mark.parametrize("error, expected", RECOVERABLE)
