@@ -128,6 +128,18 @@ def _xor_estimator(backend, store, **params):
                           batch_size=4, epochs=2, verbose=0, **params)
 
 
+def test_min_pl_version_is_the_lightning_extras_lower_bound():
+    """Horovod's tests skip below ``MIN_PL_VERSION``; ours is what the package's extra requires."""
+    import re
+    from pathlib import Path
+
+    from spark_hvd.spark.lightning.estimator import MIN_PL_VERSION
+
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    lower = re.search(r'"pytorch-lightning>=([\d.]+)', pyproject).group(1)
+    assert tuple(map(int, MIN_PL_VERSION.split("."))) == tuple(map(int, (lower + ".0.0").split(".")[:3]))
+
+
 def test_any_object_with_horovods_backend_methods_is_a_backend(spark, tmp_path):
     """A backend written for Horovod (run(fn, args=(), kwargs={}, env={}) and num_processes(), no
     base class of ours) trains the fit: it is called with Horovod's arguments only, and here runs

@@ -222,9 +222,19 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
         (``df``'s ``columns``; see ``estimator.fingerprint``)."""
         raise NotImplementedError
 
-    def _checkpoint_path(self, fit: Fit) -> str:
-        """Where the run's checkpoint is kept in the store."""
-        return fit.store.get_checkpoint_path(fit.run_id)
+    def _checkpoint_path(self, store: Store, run_id: str) -> str:
+        """Where the checkpoint of run ``run_id`` is kept in ``store``."""
+        return store.get_checkpoint_path(run_id)
+
+    def _load_checkpoint(self, run_id: str, store: Optional[Store] = None) -> Optional[Checkpoint]:
+        """The checkpoint of run ``run_id`` in ``store`` (default the ``store`` Param), or None when
+        it has none; raises for a checkpoint of another format (Horovod's estimators call this
+        step by the same name)."""
+        store = store if store is not None else (self.getOrDefault("store") or local_default_store())
+        path = self._checkpoint_path(store, run_id)
+        if not store.exists(path):
+            return None
+        return self._read_checkpoint(store.read(path))
 
     def _read_checkpoint(self, data: bytes) -> Checkpoint:
         """The checkpoint in ``data``; a ValueError for one of another format."""
@@ -408,15 +418,15 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
     def _resume_state(self, fit: Fit) -> Optional[Checkpoint]:
         """The run's checkpoint to continue from, its weights loaded into ``fit.model``; None for a
         new run (or one started over with ``overwrite_run``)."""
-        store, path = fit.store, self._checkpoint_path(fit)
-        if not store.exists(path):
-            return None
+        store, path = fit.store, self._checkpoint_path(fit.store, fit.run_id)  # path: for the error below
         checkpoint: Optional[Checkpoint]
         try:
-            checkpoint = self._read_checkpoint(store.read(path))
+            checkpoint = self._load_checkpoint(fit.run_id, store)
         except Exception as exc:
             checkpoint, changed = None, [f"checkpoint format ({exc})"]
         else:
+            if checkpoint is None:
+                return None
             changed = changed_parts(checkpoint.fingerprint, fit.fingerprint)
         if changed:
             start_over_or_refuse(store, fit.run_id, changed, self.getOrDefault("overwrite_run"),
@@ -433,14 +443,11 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
 
     def _latest(self, fit: Fit) -> Optional[Checkpoint]:
         """The run's checkpoint when it is this fit's (same fingerprint), for a retry to resume from."""
-        store, path = fit.store, self._checkpoint_path(fit)
-        if not store.exists(path):
-            return None
         try:
-            checkpoint = self._read_checkpoint(store.read(path))
+            checkpoint = self._load_checkpoint(fit.run_id, fit.store)
         except Exception:  # not readable: resume from where this fit began
             return None
-        return None if changed_parts(checkpoint.fingerprint, fit.fingerprint) else checkpoint
+        return None if checkpoint is None or changed_parts(checkpoint.fingerprint, fit.fingerprint) else checkpoint
 
     # ---- 5. the spec ------------------------------------------------------------------------------
     def _common_spec(self, fit: Fit, prepared: PreparedData, resume: Optional[Checkpoint],
@@ -468,7 +475,8 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
             start_epoch=resume.epoch if resume else 0, train_steps=train_steps, val_steps=val_steps,
             shuffle=self.getOrDefault("shuffle"),
             seed=seed if seed is not None else int(np.random.SeedSequence().entropy % (2 ** 31)),
-            model_seed=self.getOrDefault("random_seed"), store=store, checkpoint_path=self._checkpoint_path(fit),
+            model_seed=self.getOrDefault("random_seed"), store=store,
+            checkpoint_path=self._checkpoint_path(fit.store, fit.run_id),
             run_path=store.get_run_path(fit.run_id),
             history=list(resume.history) if resume else [], compression=self.getOrDefault("gradient_compression"),
             use_gpu=self.getOrDefault("use_gpu"), transformation_fn=self.getOrDefault("transformation_fn"),

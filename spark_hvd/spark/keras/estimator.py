@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import keras
 
+from spark_hvd.spark.data.store import Store
 from spark_hvd.spark.estimator.base import Checkpoint, DistributedEstimator, Fit
 from spark_hvd.spark.estimator.outputs import check_task
 from spark_hvd.spark.keras import checks
@@ -157,8 +158,8 @@ class KerasEstimator(DistributedEstimator, KerasEstimatorParams):
         own: _Keras = fit.own
         return run_fingerprint(fit.model, own.optimizer, own.losses, own.loss_weights, df, columns, self.getValidation())
 
-    def _checkpoint_path(self, fit: Fit) -> str:
-        return posixpath.join(fit.store.get_run_path(fit.run_id), CHECKPOINT_NAME)
+    def _checkpoint_path(self, store: Store, run_id: str) -> str:
+        return posixpath.join(store.get_run_path(run_id), CHECKPOINT_NAME)
 
     def _read_checkpoint(self, data: bytes) -> Checkpoint:
         state = read_checkpoint(data)

@@ -24,7 +24,11 @@ from spark_hvd.spark.torch.estimator import TorchModuleHooks
 from spark_hvd.spark.torch.fingerprint import run_fingerprint
 from spark_hvd.spark.torch.training import OptimizerSpec
 
-__all__ = ["LightningEstimator"]
+__all__ = ["LightningEstimator", "MIN_PL_VERSION"]
+
+MIN_PL_VERSION = "2.1.0"
+"""The oldest pytorch_lightning this estimator supports (the package's ``lightning`` extra asks
+for ``>=2.1,<3``); Horovod's estimator module has the same name for its own minimum."""
 
 _WRAPPED_PARAMS = ("optimizer", "loss", "loss_constructors", "loss_weights", "metrics")
 """Horovod Params that a LightningModule brings itself, but that a plain torch.nn.Module needs."""

@@ -208,7 +208,10 @@ def test_same_run_id_resumes_after_the_last_completed_epoch_and_refuses_a_change
     checkpoint; a run that is complete is not trained again; overwrite_run=True starts a changed
     model over."""
     est = make_estimator(tmp_path, run_id="resumable", epochs=1)
+    assert est._load_checkpoint("resumable") is None
     first = est.fit(frame)
+    loaded = est._load_checkpoint("resumable")  # the step Horovod's own restore test watches
+    assert loaded.epoch == 1 and loaded.history == first.getHistory()
 
     torch.manual_seed(1)
     wider = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
