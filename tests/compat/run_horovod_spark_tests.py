@@ -132,6 +132,11 @@ class Proxy(types.ModuleType):
         if ours is not None:
             self.__doc__ = ours.__doc__
 
+    def __reduce__(self):
+        # Pickled by name, as cloudpickle pickles plain modules (Horovod's tests pickle functions
+        # that use horovod.spark.run).
+        return importlib.import_module, (self.__name__,)
+
     def __getattr__(self, attr):
         if attr.startswith("__"):
             raise AttributeError(attr)

@@ -108,7 +108,7 @@ class Store(ABC):
     def create(prefix_path: str, storage_options: Optional[Mapping[str, Any]] = None, **layout: Any) -> "Store":
         """The store for ``prefix_path``: local path or ``file://`` -> :class:`LocalStore`;
         ``/Volumes/<catalog>/<schema>/<volume>/...`` -> :class:`VolumeStore`;
-        ``dbfs:/...`` or ``/dbfs/...`` on Databricks (or wherever ``/dbfs`` is mounted) ->
+        ``dbfs:/...``, ``/dbfs/...`` or ``file:///dbfs/...`` on Databricks (or wherever ``/dbfs`` is mounted) ->
         :class:`DBFSLocalStore` (elsewhere ``/dbfs/...`` is a local path and ``dbfs:/...`` is
         refused); any other URL ->
         :class:`FsspecStore` (``hdfs://``, ``s3://``, ``gs://``, ``abfs://``, ``memory://``...).
@@ -439,8 +439,20 @@ class DBFSLocalStore(LocalStore):
 
     @staticmethod
     def matches(prefix: str) -> bool:
-        """Whether ``prefix`` names a DBFS location."""
-        return prefix.startswith("dbfs:") or prefix == "/dbfs" or prefix.startswith("/dbfs/")
+        """Whether ``prefix`` names a DBFS location: ``dbfs:/...``, ``/dbfs/...``, or the local-file
+        URLs of the mount, ``file:/dbfs/...`` and ``file:///dbfs/...``."""
+        return (prefix.startswith(("dbfs:", "/dbfs/", "file:/dbfs/", "file:///dbfs/"))
+                or prefix in ("/dbfs", "file:/dbfs", "file:///dbfs"))
+
+    @staticmethod
+    def matches_dbfs(path: str) -> bool:
+        """Horovod's test for a DBFS path: the forms :meth:`normalize_path` takes (so not
+        ``dbfs://host/...``, which names a host)."""
+        try:
+            DBFSLocalStore.normalize_path(path)
+        except ValueError:
+            return False
+        return True
 
     @staticmethod
     def available() -> bool:
@@ -461,16 +473,19 @@ class DBFSLocalStore(LocalStore):
 
     @staticmethod
     def to_fuse_path(path: str) -> str:
-        """``dbfs:/x`` (or ``dbfs:///x``) -> ``/dbfs/x``; FUSE paths are returned unchanged."""
+        """``dbfs:/x`` (or ``dbfs:///x``) and ``file:/dbfs/x`` (or ``file:///dbfs/x``) -> ``/dbfs/x``;
+        other paths are returned unchanged."""
         if path.startswith("dbfs:"):
             return "/dbfs/" + path[len("dbfs:"):].lstrip("/")
+        if path.startswith("file:/dbfs") or path.startswith("file:///dbfs"):
+            return "/" + path[len("file:"):].lstrip("/")
         return path
 
     def __init__(self, prefix_path: str, **layout: Any) -> None:
         prefix = prefix_path
         if not self.matches(prefix):
             raise ValueError(f"DBFSLocalStore prefix={prefix!r} is not a DBFS location: expected "
-                             "'dbfs:/path' or '/dbfs/path'")
+                             "'dbfs:/path', '/dbfs/path' or 'file:///dbfs/path'")
         super().__init__(self.to_fuse_path(prefix), **layout)
 
     def _absolute(self, path: str) -> str:

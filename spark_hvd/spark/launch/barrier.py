@@ -70,7 +70,7 @@ def check_slots(num_proc: int, slots: int, master: str) -> None:
     """Raise ValueError naming both numbers when a barrier stage of ``num_proc`` tasks cannot start."""
     if num_proc <= slots:
         return
-    if master.startswith("local"):
+    if master == "local" or master.startswith("local["):
         fix = f"lower num_proc or use a master with more threads, e.g. local[{num_proc}]"
     else:
         fix = "lower num_proc or add executors / raise spark.executor.cores (or lower spark.task.cpus)"
@@ -88,7 +88,8 @@ def wait_for_slots(session: Any, num_proc: int) -> SessionInfo:
     """
     info = session_info(session)
     slots = info.slots
-    if slots is not None and slots < num_proc and not info.master.startswith("local") and not info.connect:
+    in_process = info.master == "local" or info.master.startswith("local[")  # not local-cluster[...]
+    if slots is not None and slots < num_proc and not in_process and not info.connect:
         # Executors of a freshly started cluster application register over a few seconds.
         deadline = time.monotonic() + _SLOT_WAIT_S
         while slots is not None and slots < num_proc and time.monotonic() < deadline:

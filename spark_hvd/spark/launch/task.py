@@ -44,7 +44,7 @@ from spark_hvd.runtime.seal import seal, unseal
 from spark_hvd.spark.launch.store_log import STORE_CONTEXT, StoreLogSender
 
 __all__ = ["TaskSpec", "Placement", "assign_ranks", "failure_summary", "run_task", "rank_address", "name_hosts",
-           "RESULT_SCHEMA", "result_name", "remove_stale_workdirs", "WORKDIR_PREFIX"]
+           "RESULT_SCHEMA", "result_name", "remove_stale_workdirs", "WORKDIR_PREFIX", "TASK_GPUS_VARIABLE", "task_gpus"]
 
 RESULT_SCHEMA = "rank long, result binary, streamed boolean"
 """The rows a barrier task returns: its rank, its sealed outcome, whether its output was streamed."""
@@ -211,15 +211,26 @@ def _write_call(workdir: str, spec: TaskSpec) -> None:
     write_sealed(os.path.join(workdir, FUNCTION_FILE), spec.secret, pickle.dumps(call))
 
 
-def _gpu_devices(context: Any, use_gpu: Optional[bool], local_rank: int) -> Optional[str]:
-    if use_gpu is False:
-        return None
+TASK_GPUS_VARIABLE = "SPARK_HVD_TASK_GPUS"
+"""The rank's environment variable holding the GPU addresses Spark assigned to its task, comma
+separated (read by :func:`spark_hvd.spark.task.get_available_devices`)."""
+
+
+def task_gpus(context: Any) -> List[str]:
+    """The addresses of the GPUs Spark assigned to this task (empty without GPU scheduling)."""
     try:
         resource = context.resources().get("gpu")
     except Exception:  # resources() is missing on very old Spark versions
         resource = None
-    if resource is not None and resource.addresses:
-        return ",".join(resource.addresses)
+    return [str(address) for address in resource.addresses] if resource is not None else []
+
+
+def _gpu_devices(context: Any, use_gpu: Optional[bool], local_rank: int) -> Optional[str]:
+    if use_gpu is False:
+        return None
+    addresses = task_gpus(context)
+    if addresses:
+        return ",".join(addresses)
     return str(local_rank) if use_gpu else None
 
 
@@ -466,6 +477,7 @@ def run_task(spec: TaskSpec, batches: Iterable[Any]) -> Iterator[Any]:
         gpus = _gpu_devices(context, spec.use_gpu, placement.local_rank)
         if gpus is not None:
             extra.setdefault("CUDA_VISIBLE_DEVICES", gpus)
+        extra[TASK_GPUS_VARIABLE] = ",".join(task_gpus(context))
         env = rank_environment(
             rank=rank, size=spec.num_proc, local_rank=placement.local_rank, local_size=placement.local_size,
             cross_rank=placement.cross_rank, cross_size=placement.cross_size, rendezvous_addr=rendezvous_addr,

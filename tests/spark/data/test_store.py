@@ -262,6 +262,17 @@ def test_the_stores_are_horovods_filesystem_stores_with_its_path_helpers(tmp_pat
         ["/dbfs/a/b", "/dbfs/a", "/dbfs/a", "/dbfs/a"]
     with pytest.raises(ValueError, match="is not a DBFS path"):
         DBFSLocalStore.normalize_path("/tmp/a")
+    assert [DBFSLocalStore.matches_dbfs(p) for p in ("dbfs:/a", "file:///dbfs/a", "dbfs://host/a", "/tmp/a")] == \
+        [True, True, False, False]
+
+
+def test_store_create_takes_the_dbfs_mounts_file_urls_on_databricks(monkeypatch):
+    """On Databricks, file:/dbfs/... and file:///dbfs/... make a DBFSLocalStore at the mount, as
+    dbfs:/ and /dbfs/ do (Horovod's test_dbfs_local_store)."""
+    monkeypatch.setenv("DATABRICKS_RUNTIME_VERSION", "15.4")
+    for prefix in ("/dbfs/tmp/d1", "dbfs:/tmp/d1", "file:///dbfs/tmp/d1", "file:/dbfs/tmp/d1"):
+        store = Store.create(prefix)
+        assert type(store) is DBFSLocalStore and store.prefix == "/dbfs/tmp/d1", prefix
 
 
 def test_sync_fn_copies_a_local_run_directory_into_the_run(tmp_path):

@@ -68,6 +68,20 @@ def test_gpu_devices_follow_spark_then_local_rank(resources, use_gpu, local_rank
     assert _task._gpu_devices(_FakeContext(resources), use_gpu, local_rank) == expected
 
 
+def test_available_devices_are_the_gpus_spark_gave_the_task(monkeypatch):
+    """Horovod's get_available_devices(): the task's Spark GPU addresses, handed to the rank in its
+    environment whether or not use_gpu sets CUDA_VISIBLE_DEVICES."""
+    from spark_hvd.spark.task import _TASK_GPUS, get_available_devices
+
+    assert _TASK_GPUS == _task.TASK_GPUS_VARIABLE
+    assert _task.task_gpus(_FakeContext({"gpu": _FakeResource(["1", "3"])})) == ["1", "3"]
+    assert _task.task_gpus(_FakeContext({})) == []
+    monkeypatch.setenv(_TASK_GPUS, "1,3")
+    assert get_available_devices() == ["1", "3"]
+    monkeypatch.setenv(_TASK_GPUS, "")
+    assert get_available_devices() == []
+
+
 def test_check_slots_names_both_numbers_and_the_setting():
     """Too few slots raise ValueError naming num_proc, the slot count and what to change."""
     runner.check_slots(2, 2, "local[2]")
@@ -75,6 +89,8 @@ def test_check_slots_names_both_numbers_and_the_setting():
         runner.check_slots(3, 2, "local[2]")
     with pytest.raises(ValueError, match=r"num_proc=5 but the cluster has 4 task slots.*spark\.executor\.cores"):
         runner.check_slots(5, 4, "spark://127.0.0.1:7077")
+    with pytest.raises(ValueError, match=r"num_proc=2 but the cluster has 0 task slots.*add executors"):
+        runner.check_slots(2, 0, "local-cluster[1,2,1024]")  # executors of its own, like a cluster's
 
 
 def test_check_executor_python_names_pyspark_python(tmp_path):
@@ -124,8 +140,11 @@ def _report_contract(tag: str) -> Dict[str, Any]:
 
     from spark_hvd.spark.estimator.training import rank_threads
 
+    from spark_hvd.spark.task import get_available_devices
+
     env = config.environ_snapshot()
-    return {"tag": tag, "pid": os.getpid(), "threads": rank_threads(1), **{key: env.get(key) for key in CONTRACT}}
+    return {"tag": tag, "pid": os.getpid(), "threads": rank_threads(1), "devices": get_available_devices(),
+            **{key: env.get(key) for key in CONTRACT}}
 
 
 def test_results_come_back_in_rank_order_with_the_worker_contract(spark):
@@ -142,6 +161,7 @@ def test_results_come_back_in_rank_order_with_the_worker_contract(spark):
         assert seen["SPARK_HVD_HOSTNAME"] == "127.0.0.1"
         assert seen["SPARK_HVD_START_TIMEOUT"] == "42"
         assert seen["EXTRA_FOR_TEST"] == "yes"
+        assert seen["devices"] == []  # local[2] schedules no GPUs
         assert len(seen["SPARK_HVD_SECRET"]) == 64
         # The task's CPUs (spark.task.cpus, 1 here): the rank's math threads, even where it would
         # be alone on its host.
