@@ -71,9 +71,9 @@ class Placeholder:
     def _fail(self, *args, **kwargs):
         raise HorovodPrivateHelper(f"{self._name} {PRIVATE}, not part of spark-hvd's surface")
 
-    __call__ = _fail
-    __iter__ = _fail
-    __enter__ = _fail
+    # Calling, iterating or computing with a Horovod internal (a constant included) fails by name.
+    __call__ = __iter__ = __enter__ = __len__ = __index__ = __int__ = __float__ = _fail
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __lt__ = __gt__ = _fail
 
     def __getattr__(self, attr):
         if attr.startswith("__"):
