@@ -19,6 +19,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 __all__ = [
     "user_frame",
     "require",
+    "per_label",
+    "check_loss_weights",
     "resolve_shape",
     "schema_row_sizes",
     "feature_shapes",
@@ -56,6 +58,23 @@ def require(name: str, value: Any, expected: str, example: str) -> None:
     """ValueError when a required Param is unset."""
     if value is None:
         raise ValueError(f"{name}=None is not valid: expected {expected}; pass e.g. {name}={example}")
+
+
+def per_label(loss: Any, label_cols: Sequence[str]) -> List[Any]:
+    """The ``loss`` Param as one loss per label column: a list or tuple as given, a single loss for
+    every column; ValueError when a list's length is not the number of label columns."""
+    losses = list(loss) if isinstance(loss, (list, tuple)) else [loss] * len(label_cols)
+    if len(losses) != len(label_cols):
+        raise ValueError(f"loss has {len(losses)} entries for {len(label_cols)} label column(s) {list(label_cols)}: "
+                         "expected one loss per label column, or a single loss for all of them")
+    return losses
+
+
+def check_loss_weights(loss_weights: Optional[Sequence[float]], label_cols: Sequence[str]) -> None:
+    """ValueError when ``loss_weights`` is set with other than one weight per label column."""
+    if loss_weights is not None and len(loss_weights) != len(label_cols):
+        raise ValueError(f"loss_weights={list(loss_weights)} has {len(loss_weights)} entries for {len(label_cols)} "
+                         f"label column(s) {list(label_cols)}: expected one weight per label column")
 
 
 def resolve_shape(shape: Sequence[int], numel: int, column: str) -> Tuple[int, ...]:

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import keras
 import numpy as np
 
-from spark_hvd.spark.estimator.checks import require, resolve_shape, user_frame
+from spark_hvd.spark.estimator.checks import check_loss_weights, per_label, require, resolve_shape, user_frame
 from spark_hvd.spark.estimator.outputs import check_task
 
 __all__ = [
@@ -94,10 +94,7 @@ def check_losses(loss: Any, loss_weights: Optional[Sequence[float]],
     """One loss per label column (Keras loss objects, functions or names) and the weights."""
     require("loss", loss, "a Keras loss, a loss name or a function (or one per label column)",
             "keras.losses.BinaryCrossentropy(from_logits=True)")
-    losses = list(loss) if isinstance(loss, (list, tuple)) else [loss] * len(label_cols)
-    if len(losses) != len(label_cols):
-        raise ValueError(f"loss has {len(losses)} entries for {len(label_cols)} label column(s) {list(label_cols)}: "
-                         "expected one loss per label column, or a single loss for all of them")
+    losses = per_label(loss, label_cols)
     resolved = []
     for i, fn in enumerate(losses):
         if isinstance(fn, str):
@@ -110,9 +107,7 @@ def check_losses(loss: Any, loss_weights: Optional[Sequence[float]],
             raise ValueError(f"loss[{i}]={fn!r} is not callable: expected a Keras loss or a function "
                              "(y_true, y_pred) -> tensor")
         resolved.append(fn)
-    if loss_weights is not None and len(loss_weights) != len(label_cols):
-        raise ValueError(f"loss_weights={list(loss_weights)} has {len(loss_weights)} entries for {len(label_cols)} "
-                         f"label column(s) {list(label_cols)}: expected one weight per label column")
+    check_loss_weights(loss_weights, label_cols)
     return resolved, None if loss_weights is None else [float(w) for w in loss_weights]
 
 

@@ -35,7 +35,7 @@ from spark_hvd.runtime.elastic import StageHooks, WorldResizeRequested
 
 from spark_hvd.runtime.seal import seal, unseal
 from spark_hvd.spark.launch.store_log import STORE_CONTEXT
-from spark_hvd.spark.launch.retry import describe_failure, is_recoverable
+from spark_hvd.spark.launch.retry import describe_failure, is_recoverable, slots_when_free
 from spark_hvd.spark.launch.barrier import run
 from spark_hvd.spark.session import active_session, session_info, task_max_failures
 from spark_hvd.spark.data.store import Store
@@ -184,19 +184,12 @@ def _check_sizes(num_proc: int, min_num_proc: Optional[int], max_num_proc: Optio
 def _wait_for_world(session: Any, low: int, high: Optional[int], timeout_s: float, last: int) -> int:
     """The size of the next world: the free slots, at least ``low`` (waited for), at most ``high``;
     the ``last`` size when the cluster does not tell its slots."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        slots = session_info(session).slots
-        if slots is None:
-            return last
-        if slots >= low:
-            return slots if high is None else min(slots, high)
-        if time.monotonic() >= deadline:
-            raise TimeoutError(
-                f"run_elastic waited {timeout_s:.0f} s for min_num_proc={low} free task slots, but the cluster has "
-                f"{slots}: expected lost executors to be replaced; fix: add executors, lower min_num_proc, or raise "
-                "elastic_timeout")
-        time.sleep(_WATCH_INTERVAL_S)
+    slots = slots_when_free(session, low, timeout_s, advice=(
+        f"(min_num_proc={low}) for run_elastic's next world", "add executors, lower min_num_proc, or raise "
+        "elastic_timeout"))
+    if slots is None:
+        return last
+    return slots if high is None else min(slots, high)
 
 
 _default_store: Optional[Store] = None

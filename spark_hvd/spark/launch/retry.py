@@ -10,14 +10,14 @@ caller's, which resumes from whatever the last attempt checkpointed.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, Tuple, TypeVar
 
 from spark_hvd.runner.errors import RankFailedError
 
 from spark_hvd.spark.launch.barrier import SlotsUnavailableError, StageLostError
 from spark_hvd.spark.session import session_info
 
-__all__ = ["is_recoverable", "describe_failure", "wait_for_free_slots", "run_with_retries", "SLOT_WAIT_S"]
+__all__ = ["is_recoverable", "describe_failure", "wait_for_free_slots", "slots_when_free", "run_with_retries", "SLOT_WAIT_S"]
 
 T = TypeVar("T")
 
@@ -49,23 +49,36 @@ def describe_failure(error: BaseException) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def wait_for_free_slots(session: Any, num_proc: int, timeout_s: float) -> int:
-    """Wait until the cluster has at least ``num_proc`` task slots; returns how many it has.
+_RETRY_ADVICE = ("to run the barrier stage again", "add executors, or restart the fit when the cluster has recovered "
+                 "(a fit with the same run_id resumes from its last checkpoint)")
 
-    Raises TimeoutError naming both numbers after ``timeout_s``. A cluster that does not tell its
-    slots (Spark Connect with dynamic allocation) is not waited for.
+
+def slots_when_free(session: Any, num_proc: int, timeout_s: float,
+                    advice: Tuple[str, str] = _RETRY_ADVICE) -> Optional[int]:
+    """Wait until the cluster has at least ``num_proc`` task slots; returns how many it has, or
+    None for a cluster that does not tell its slots (Spark Connect with dynamic allocation), which
+    is not waited for.
+
+    Raises TimeoutError naming both numbers after ``timeout_s``; ``advice`` is (what the slots
+    are for, the fix), as the message says them.
     """
     deadline = time.monotonic() + timeout_s
     while True:
         slots = session_info(session).slots
         if slots is None or slots >= num_proc:
-            return slots if slots is not None else num_proc
+            return slots
         if time.monotonic() >= deadline:
+            purpose, fix = advice
             raise TimeoutError(
-                f"waited {timeout_s:.0f} s for {num_proc} free task slots to run the barrier stage again, but the "
-                f"cluster has {slots}: expected lost executors to be replaced; fix: add executors, or restart the fit "
-                "when the cluster has recovered (a fit with the same run_id resumes from its last checkpoint)")
+                f"waited {timeout_s:.0f} s for {num_proc} free task slots {purpose}, but the cluster has {slots}: "
+                f"expected lost executors to be replaced; fix: {fix}")
         time.sleep(_POLL_S)
+
+
+def wait_for_free_slots(session: Any, num_proc: int, timeout_s: float) -> int:
+    """:func:`slots_when_free` for a retry: the slots, ``num_proc`` where the cluster does not tell."""
+    slots = slots_when_free(session, num_proc, timeout_s)
+    return slots if slots is not None else num_proc
 
 
 def run_with_retries(launch: Callable[[int], T], *, session: Any, num_proc: int, max_retries: int,

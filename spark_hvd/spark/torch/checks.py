@@ -15,7 +15,7 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from spark_hvd.spark.estimator.checks import require, user_frame
+from spark_hvd.spark.estimator.checks import check_loss_weights, per_label, require, user_frame
 from spark_hvd.spark.estimator.outputs import check_task
 from spark_hvd.spark.torch.batches import outputs_list
 
@@ -38,19 +38,13 @@ def check_losses(loss: Any, loss_weights: Optional[Sequence[float]], label_cols:
     """One loss and one weight per label column, from the ``loss`` and ``loss_weights`` Params."""
     require("loss", loss, "a loss function or torch.nn loss module (or one per label column)",
             "torch.nn.BCEWithLogitsLoss()")
-    losses = list(loss) if isinstance(loss, (list, tuple)) else [loss] * len(label_cols)
-    if len(losses) != len(label_cols):
-        raise ValueError(f"loss has {len(losses)} entries for {len(label_cols)} label column(s) {list(label_cols)}: "
-                         "expected one loss per label column, or a single loss for all of them")
+    losses = per_label(loss, label_cols)
     for i, fn in enumerate(losses):
         if not callable(fn):
             raise ValueError(f"loss[{i}]={fn!r} is not callable: expected a function (output, label) -> tensor "
                              "or a torch.nn loss module such as torch.nn.MSELoss()")
-    weights = [1.0] * len(label_cols) if loss_weights is None else list(loss_weights)
-    if len(weights) != len(label_cols):
-        raise ValueError(f"loss_weights={list(weights)} has {len(weights)} entries for {len(label_cols)} label "
-                         f"column(s) {list(label_cols)}: expected one weight per label column")
-    return losses, weights
+    check_loss_weights(loss_weights, label_cols)
+    return losses, [1.0] * len(label_cols) if loss_weights is None else list(loss_weights)
 
 
 def loss_name(fn: Any) -> str:

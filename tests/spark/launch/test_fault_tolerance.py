@@ -438,6 +438,32 @@ def test_recoverable_failures_are_lost_processes_not_code_errors(error, expected
     assert is_recoverable(error) is expected
 
 
+def test_slot_waits_of_retries_and_of_elastic_worlds_share_one_loop(monkeypatch):
+    """A retry and run_elastic's next world wait for free slots the same way: the slots once there
+    are enough (bounded by max_num_proc for a world), the fallback where the cluster does not tell,
+    and a TimeoutError naming both numbers and the caller's own fix."""
+    from types import SimpleNamespace
+
+    from spark_hvd.spark.launch import elastic, retry
+
+    seen = iter([1, 1, 3])
+    monkeypatch.setattr(retry, "_POLL_S", 0.01)
+    monkeypatch.setattr(retry, "session_info", lambda session: SimpleNamespace(slots=next(seen)))
+    assert retry.wait_for_free_slots(None, 2, 5.0) == 3
+    seen = iter([5])
+    assert elastic._wait_for_world(None, 2, 4, 5.0, last=2) == 4
+    seen = iter([None])
+    assert elastic._wait_for_world(None, 2, None, 5.0, last=3) == 3
+    seen = iter([None])
+    assert retry.wait_for_free_slots(None, 2, 5.0) == 2
+    monkeypatch.setattr(retry, "session_info", lambda session: SimpleNamespace(slots=1))
+    with pytest.raises(TimeoutError, match=r"waited 0 s for 2 free task slots \(min_num_proc=2\) for run_elastic's "
+                                           r"next world, but the cluster has 1: .*lower min_num_proc"):
+        elastic._wait_for_world(None, 2, None, 0.05, last=2)
+    with pytest.raises(TimeoutError, match=r"2 free task slots to run the barrier stage again, .*same run_id"):
+        retry.wait_for_free_slots(None, 2, 0.05)
+
+
 def test_retry_loop_reports_each_retry_and_stops_at_max_retries():
     """Recoverable failures are retried with one line each, up to max_retries; then the last is
     raised with a note; a code error is raised at once."""
