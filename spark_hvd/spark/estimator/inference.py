@@ -176,49 +176,46 @@ def _raw_fields(plan: InferencePlan, predicted: List[np.ndarray]) -> List[Tuple[
     return [(f"o{i}", v, s) for i, (v, s) in enumerate(zip(predicted, plan.scalar_outputs))]
 
 
-def _predict_arrow(plan: InferencePlan, payload: Any, predictor: Predictor, batches: Iterator[Any]) -> Iterator[Any]:
-    model, device = _load(plan, payload, predictor)
-    for batch in batches:
-        arrays = batch if isinstance(batch, tuple) else (batch,)
-        columns = [_arrow_to_numpy(a, c, s, plan.fix) for a, c, s in zip(arrays, plan.feature_cols, plan.input_shapes)]
-        predicted = predictor.predict(model, device, plan, columns)
-        if plan.task in ONE_VALUE_TASKS:
-            yield pa.array(predicted[0].reshape(-1))
-            continue
-        if plan.task != "none":
-            fields = _task_fields(plan, predicted[0]) + _raw_fields(plan, predicted)
-            yield pa.StructArray.from_arrays([_arrow_output(v.reshape(len(v), -1), s) for _, v, s in fields],
-                                             names=[name for name, _, _ in fields])
-            continue
-        outputs = [_arrow_output(v, s) for v, s in zip(predicted, plan.scalar_outputs)]
-        if len(outputs) == 1:
-            yield outputs[0]
-        else:
-            yield pa.StructArray.from_arrays(outputs, names=[f"o{i}" for i in range(len(outputs))])
-
-
 def _series(values: np.ndarray, scalar: bool) -> pd.Series:
     return pd.Series(values[:, 0]) if scalar else pd.Series(list(values))
 
 
-def _predict_pandas(plan: InferencePlan, payload: Any, predictor: Predictor, batches: Iterator[Any]) -> Iterator[Any]:
+@dataclass(frozen=True)
+class _Format:
+    """How one kind of UDF batch (Arrow arrays, pandas Series) is read and written."""
+
+    to_numpy: Any
+    """(batch column, column name, input shape, fix) -> the column as numpy."""
+    values: Any
+    """(1-D numpy values) -> one output column of one value per row."""
+    column: Any
+    """(2-D numpy values, scalar) -> one output column."""
+    table: Any
+    """(names, columns) -> one struct output of several columns."""
+
+
+_ARROW = _Format(to_numpy=_arrow_to_numpy, values=pa.array, column=_arrow_output,
+                 table=lambda names, columns: pa.StructArray.from_arrays(columns, names=names))
+_PANDAS = _Format(to_numpy=_series_to_numpy, values=pd.Series, column=_series,
+                  table=lambda names, columns: pd.DataFrame(dict(zip(names, columns))))
+
+
+def _predict(form: _Format, plan: InferencePlan, payload: Any, predictor: Predictor,
+             batches: Iterator[Any]) -> Iterator[Any]:
     model, device = _load(plan, payload, predictor)
     for batch in batches:
-        series = batch if isinstance(batch, tuple) else (batch,)
-        columns = [_series_to_numpy(v, c, s, plan.fix) for v, c, s in zip(series, plan.feature_cols, plan.input_shapes)]
+        parts = batch if isinstance(batch, tuple) else (batch,)
+        columns = [form.to_numpy(v, c, s, plan.fix) for v, c, s in zip(parts, plan.feature_cols, plan.input_shapes)]
         predicted = predictor.predict(model, device, plan, columns)
         if plan.task in ONE_VALUE_TASKS:
-            yield pd.Series(predicted[0].reshape(-1))
-            continue
-        if plan.task != "none":
+            yield form.values(predicted[0].reshape(-1))
+        elif plan.task != "none":
             fields = _task_fields(plan, predicted[0]) + _raw_fields(plan, predicted)
-            yield pd.DataFrame({name: _series(v.reshape(len(v), -1), s) for name, v, s in fields})
-            continue
-        outputs = [_series(v, s) for v, s in zip(predicted, plan.scalar_outputs)]
-        if len(outputs) == 1:
-            yield outputs[0]
+            yield form.table([name for name, _, _ in fields], [form.column(v.reshape(len(v), -1), s)
+                                                               for _, v, s in fields])
         else:
-            yield pd.DataFrame({f"o{i}": out for i, out in enumerate(outputs)})
+            outputs = [form.column(v, s) for v, s in zip(predicted, plan.scalar_outputs)]
+            yield outputs[0] if len(outputs) == 1 else form.table([f"o{i}" for i in range(len(outputs))], outputs)
 
 
 def prediction_udf(plan: InferencePlan, payload: Any, predictor: Predictor) -> Any:
@@ -250,18 +247,18 @@ def prediction_udf(plan: InferencePlan, payload: Any, predictor: Predictor) -> A
         from pyspark.sql.functions import pandas_udf
 
         def pandas_one(batches: Iterator[pd.Series]) -> Iterator[pd.Series]:
-            return _predict_pandas(plan, payload, predictor, batches)
+            return _predict(_PANDAS, plan, payload, predictor, batches)
 
         def pandas_many(batches: Iterator[Tuple[pd.Series, ...]]) -> Iterator[pd.Series]:
-            return _predict_pandas(plan, payload, predictor, batches)
+            return _predict(_PANDAS, plan, payload, predictor, batches)
 
         return pandas_udf(pandas_one if single else pandas_many, return_type)  # type: ignore[call-overload]
 
     def arrow_one(batches: Iterator[pa.Array]) -> Iterator[pa.Array]:
-        return _predict_arrow(plan, payload, predictor, batches)
+        return _predict(_ARROW, plan, payload, predictor, batches)
 
     def arrow_many(batches: Iterator[Tuple[pa.Array, ...]]) -> Iterator[pa.Array]:
-        return _predict_arrow(plan, payload, predictor, batches)
+        return _predict(_ARROW, plan, payload, predictor, batches)
 
     return arrow_udf(arrow_one if single else arrow_many, return_type)
 

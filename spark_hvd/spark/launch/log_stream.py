@@ -16,13 +16,13 @@ import selectors
 import socket
 import threading
 import time
-from typing import Any, Dict, List, Optional, TextIO
+from typing import Any, Dict, List, Mapping, Optional, TextIO
 
 from spark_hvd.runtime.acceptor import Accepted, ServerLoop
 from spark_hvd.runtime.errors import AuthenticationError
 from spark_hvd.runtime.wire import FrameReader, connect, listen, secret_bytes, send_frame
 
-__all__ = ["LogCollector", "LogSender", "format_line", "FRAME_LIMIT"]
+__all__ = ["LogCollector", "LogSender", "format_line", "write_output", "FRAME_LIMIT"]
 
 log = logging.getLogger("spark_hvd.spark")
 
@@ -37,6 +37,18 @@ _FIELD_CHARS = FRAME_LIMIT // 64
 def format_line(rank: int, stream: str, text: str) -> str:
     """A rank's output line as the driver prints it: ``[1]<stdout>:text``."""
     return f"[{rank}]<{stream}>:{text}"
+
+
+def write_output(files: Mapping[str, TextIO], rank: int, frame: Mapping[str, Any]) -> None:
+    """Print the output line of one frame of ``rank`` (``stream``, ``text``) to ``files['stdout']``
+    or ``files['stderr']``; a closed or broken output file is passed over, as it must not stop the job."""
+    stream = "stderr" if frame.get("stream") == "stderr" else "stdout"
+    out = files[stream]
+    try:
+        out.write(format_line(rank, stream, str(frame.get("text", ""))) + "\n")
+        out.flush()
+    except (OSError, ValueError):
+        pass
 
 
 class LogCollector(ServerLoop):
@@ -113,15 +125,8 @@ class LogCollector(ServerLoop):
             with self._cond:
                 self.finished.setdefault(rank, time.monotonic())
             return
-        stream = "stderr" if frame.get("stream") == "stderr" else "stdout"
-        if self._verbose <= 0:
-            return
-        out = self._files[stream]
-        try:
-            out.write(format_line(rank, stream, str(frame.get("text", ""))) + "\n")
-            out.flush()
-        except (OSError, ValueError):
-            pass  # a closed or broken output file must not stop the job
+        if self._verbose > 0:
+            write_output(self._files, rank, frame)
 
     def wait_closed(self, connections: int, timeout: float) -> bool:
         """Wait until ``connections`` task connections have closed; True when they all have."""

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, TextIO
 
 from spark_hvd.runtime.seal import seal, unseal
 
-from spark_hvd.spark.launch.log_stream import format_line
+from spark_hvd.spark.launch.log_stream import write_output
 
 __all__ = ["STORE_CONTEXT", "StoreLogSender", "StoreLogCollector", "FLUSH_INTERVAL_S"]
 
@@ -168,15 +168,8 @@ class StoreLogCollector:
             elif frame.get("closed"):
                 self._closed_ranks.add(rank)
             self._cond.notify_all()
-        if "stream" not in frame or self._verbose <= 0:
-            return
-        stream = "stderr" if frame.get("stream") == "stderr" else "stdout"
-        out = self._files[stream]
-        try:
-            out.write(format_line(rank, stream, str(frame.get("text", ""))) + "\n")
-            out.flush()
-        except (OSError, ValueError):
-            pass  # a closed or broken output file must not stop the job
+        if "stream" in frame and self._verbose > 0:
+            write_output(self._files, rank, frame)
 
     def wait_failure(self, timeout: float) -> Optional[Dict[str, Any]]:
         """The first failure reported, waiting up to ``timeout`` seconds for one to arrive."""
