@@ -97,23 +97,24 @@ def _type_checking(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
 
-def _walk(node: ast.AST, lazy: bool = False) -> Iterator[Tuple[ast.AST, bool]]:
+def _walk(node: ast.AST, lazy: bool = False, typing_too: bool = False) -> Iterator[Tuple[ast.AST, bool]]:
     for child in ast.iter_child_nodes(node):
-        if _type_checking(child):
+        if _type_checking(child) and not typing_too:
             continue
         inner = lazy or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
         yield child, inner
-        yield from _walk(child, inner)
+        yield from _walk(child, inner, typing_too)
 
 
-def imports(known: Optional[Dict[str, Path]] = None) -> List[Import]:
-    """Every import of a spark_hvd module by a spark_hvd module, resolved to the module it loads."""
+def imports(known: Optional[Dict[str, Path]] = None, typing_too: bool = False) -> List[Import]:
+    """Every import of a spark_hvd module by a spark_hvd module, resolved to the module it loads;
+    with ``typing_too``, also those made only for type checkers (``if TYPE_CHECKING:``)."""
     known = known if known is not None else modules()
     found: List[Import] = []
     for name, path in known.items():
         tree = ast.parse(path.read_text(), filename=str(path))
         package = _package(name, path)
-        for node, lazy in _walk(tree):
+        for node, lazy in _walk(tree, typing_too=typing_too):
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.name.startswith("spark_hvd"):

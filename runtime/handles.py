@@ -7,16 +7,22 @@ import copy
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Protocol, Tuple
 
 import numpy as np
 
 from .messages import Meta
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .engine import Engine
+__all__ = ["Handle", "Entry", "RequestBook", "Driver"]
 
-__all__ = ["Handle", "Entry", "RequestBook"]
+
+class Driver(Protocol):
+    """What a handle needs of the engine that answers it (the engine is one): a nudge when its
+    caller polls, and progress on the caller's thread while it waits."""
+
+    def nudge(self) -> None: ...
+
+    def drive(self, handle: "Handle", deadline: Optional[float] = None) -> None: ...
 
 
 class Handle:
@@ -24,7 +30,7 @@ class Handle:
 
     __slots__ = ("name", "_gate", "_done", "_results", "_remaining", "_error", "_single", "_engine")
 
-    def __init__(self, name: str, parts: int = 1, single: bool = True, engine: Optional["Engine"] = None) -> None:
+    def __init__(self, name: str, parts: int = 1, single: bool = True, engine: Optional[Driver] = None) -> None:
         self.name = name
         self._engine = engine
         # A held lock is the cheapest thing to block on; completion releases it.
