@@ -8,11 +8,12 @@ its readers from it with :meth:`TrainingSpec.open_reader`.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-__all__ = ["TrainingSpec", "RunFiles", "adapt_batch", "close_readers", "rank_threads", "run_trainer"]
+__all__ = ["TrainingSpec", "RunFiles", "adapt_batch", "close_readers", "rank_threads", "run_trainer", "record_epoch"]
 
 
 @dataclass(kw_only=True)
@@ -210,3 +211,19 @@ def run_trainer(hvd: Any, trainer_class: Callable[[Any, Any], Any], spec: Any) -
         return trainer_class(spec, hvd).run()
     finally:
         hvd.shutdown()
+
+
+def record_epoch(history: List[Dict[str, Any]], epoch: int, logs: Dict[str, Any], *, rows: int, trained_s: float,
+                 seconds: float, profile: Any, hvd: Any, size: int, name: str) -> Dict[str, Any]:
+    """An epoch's end, as every framework's trainer records it: ``rows_per_s`` (the ``rows``
+    trained over ``trained_s``) and ``seconds`` (the whole epoch, validation included) are added
+    to ``logs``; the history entry (``epoch`` from 1, the logs, and every rank's step profile
+    when ``profile`` is enabled, gathered under ``name``) is appended to ``history`` and returned.
+    Every rank calls it (the profile gathering is a collective)."""
+    logs["rows_per_s"] = rows / trained_s if trained_s > 0 else math.inf
+    logs["seconds"] = seconds
+    entry = {"epoch": epoch + 1, **logs}
+    if profile.enabled:
+        entry["profile"] = profile.gathered(hvd, size, name)
+    history.append(entry)
+    return entry

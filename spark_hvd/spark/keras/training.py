@@ -14,7 +14,6 @@ history, reports progress and makes rank 0 write a checkpoint each epoch, then t
 from __future__ import annotations
 
 import copy
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from spark_hvd.spark.keras import checks
 from spark_hvd.spark.keras.checkpoint import checkpoint_bytes, load_model_bytes
 from spark_hvd.spark.estimator.progress import ProgressReporter
 from spark_hvd.spark.estimator.step_profile import KERAS_PHASES, step_profile
-from spark_hvd.spark.estimator.training import RunFiles, TrainingSpec, close_readers, rank_threads, run_trainer
+from spark_hvd.spark.estimator.training import RunFiles, TrainingSpec, close_readers, rank_threads, record_epoch, run_trainer
 
 __all__ = ["KerasTrainingSpec", "train_on_rank", "scaled_optimizer"]
 
@@ -302,13 +301,9 @@ def _recorder(trainer: _Trainer) -> Any:
             trained = self.trained or seconds
             values = {k: float(np.asarray(v)) for k, v in (logs or {}).items()
                       if np.ndim(v) == 0 and k != "learning_rate"}
-            rows = spec.train_steps * spec.batch_size * trainer.size
-            values["rows_per_s"] = rows / trained if trained > 0 else math.inf
-            values["seconds"] = seconds
-            if trainer.profile.enabled:
-                values["profile"] = trainer.profile.gathered(trainer.hvd, trainer.size,
-                                                             f"spark_hvd.keras.profile.{epoch}")
-            trainer.history.append({"epoch": epoch + 1, **values})
+            record_epoch(trainer.history, epoch, values, rows=spec.train_steps * spec.batch_size * trainer.size,
+                         trained_s=trained, seconds=seconds, profile=trainer.profile, hvd=trainer.hvd,
+                         size=trainer.size, name=f"spark_hvd.keras.profile.{epoch}")
             if trainer.rank == 0:
                 trainer.checkpoint(epoch + 1)
             trainer.reporter.epoch(epoch, values)

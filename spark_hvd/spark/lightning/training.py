@@ -28,7 +28,7 @@ from pytorch_lightning.callbacks import Callback, Checkpoint, ModelCheckpoint
 from spark_hvd.spark.torch.batches import feature_tensors, model_dtype, weight_tensor
 from spark_hvd.spark.estimator.progress import ProgressReporter
 from spark_hvd.spark.estimator.step_profile import LIGHTNING_PHASES, step_profile
-from spark_hvd.spark.estimator.training import RunFiles, TrainingSpec, close_readers, rank_threads
+from spark_hvd.spark.estimator.training import RunFiles, TrainingSpec, close_readers, rank_threads, record_epoch
 
 __all__ = ["LightningTrainingSpec", "fit_on_rank", "CHECKPOINT_KEY", "history_entry", "set_learning_rate"]
 
@@ -233,13 +233,9 @@ class _EpochEnd(Checkpoint):
         logs = self._average(logs)
         logs = {k: logs[k] for k in sorted(logs, key=lambda k: k.startswith("val_"))}  # training values first
         seconds = time.monotonic() - self._started
-        rows = self.spec.train_steps * self.spec.batch_size * self.size
-        logs["rows_per_s"] = rows / seconds if seconds > 0 else math.inf
-        logs["seconds"] = seconds
-        if self.profile.enabled:
-            logs["profile"] = self.profile.gathered(self.hvd, self.size,
-                                                    f"spark_hvd.lightning.profile.{len(self.history)}")
-        self.history.append({"epoch": epoch + 1, **logs})
+        record_epoch(self.history, epoch, logs, rows=self.spec.train_steps * self.spec.batch_size * self.size,
+                     trained_s=seconds, seconds=seconds, profile=self.profile, hvd=self.hvd, size=self.size,
+                     name=f"spark_hvd.lightning.profile.{len(self.history)}")
         self._checkpoint(trainer)
         self.reporter.epoch(epoch, logs)
 

@@ -14,7 +14,6 @@ same (seeded) order and the epoch's metrics count every batch once.
 from __future__ import annotations
 
 import io
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -27,7 +26,7 @@ from spark_hvd.spark.torch.callbacks import TrainingState, call_hook
 from spark_hvd.spark.torch.stopping import EarlyStopping, restore_scheduler, step_scheduler
 from spark_hvd.spark.estimator.progress import ProgressReporter
 from spark_hvd.spark.estimator.step_profile import TORCH_PHASES, step_profile
-from spark_hvd.spark.estimator.training import TrainingSpec, close_readers, rank_threads, run_trainer
+from spark_hvd.spark.estimator.training import TrainingSpec, close_readers, rank_threads, record_epoch, run_trainer
 
 __all__ = ["OptimizerSpec", "TorchTrainingSpec", "train_on_rank", "CHECKPOINT_FORMAT", "checkpoint_bytes",
            "load_checkpoint"]
@@ -380,14 +379,11 @@ class _Trainer:
                 if val_reader is not None:
                     logs.update(self._validate(epoch, val_reader))
                 logs = self._average(logs, epoch)
-                profiles = self._gathered_profiles(epoch)
-                done = spec.train_steps - (spec.start_batch if resumed else 0)
-                rows = done * spec.batch_size * self.size
-                logs["rows_per_s"] = rows / train_seconds if train_seconds > 0 else math.inf
-                logs["seconds"] = time.monotonic() - started
                 self._epoch_end(epoch, logs)
-                entry = {"epoch": epoch + 1, **logs, **({"profile": profiles} if profiles else {})}
-                self.state.history.append(entry)
+                done = spec.train_steps - (spec.start_batch if resumed else 0)
+                record_epoch(self.state.history, epoch, logs, rows=done * spec.batch_size * self.size,
+                             trained_s=train_seconds, seconds=time.monotonic() - started, profile=self.profile,
+                             hvd=self.hvd, size=self.size, name=f"spark_hvd.fit.profile.{epoch}")
                 self._checkpoint(epoch + 1)
                 self.reporter.epoch(epoch, logs)
                 call_hook(spec.callbacks, "on_epoch_end", epoch, dict(logs), self.state)
@@ -418,12 +414,6 @@ class _Trainer:
             self.best_model = _to_cpu({k: v.clone() for k, v in self.model.state_dict().items()})
         if stopper.stopped:
             self.state.stop_training = True
-
-    def _gathered_profiles(self, epoch: int) -> Optional[List[Dict[str, float]]]:
-        """Every rank's step profile of the epoch, in rank order; None when profiling is off."""
-        if not self.profile.enabled:
-            return None
-        return self.profile.gathered(self.hvd, self.size, f"spark_hvd.fit.profile.{epoch}")
 
     def _stop_requested(self, epoch: int) -> bool:
         # One rank's callback may ask to stop; all ranks must agree, or the next epoch's
