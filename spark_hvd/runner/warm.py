@@ -44,7 +44,7 @@ import traceback
 from typing import Any, Callable, Dict, IO, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = ["WarmStarter", "WarmProcess", "WarmStartError", "available", "environment_key", "starter_for",
-           "starter_or_none", "check_preload", "close_starters", "JOB_VARIABLE_PREFIXES", "RANK_PROCESS_NAME"]
+           "starter_or_none", "check_preload", "close_starters", "serve", "JOB_VARIABLE_PREFIXES", "RANK_PROCESS_NAME"]
 
 JOB_VARIABLE_PREFIXES = ("SPARK_HVD_", "HOROVOD_", "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED")
 """Environment variables of one job or one rank: read when a rank runs, not when a module is
@@ -66,6 +66,9 @@ _GRACE_S = 3.0
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 _WORKER_ARGV = ("-m", "spark_hvd.runner.worker")
+# The warm process's command: imported, not run with ``-m``, which would execute this module a
+# second time as ``__main__`` (the package imports it) and warn about it on every executor.
+_BOOT = "import sys; from spark_hvd.runner.warm import serve; sys.exit(serve(sys.argv[1:]))"
 
 
 class WarmStartError(RuntimeError):
@@ -180,7 +183,7 @@ class WarmStarter:
         self._closed = False
         try:
             self._proc = subprocess.Popen(
-                [python, "-m", "spark_hvd.runner.warm", str(theirs.fileno()), *self.modules],
+                [python, "-c", _BOOT, str(theirs.fileno()), *self.modules],
                 env=dict(self.key), cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(),),
             )
@@ -201,7 +204,7 @@ class WarmStarter:
         message, _ = _receive(self._sock)
         if message is None:
             code = self._proc.wait(timeout=_REPLY_TIMEOUT_S)
-            raise WarmStartError(f"the warm process ({self.python} -m spark_hvd.runner.warm) exited with code "
+            raise WarmStartError(f"the warm process ({self.python}, spark_hvd.runner.warm) exited with code "
                                  f"{code} before it was ready")
         if "error" in message:
             raise WarmStartError(f"the warm process could not import {', '.join(self.modules)}: {message['error']}")
@@ -542,9 +545,14 @@ def _serve(argv: List[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    if len(sys.argv) < 2 or not sys.argv[1].isdigit():
+def serve(argv: List[str]) -> int:
+    """The warm process's main: ``argv`` is the control socket's descriptor, then the modules."""
+    if not argv or not argv[0].isdigit():
         print("usage: python -m spark_hvd.runner.warm FD [MODULE ...] (started by spark_hvd.runner.warm.WarmStarter)",
               file=sys.stderr)
-        sys.exit(2)
-    sys.exit(_serve(sys.argv[1:]))
+        return 2
+    return _serve(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(serve(sys.argv[1:]))

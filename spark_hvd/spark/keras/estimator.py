@@ -94,7 +94,7 @@ class KerasEstimator(DistributedEstimator, KerasEstimatorParams):
     fitted_class = KerasModel
     worker_modules = WORKER_MODULES
     rank_environment = RANK_ENVIRONMENT
-    rank_preload = ("tensorflow", "keras")
+    rank_preload = ("tensorflow", "keras", "spark_hvd.keras", "spark_hvd.spark.keras.training")
 
     # ---- checks ---------------------------------------------------------------------------------
     def _check_model(self) -> _Keras:

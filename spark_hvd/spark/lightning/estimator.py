@@ -93,7 +93,8 @@ class LightningEstimator(TorchModuleHooks, DistributedEstimator, LightningEstima
     framework = "lightning"
     fitted_class = LightningModel
     worker_modules = ("torch", "pytorch_lightning")
-    rank_preload = ("torch", "torch._dynamo", "pytorch_lightning")
+    rank_preload = ("torch", "torch._dynamo", "pytorch_lightning", "spark_hvd.torch",
+                    "spark_hvd.spark.lightning.training")
     model_word = "module"
     label_rules_from_task = True
 

@@ -97,7 +97,7 @@ class TorchEstimator(TorchModuleHooks, DistributedEstimator, TorchEstimatorParam
     fitted_class = TorchModel
     worker_modules = ("torch",)
     # torch._dynamo: imported by torch.optim at the first step, about as slow as torch itself.
-    rank_preload = ("torch", "torch._dynamo")
+    rank_preload = ("torch", "torch._dynamo", "spark_hvd.torch", "spark_hvd.spark.torch.training")
     dry_run_loss_on_zeros = True
 
     # ---- checks ---------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ sealed output channel through a store."""
 from __future__ import annotations
 
 import io
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -269,3 +271,25 @@ def test_plot_history_saves_whole_labels_and_whole_epochs(tmp_path):
     assert label.y0 >= whole.y0 and label.x0 >= whole.x0 and label.x1 <= whole.x1
     ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
     assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
+
+@pytest.mark.parametrize("module, name", [("spark_hvd.spark.torch", "TorchEstimator"),
+                                          ("spark_hvd.spark.lightning", "LightningEstimator"),
+                                          ("spark_hvd.spark.keras", "KerasEstimator")])
+def test_each_estimators_warm_process_imports_what_its_ranks_import(module, name, tmp_path):
+    """The warm process of an estimator's ranks imports the framework, its rank-side code and the
+    data modules (so a repeat fit's ranks import none of them), and can still fork: none of those
+    imports starts a thread."""
+    import importlib
+
+    from spark_hvd.runner import warm
+    from spark_hvd.spark.estimator.base import RANK_DATA_MODULES
+
+    preload = getattr(importlib.import_module(module), name)()._preload()
+    assert preload[-len(RANK_DATA_MODULES):] == RANK_DATA_MODULES
+    assert f"{module}.training" in preload
+    starter = warm.WarmStarter(sys.executable, preload, dict(os.environ), cwd=str(tmp_path))
+    try:
+        assert starter.alive
+    finally:
+        starter.close()
