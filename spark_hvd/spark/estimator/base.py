@@ -461,6 +461,10 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
         return None if checkpoint is None or changed_parts(checkpoint.fingerprint, fit.fingerprint) else checkpoint
 
     # ---- 5. the spec ------------------------------------------------------------------------------
+    def _step_multiple(self) -> int:
+        """Training steps per epoch are rounded up to a multiple of this (1: as computed)."""
+        return 1
+
     def _common_spec(self, fit: Fit, prepared: PreparedData, resume: Optional[Checkpoint],
                      seed: Optional[int]) -> Dict[str, Any]:
         """The :class:`~spark_hvd.spark.estimator.training.TrainingSpec` fields every framework shares."""
@@ -469,6 +473,8 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
         val_batch_size = self.getOrDefault("val_batch_size") or batch_size
         train_steps = self.getOrDefault("train_steps_per_epoch") or steps_for(prepared.train_rows, fit.num_proc,
                                                                               batch_size)
+        multiple = self._step_multiple()
+        train_steps = -(-train_steps // multiple) * multiple
         val_steps = 0
         if prepared.val_path is not None:
             val_steps = self.getOrDefault("validation_steps_per_epoch") or steps_for(prepared.val_rows, fit.num_proc,

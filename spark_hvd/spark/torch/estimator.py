@@ -180,11 +180,12 @@ class TorchEstimator(TorchModuleHooks, DistributedEstimator, TorchEstimatorParam
         best = state.get("best_model") if checkpoint.finished else None
         fit.model.load_state_dict(best if best is not None else state["model"])
 
+    def _step_multiple(self) -> int:
+        # Whole optimizer steps only: every epoch ends with the accumulated gradients applied.
+        return int(self.getBackwardPassesPerStep())
+
     def _spec(self, fit: Fit, common_fields: Dict[str, Any], resume: Optional[Checkpoint]) -> TorchTrainingSpec:
         own: _Torch = fit.own
-        passes = self.getBackwardPassesPerStep()
-        # Whole optimizer steps only: every epoch ends with the accumulated gradients applied.
-        common_fields["train_steps"] = -(-common_fields["train_steps"] // passes) * passes
         state = resume.state if resume is not None else None
         partial = dict(state.get("partial") or {}) if state else {}
         return TorchTrainingSpec(
@@ -193,7 +194,7 @@ class TorchEstimator(TorchModuleHooks, DistributedEstimator, TorchEstimatorParam
             start_batch=resume.batch if resume is not None else 0,
             partial=partial or None,
             resume_model=state["model"] if state else None, resume_optimizer=state["optimizer"] if state else None,
-            backward_passes_per_step=passes, scale_lr=self.getScaleLr(), train_minibatch_fn=self.getTrainMinibatchFn(),
+            backward_passes_per_step=self._step_multiple(), scale_lr=self.getScaleLr(), train_minibatch_fn=self.getTrainMinibatchFn(),
             callbacks=list(self.getCallbacks() or []), checkpoint_every_steps=self.getCheckpointEverySteps(),
             early_stopping=self.getEarlyStopping(), lr_scheduler_fn=self.getLrSchedulerFn(),
             lr_scheduler_interval=self.getLrSchedulerInterval(),

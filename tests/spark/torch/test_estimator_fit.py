@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import os
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -240,11 +242,28 @@ def test_same_run_id_resumes_after_the_last_completed_epoch_and_refuses_a_change
 # Validation splits and sample weights are DataFrame operations and rank code that do not depend
 # on the kind of session; the Connect paths (progress, results, persistence) are tested above.
 @pytest.mark.session_kinds("classic")
+class StepCounter:
+    """A TorchEstimator callback that appends each training batch's step to a file per rank."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def on_batch_end(self, step, logs, state):
+        with open(os.path.join(self.folder, f"steps.{os.getpid()}"), "a") as out:
+            out.write(f"{step}\n")
+
+
 def test_validation_column_and_zero_sample_weights(frame, tmp_path):
     """Rows marked by the validation column are validated on, and weights of zero zero the loss
-    (so Adam leaves the weights where they were)."""
-    est = make_estimator(tmp_path, validation="is_val", sample_weight_col="w", epochs=2)
+    (so Adam leaves the weights where they were). With backward_passes_per_step=4 each epoch runs
+    whole optimizer steps: 72 training rows on 2 ranks of batch 8 are 5 batches, rounded up to 8."""
+    counts = tmp_path / "counts"
+    counts.mkdir()
+    est = make_estimator(tmp_path, validation="is_val", sample_weight_col="w", epochs=2, backward_passes_per_step=4,
+                         callbacks=[StepCounter(str(counts))])
     model = est.fit(frame)
+    per_rank = [path.read_text().split() for path in counts.iterdir()]
+    assert len(per_rank) == 2 and all(len(steps) == 2 * 8 for steps in per_rank)
     # Without a run_id every fit is a run of its own, under a fresh name.
     assert est.getRunId() is None and model.getRunId().startswith("torch-")
     assert est.getStore().listdir(est.getStore().get_runs_path()) == [model.getRunId()]
