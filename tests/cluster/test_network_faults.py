@@ -7,6 +7,7 @@ and no host's /dev/shm holds anything (the fixture in conftest.py checks it)."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -119,6 +120,16 @@ def test_a_host_cut_off_while_the_ranks_start_delays_the_start(spark_2x1, hosts,
     assert retry_lines(capsys.readouterr().out) == []
 
 
+class SlowToLoadOnRank1(torch.nn.Sequential):
+    """A model whose copy on rank 1 takes a second to unpickle, before that rank's init(): the cut
+    lands before rank 1 meets its peers however fast its (warm-forked) process starts."""
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if os.environ.get("SPARK_HVD_RANK") == "1":
+            time.sleep(1.0)
+
+
 def test_a_host_cut_off_longer_than_the_start_timeout_fails_naming_it(spark_2x1, hosts, frame, store):
     """With a start timeout shorter than the cut and no retries, a cut at start-up fails the fit
     within the timeout (not later) with a PeerUnreachableError that names the cut host's address
@@ -127,8 +138,11 @@ def test_a_host_cut_off_longer_than_the_start_timeout_fails_naming_it(spark_2x1,
     fault = FaultThread(cutter)
     fault.start()
     backend = SparkBackend(num_proc=2, env={"SPARK_HVD_START_TIMEOUT": str(START_TIMEOUT_S)})
+    torch.manual_seed(0)
+    model = SlowToLoadOnRank1(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     with pytest.raises(Exception) as raised:
-        estimator(store, "cut-too-long", backend=backend, max_retries=0).fit(frame)
+        estimator(store, "cut-too-long", backend=backend, max_retries=0, model=model,
+                  optimizer=torch.optim.Adam(model.parameters(), lr=0.02)).fit(frame)
     fault.finish()
     (name,) = cutter.cut
     host = next(h for h in hosts.hosts if h.name == name)

@@ -63,8 +63,8 @@ tuning.install()  # a grid over objects is refused when its tuning object is sav
 PROBE_ROWS = 64
 """Rows of real data the driver puts through the model and the loss before materializing."""
 
-RANK_DATA_MODULES = ("cloudpickle", "fsspec", "pyarrow.parquet", "spark_hvd.runner.worker",
-                     "spark_hvd.spark.data.reader", "spark_hvd.spark.data.store")
+RANK_DATA_MODULES = ("cloudpickle", "fsspec", "pyarrow.parquet", "spark_hvd.spark.data.reader",
+                     "spark_hvd.spark.data.store")
 """Modules every estimator's rank imports to run its call and read its shard: imported once in
 the warm process, so a repeat fit's ranks do not import them again (0.5-0.7 s a rank here)."""
 

@@ -288,6 +288,8 @@ def test_each_estimators_warm_process_imports_what_its_ranks_import(module, name
     preload = getattr(importlib.import_module(module), name)()._preload()
     assert preload[-len(RANK_DATA_MODULES):] == RANK_DATA_MODULES
     assert f"{module}.training" in preload
+    # The modules are the warm process's arguments: its command line must not read as a rank's.
+    assert "spark_hvd.runner.worker" not in preload
     starter = warm.WarmStarter(sys.executable, preload, dict(os.environ), cwd=str(tmp_path))
     try:
         assert starter.alive
