@@ -153,7 +153,7 @@ class Proxy(types.ModuleType):
 
 class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, name, path=None, target=None):
-        if name.startswith("horovod.") and name.split(".")[1] not in ("",):
+        if name.startswith("horovod."):
             return importlib.util.spec_from_loader(name, self, is_package=True)
         return None
 
@@ -179,7 +179,7 @@ def __getattr__(attr):
     return importlib.import_module(f"horovod.{attr}")
 '''
 
-# pytest's last summary line; "N passed, M failed, ... in 12.3s".
+# A line of -rA's short summary: "FAILED file::Class::test - first line of the error".
 _STATUS = re.compile(r"^(FAILED|ERROR)\s+(\S+?)(?:\s+-\s+(.*))?$")
 
 
