@@ -1,15 +1,20 @@
 """Gradient buckets: parameters grouped by size for one flat reduction each, and the flat buffer a
 bucket's gradients are copied into (shared by ``DistributedOptimizer`` and Lightning's
-``GradientAverager``)."""
+``GradientAverager``), and the search for the fastest bucket size under autotune."""
 
 from __future__ import annotations
 
-from typing import List, Tuple
+import logging
+import time
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch._utils
 
-__all__ = ["DEFAULT_BUCKET_CAP_MB", "bucket_params", "FlatBuffer", "copy_all", "NUMPY_DTYPES"]
+__all__ = ["DEFAULT_BUCKET_CAP_MB", "bucket_params", "FlatBuffer", "copy_all", "NUMPY_DTYPES", "BUCKET_CANDIDATES",
+           "BucketTuner"]
+
+log = logging.getLogger("spark_hvd.torch")
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 """Bucket size (MiB) when none is given: torch DDP's. Measured on CPU ranks (see the README), it
@@ -18,6 +23,9 @@ per gradient, and a model of large layers as fast."""
 
 NUMPY_DTYPES = frozenset({torch.float32, torch.float64, torch.float16})
 """Dtypes whose CPU tensors the runtime takes as numpy arrays as they are (bfloat16 needs staging)."""
+
+BUCKET_CANDIDATES: Tuple[float, ...] = (0.0, 1.0, 4.0, 25.0)
+"""Bucket sizes (MiB; 0: one request per gradient) autotune tries when no bucket size was given."""
 
 
 def bucket_params(trainable: List[torch.Tensor], cap_mb: float) -> List[Tuple[torch.Tensor, ...]]:
@@ -68,3 +76,66 @@ def copy_all(targets: List[torch.Tensor], sources: List[torch.Tensor]) -> None:
         return
     for target, source in zip(targets, sources):
         target.copy_(source)
+
+
+class BucketTuner:
+    """Tries each of :data:`BUCKET_CANDIDATES` for a sample of steps after a warm-up, then keeps the
+    fastest. Every rank decides from the same numbers (the slowest rank's seconds per step, agreed by
+    an allreduce at the end of each sample), so all form the same buckets at the same step."""
+
+    def __init__(self, warmup_steps: int, steps_per_sample: int) -> None:
+        self.warmup_steps = warmup_steps
+        self.steps_per_sample = steps_per_sample
+        self.plan: List[float] = list(BUCKET_CANDIDATES)
+        self.trials: List[Tuple[float, float]] = []
+        """Each bucket size tried (MiB) and the slowest rank's seconds per step under it."""
+        self.current = DEFAULT_BUCKET_CAP_MB
+        self.steps = 0
+        self.in_sample = -1  # warming up
+        self.mark = 0.0
+        self.done = False
+        """Whether the fastest size was kept (no more steps are counted)."""
+
+    @classmethod
+    def from_runtime(cls) -> Optional[BucketTuner]:
+        """A tuner with the runtime's warm-up and sample length when it autotunes (``HOROVOD_AUTOTUNE``), else None."""
+        from spark_hvd.runtime.api import runtime_config
+
+        config = runtime_config()
+        if config is None or not config.autotune:
+            return None
+        steps = config.autotune_steps_per_sample
+        return cls(config.autotune_warmup_samples * steps, steps)
+
+    def after_step(self, slowest: Callable[[float, int], float], regroup: Callable[[float], None]) -> Optional[float]:
+        """Count a step; at the end of the warm-up or of a sample, ``regroup`` to the next bucket size
+        (MiB), or to the fastest once all were tried, and return it; None while the buckets stay.
+
+        ``slowest(seconds, index)`` returns the largest of every rank's ``seconds`` per step in sample
+        ``index`` (an allreduce: every rank calls it at the same step)."""
+        if self.done:
+            return None
+        self.steps += 1
+        if self.in_sample < 0:
+            return self._next(regroup) if self.steps >= self.warmup_steps else None
+        self.in_sample += 1
+        if self.in_sample < self.steps_per_sample:
+            return None
+        seconds = (time.perf_counter() - self.mark) / self.steps_per_sample
+        self.trials.append((self.current, slowest(seconds, len(self.trials))))
+        return self._next(regroup)
+
+    def _next(self, regroup: Callable[[float], None]) -> float:
+        if self.plan:
+            self.current = self.plan.pop(0)
+            regroup(self.current)
+            self.in_sample = 0
+            self.mark = time.perf_counter()
+            return self.current
+        best = min(self.trials, key=lambda trial: trial[1])
+        self.current = best[0]
+        self.done = True
+        regroup(best[0])
+        log.info("spark-hvd autotune: keeping bucket_cap_mb=%s (%.3g ms per step; tried %s)", best[0],
+                 best[1] * 1e3, ", ".join(f"{c}: {s * 1e3:.3g} ms" for c, s in self.trials))
+        return best[0]

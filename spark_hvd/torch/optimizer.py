@@ -7,8 +7,6 @@ communication overlaps the rest of backward; ``step()`` waits for them.
 
 from __future__ import annotations
 
-import logging
-import time
 import warnings
 import weakref
 from contextlib import contextmanager
@@ -19,13 +17,15 @@ import torch._utils
 
 import spark_hvd.runtime as _rt
 from spark_hvd.torch.basics import Adasum, Average, Max, global_process_set
-from spark_hvd.torch.buckets import DEFAULT_BUCKET_CAP_MB, FlatBuffer, bucket_params, copy_all
+from spark_hvd.torch.buckets import BUCKET_CANDIDATES, DEFAULT_BUCKET_CAP_MB, BucketTuner, FlatBuffer, bucket_params, \
+    copy_all
 from spark_hvd.torch.compression import Compression, Compressor
 from spark_hvd.torch.handles import Handle, enqueue
 from spark_hvd.torch.mpi_ops import sparse_allreduce_async
 from spark_hvd.runtime.kinds import ALLREDUCE
 
-__all__ = ["DistributedOptimizer", "_DistributedOptimizer"]  # the latter: Horovod's base class name, for isinstance
+__all__ = ["DistributedOptimizer", "_DistributedOptimizer",  # the latter: Horovod's base class name, for isinstance
+           "BUCKET_CANDIDATES"]
 
 _TOO_MANY_PASSES = (
     "Gradients were computed more than backward_passes_per_step times before call to step(). "
@@ -35,15 +35,6 @@ _ZERO_GRAD_RACE = (
     "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
     "optimizer.synchronize(). This is prohibited as it can cause a race condition."
 )
-
-log = logging.getLogger("spark_hvd.torch")
-
-BUCKET_CANDIDATES: Tuple[float, ...] = (0.0, 1.0, 4.0, 25.0)
-"""Bucket sizes (MiB; 0: one request per gradient) autotune tries when no bucket size was given."""
-
-# A pending reduction: the handle (None while gradients still accumulate locally) and the
-# compression context(s) needed to unpack its result.
-_Pending = Tuple[Union[Handle, "_Parts", None], Any]
 
 
 def _named(optimizer: torch.optim.Optimizer,
@@ -110,15 +101,88 @@ class _Group(tuple):
 _ELEMENTWISE = (Compression.none, Compression.fp16)
 
 
-class _Flat:
-    """A group reduced as one flat buffer, as DDP's buckets: the buffer sent (reduced in place),
-    its compression context, the gradients it was made of (whose shapes the result is split
-    into), and the buffer's views in those shapes when it was sent uncompressed."""
+class _Pending:
+    """A parameter's or a group's reduction in ``_handles``: ``finish`` waits for it and leaves the
+    reduced gradients in the parameters' ``.grad``."""
 
-    __slots__ = ("sent", "compression", "grads", "views", "direct")
+    __slots__ = ()
+    started = True
+    """Whether a request was sent (false only for :data:`_ACCUMULATING`)."""
 
-    def __init__(self, sent: torch.Tensor, compression: Any, grads: List[torch.Tensor],
-                 views: Optional[List[torch.Tensor]], direct: bool) -> None:
+    def finish(self, optimizer: _DistributedOptimizer) -> None:
+        raise NotImplementedError
+
+
+class _Accumulating(_Pending):
+    """A gradient still accumulating locally (``backward_passes_per_step`` > 1): nothing was sent;
+    ``synchronize()`` drops it and reduces what has accumulated."""
+
+    __slots__ = ()
+    started = False
+
+    def finish(self, optimizer: _DistributedOptimizer) -> None:
+        """Nothing to wait for."""
+
+
+_ACCUMULATING = _Accumulating()
+
+
+class _Dense(_Pending):
+    """One dense gradient reduced on its own: the tensor sent (reduced in place) and its compression context."""
+
+    __slots__ = ("handle", "param", "sent", "ctx")
+
+    def __init__(self, handle: Handle, param: torch.Tensor, sent: torch.Tensor, ctx: Any) -> None:
+        self.handle = handle
+        self.param = param
+        self.sent = sent
+        self.ctx = ctx
+
+    def finish(self, optimizer: _DistributedOptimizer) -> None:
+        optimizer._unpack(self.param, self.handle.wait(), self.sent, self.ctx)
+
+
+class _Sparse(_Pending):
+    """One sparse gradient, allgathered (its result replaces ``.grad``)."""
+
+    __slots__ = ("handle", "param")
+
+    def __init__(self, handle: Handle, param: torch.Tensor) -> None:
+        self.handle = handle
+        self.param = param
+
+    def finish(self, optimizer: _DistributedOptimizer) -> None:
+        self.param.grad = self.handle.wait()
+
+
+class _Grouped(_Pending):
+    """A group's gradients compressed one by one by a compressor of the user's own and reduced as one
+    grouped request: each tensor sent with its compression context."""
+
+    __slots__ = ("handle", "params", "packed")
+
+    def __init__(self, handle: Handle, params: Tuple[torch.Tensor, ...],
+                 packed: List[Tuple[torch.Tensor, Any]]) -> None:
+        self.handle = handle
+        self.params = params
+        self.packed = packed
+
+    def finish(self, optimizer: _DistributedOptimizer) -> None:
+        for p, reduced, (sent, ctx) in zip(self.params, self.handle.wait(), self.packed):
+            optimizer._unpack(p, reduced, sent, ctx)
+
+
+class _Flat(_Pending):
+    """Gradients reduced as one flat buffer, as DDP's buckets: the buffer sent (reduced in place),
+    its compression context, the parameters it covers and their gradients (whose shapes the result
+    is split into), and the buffer's views in those shapes when it was sent uncompressed."""
+
+    __slots__ = ("handle", "params", "sent", "compression", "grads", "views", "direct")
+
+    def __init__(self, handle: Handle, params: Tuple[torch.Tensor, ...], sent: torch.Tensor, compression: Any,
+                 grads: List[torch.Tensor], views: Optional[List[torch.Tensor]], direct: bool) -> None:
+        self.handle = handle
+        self.params = params
         self.sent = sent
         self.compression = compression
         self.grads = grads
@@ -126,43 +190,39 @@ class _Flat:
         self.direct = direct
         """Whether ``grads`` are the parameters' own ``.grad`` tensors (none was densified)."""
 
+    def finish(self, optimizer: _DistributedOptimizer) -> None:
+        self.handle.wait()
+        if self.direct and self.views is not None:
+            with torch.no_grad():
+                copy_all(self.grads, self.views)
+            return
+        if self.views is not None:
+            pieces = self.views
+        else:
+            reduced = optimizer._compression.decompress(self.sent, self.compression)
+            pieces = torch._utils._unflatten_dense_tensors(reduced, self.grads)
+        targets, sources = [], []
+        for p, piece in zip(self.params, pieces):
+            if p.grad.is_sparse:  # reduced as dense (sparse_as_dense): sparse again, see _unpack
+                p.grad = piece.to_sparse(p.grad.sparse_dim())
+            else:
+                targets.append(p.grad)
+                sources.append(piece)
+        with torch.no_grad():
+            copy_all(targets, sources)
 
-class _Parts:
-    """A group reduced in several requests (gradients of several dtypes, or sparse ones): each
-    part's key (a parameter or a tuple of them) and pending reduction. Stands in for the handle."""
+
+class _Parts(_Pending):
+    """A group reduced in several requests (gradients of several dtypes, or sparse ones)."""
 
     __slots__ = ("parts",)
 
-    def __init__(self, parts: List[Tuple[Any, Any]]) -> None:
+    def __init__(self, parts: List[_Pending]) -> None:
         self.parts = parts
 
-
-def _bucket_tuner() -> Optional[_BucketTuner]:
-    """A bucket-size search when the runtime autotunes (``HOROVOD_AUTOTUNE``), else None."""
-    from spark_hvd.runtime.api import runtime_config
-
-    config = runtime_config()
-    if config is None or not config.autotune:
-        return None
-    steps = config.autotune_steps_per_sample
-    return _BucketTuner(config.autotune_warmup_samples * steps, steps)
-
-
-class _BucketTuner:
-    """Tries each of :data:`BUCKET_CANDIDATES` for a sample of steps after a warm-up, then keeps the
-    fastest. Every rank decides from the same numbers (the slowest rank's seconds per step, agreed by
-    an allreduce at the end of each sample), so all form the same buckets at the same step."""
-
-    def __init__(self, warmup_steps: int, steps_per_sample: int) -> None:
-        self.warmup_steps = warmup_steps
-        self.steps_per_sample = steps_per_sample
-        self.plan: List[float] = list(BUCKET_CANDIDATES)
-        self.trials: List[Tuple[float, float]] = []
-        self.current = DEFAULT_BUCKET_CAP_MB
-        self.steps = 0
-        self.in_sample = -1  # warming up
-        self.mark = 0.0
-        self.done = False
+    def finish(self, optimizer: _DistributedOptimizer) -> None:
+        for part in self.parts:
+            part.finish(optimizer)
 
 
 class _DistributedOptimizer:
@@ -195,11 +255,11 @@ class _DistributedOptimizer:
         self._communicating: Optional[bool] = None  # _communicate, as asked by this step's first hook
         self._hook_handles: List[Any] = []
         self._trainable = trainable
-        self._bucket_tuner: Optional[_BucketTuner] = None
+        self._bucket_tuner: Optional[BucketTuner] = None
         if not groups:
             # Groups of the user's own are kept as given (Horovod's meaning); otherwise buckets.
             if bucket_cap_mb is None:
-                self._bucket_tuner = _bucket_tuner()
+                self._bucket_tuner = BucketTuner.from_runtime()
             cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
             groups = bucket_params(trainable, cap) if cap > 0 else None
         self._set_groups(groups, trainable)
@@ -223,38 +283,11 @@ class _DistributedOptimizer:
         if cap_mb > 0:
             self._set_groups(bucket_params(self._trainable, cap_mb), self._trainable)
 
-    def _tunebucket_params(self) -> None:
-        tuner = self._bucket_tuner
-        if tuner is None or tuner.done or not self._communicate:
-            return
-        tuner.steps += 1
-        if tuner.in_sample < 0:
-            if tuner.steps >= tuner.warmup_steps:
-                self._next_bucket_trial(tuner)
-            return
-        tuner.in_sample += 1
-        if tuner.in_sample < tuner.steps_per_sample:
-            return
-        seconds = (time.perf_counter() - tuner.mark) / tuner.steps_per_sample
+    def _slowest_seconds(self, seconds: float, index: int) -> float:
+        """The largest of the ranks' ``seconds`` per step of the bucket autotune's sample ``index``."""
         handle = enqueue(ALLREDUCE, [torch.tensor([seconds], dtype=torch.float64)], name=
-                         f"spark_hvd.bucket_autotune.{len(tuner.trials)}", op=Max, process_set=self.process_set)
-        worst = handle.wait()
-        tuner.trials.append((tuner.current, float(worst[0])))
-        self._next_bucket_trial(tuner)
-
-    def _next_bucket_trial(self, tuner: _BucketTuner) -> None:
-        if tuner.plan:
-            tuner.current = tuner.plan.pop(0)
-            self._usebucket_params(tuner.current)
-            tuner.in_sample = 0
-            tuner.mark = time.perf_counter()
-            return
-        best = min(tuner.trials, key=lambda trial: trial[1])
-        tuner.current = best[0]
-        tuner.done = True
-        self._usebucket_params(best[0])
-        log.info("spark-hvd autotune: keeping bucket_cap_mb=%s (%.3g ms per step; tried %s)", best[0],
-                 best[1] * 1e3, ", ".join(f"{c}: {s * 1e3:.3g} ms" for c, s in tuner.trials))
+                         f"spark_hvd.bucket_autotune.{index}", op=Max, process_set=self.process_set)
+        return float(handle.wait()[0])
 
     @property
     def buckets(self) -> List[List[str]]:
@@ -346,16 +379,16 @@ class _DistributedOptimizer:
             return p.grad.to_dense()
         return p.grad
 
-    def _start(self, p: torch.Tensor) -> _Pending:
+    def _start(self, p: torch.Tensor) -> _Dense | _Sparse:
         grad = self._outgoing(p)
         name = self._parameter_names[p]
         if grad.is_sparse:
-            return sparse_allreduce_async(grad, name=name, op=self.op, process_set=self.process_set), "sparse"
+            return _Sparse(sparse_allreduce_async(grad, name=name, op=self.op, process_set=self.process_set), p)
         sent, ctx = self._compression.compress(grad)
         pre, post = self._scales()
         handle = enqueue(ALLREDUCE, [sent], inplace=True, name=name, op=self.op, prescale_factor=pre,
                          postscale_factor=post, process_set=self.process_set)
-        return handle, (sent, ctx)
+        return _Dense(handle, p, sent, ctx)
 
     def _start_group(self, group: Tuple[torch.Tensor, ...]) -> _Pending:
         if group in self._uniform and self._compression in _ELEMENTWISE:
@@ -372,32 +405,27 @@ class _DistributedOptimizer:
             handle = enqueue(ALLREDUCE, [s for s, _ in packed], grouped=True, inplace=True,
                              name=self._parameter_names[group[0]], op=self.op, prescale_factor=pre,
                              postscale_factor=post, process_set=self.process_set)
-            return handle, packed
+            return _Grouped(handle, group, packed)
         # One request per dtype and device, its gradients copied end to end into one flat buffer
         # (the runtime would fuse a grouped request's tensors the same way, but each would stay a
         # request of its own, with its own negotiation and bookkeeping). Sparse gradients, which
         # backward hands over only at run time, are reduced on their own.
-        parts: List[Tuple[Any, _Pending]] = []
+        parts: List[_Pending] = []
         dense: Dict[Tuple[torch.dtype, torch.device], List[int]] = {}
         for i, (p, grad) in enumerate(zip(group, grads)):
             if grad.is_sparse:
-                parts.append((p, self._start(p)))
+                parts.append(self._start(p))
             else:
                 dense.setdefault((grad.dtype, grad.device), []).append(i)
         for members in dense.values():
             if len(members) == 1:
-                p = group[members[0]]
-                parts.append((p, self._start(p)))
-                continue
-            pending = self._start_flat(group, tuple(members), [grads[i] for i in members], direct=False)
-            parts.append((tuple(group[i] for i in members), pending))
-        if len(parts) == 1 and isinstance(parts[0][1][1], _Flat):
-            return parts[0][1]  # the whole group in one buffer, in the group's order
-        several = _Parts(parts)
-        return several, several
+                parts.append(self._start(group[members[0]]))
+            else:
+                parts.append(self._start_flat(group, tuple(members), [grads[i] for i in members], direct=False))
+        return parts[0] if len(parts) == 1 else _Parts(parts)
 
     def _start_flat(self, group: Tuple[torch.Tensor, ...], members: Tuple[int, ...], grads: List[torch.Tensor],
-                    direct: bool) -> _Pending:
+                    direct: bool) -> _Flat:
         """Reduce ``grads`` (the gradients of ``group[i]`` for i in ``members``, one dtype and
         device) as one flat buffer."""
         key = (group, members[0])
@@ -424,7 +452,8 @@ class _DistributedOptimizer:
             handle = enqueue(ALLREDUCE, [sent], inplace=True, name=name, op=self.op, prescale_factor=pre,
                              postscale_factor=post, process_set=self.process_set)
         views = buffer.views if sent is buffer.flat else None
-        return handle, _Flat(sent, ctx, grads, views, direct)
+        params = group if len(members) == len(group) else tuple(group[i] for i in members)
+        return _Flat(handle, params, sent, ctx, grads, views, direct)
 
     def _gradient_ready(self, p: torch.Tensor) -> None:
         communicate = self._communicating
@@ -438,7 +467,7 @@ class _DistributedOptimizer:
             raise AssertionError(_TOO_MANY_PASSES)
         self._allreduce_delay[key] = delay - 1
         if delay > 1:
-            self._handles[p] = (None, None)
+            self._handles[p] = _ACCUMULATING
             return
         if self._handles:
             self._handles.pop(p, None)  # the placeholder of the passes before
@@ -460,40 +489,6 @@ class _DistributedOptimizer:
             with torch.no_grad():
                 p.grad.copy_(self._compression.decompress(result, ctx))
 
-    def _finish(self, key: Any, pending: _Pending) -> None:
-        handle, ctx = pending
-        if isinstance(ctx, _Parts):
-            for part_key, part in ctx.parts:
-                self._finish(part_key, part)
-            return
-        result = handle.wait()
-        if isinstance(ctx, _Flat):
-            if ctx.direct and ctx.views is not None:
-                with torch.no_grad():
-                    copy_all(ctx.grads, ctx.views)
-                return
-            if ctx.views is not None:
-                pieces = ctx.views
-            else:
-                reduced = self._compression.decompress(ctx.sent, ctx.compression)
-                pieces = torch._utils._unflatten_dense_tensors(reduced, ctx.grads)
-            targets, sources = [], []
-            for p, piece in zip(key, pieces):
-                if p.grad.is_sparse:  # reduced as dense (sparse_as_dense): sparse again, see _unpack
-                    p.grad = piece.to_sparse(p.grad.sparse_dim())
-                else:
-                    targets.append(p.grad)
-                    sources.append(piece)
-            with torch.no_grad():
-                copy_all(targets, sources)
-        elif isinstance(key, tuple):
-            for p, reduced, (sent, cctx) in zip(key, result, ctx):
-                self._unpack(p, reduced, sent, cctx)
-        elif ctx == "sparse":
-            key.grad = result
-        else:
-            self._unpack(key, result, *ctx)
-
     def synchronize(self) -> None:
         """Wait until every gradient has been reduced over all ranks (starting any not yet started).
 
@@ -505,15 +500,15 @@ class _DistributedOptimizer:
             self._synchronized = True
             return
         # Placeholders mark gradients still accumulating locally: reduce what has accumulated.
-        self._handles = {key: pending for key, pending in self._handles.items() if pending[0] is not None}
+        self._handles = {key: pending for key, pending in self._handles.items() if pending.started}
         for p in self._ungrouped:
             if p not in self._handles:
                 self._handles[p] = self._start(p)
         for group in self._group_ready:
             if group not in self._handles:
                 self._handles[group] = self._start_group(group)
-        for key, pending in self._handles.items():
-            self._finish(key, pending)
+        for pending in self._handles.values():
+            pending.finish(self)
         self._handles.clear()
         for key in self._allreduce_delay:
             self._allreduce_delay[key] = self.backward_passes_per_step
@@ -543,8 +538,9 @@ class _DistributedOptimizer:
             self.synchronize()
         self._synchronized = False
         result = super().step(closure)  # type: ignore[misc]
-        if self._bucket_tuner is not None and not self._bucket_tuner.done:
-            self._tunebucket_params()
+        tuner = self._bucket_tuner
+        if tuner is not None and not tuner.done and self._communicate:
+            tuner.after_step(self._slowest_seconds, self._usebucket_params)
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -153,12 +153,12 @@ def check_allreduce_starts_during_backward(hvd, rank, size):
 
     def during_backward():
         pending = opt._handles.get(last.weight)
-        seen["started"] = pending is not None and pending[0] is not None
+        seen["started"] = pending is not None and pending.started and pending.handle is not None
         seen["first_pending"] = first.weight in opt._handles
         deadline = time.monotonic() + 60
-        while seen["started"] and not hvd.poll(pending[0]) and time.monotonic() < deadline:
+        while seen["started"] and not hvd.poll(pending.handle) and time.monotonic() < deadline:
             time.sleep(0.001)
-        seen["completed"] = seen["started"] and hvd.poll(pending[0])
+        seen["completed"] = seen["started"] and hvd.poll(pending.handle)
 
     x = torch.randn(BATCH, 6)
     out = last(_Probe.apply(first(x), during_backward))
@@ -305,7 +305,7 @@ def check_bucket_cap_mb(hvd, rank, size):
         def during_backward():
             pending = next((v for k, v in opt._handles.items() if isinstance(k, tuple) and len(k) == 2
                             and k[0] is last.bias and k[1] is last.weight), None)
-            seen["started"] = pending is not None and pending[0] is not None
+            seen["started"] = pending is not None and pending.started and pending.handle is not None
             seen["first_pending"] = any(t is first.weight for key in opt._handles if isinstance(key, tuple) for t in key)
 
         out = last(_Probe.apply(first(torch.randn(BATCH, 6)), during_backward))
@@ -367,9 +367,9 @@ def check_buckets_flat_and_split(hvd, rank, size):
         ref_opt.step()
     mine = slice(rank * 2, rank * 2 + 2)
     # The float32 layer as one flat request, the float64 layer as another, and the sparse
-    # embedding on its own (its context says "sparse"); with sparse_as_dense its densified
-    # gradient shares the float32 buffer and is handed back sparse.
-    for sparse_as_dense, want_kinds in ((False, ["_Flat", "_Flat", "str"]), (True, ["_Flat", "_Flat"])):
+    # embedding on its own; with sparse_as_dense its densified gradient shares the float32
+    # buffer and is handed back sparse.
+    for sparse_as_dense, want_kinds in ((False, ["_Flat", "_Flat", "_Sparse"]), (True, ["_Flat", "_Flat"])):
         model = _Mixed()
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
                                        named_parameters=model.named_parameters(), bucket_cap_mb=25,
@@ -380,7 +380,7 @@ def check_buckets_flat_and_split(hvd, rank, size):
             F.cross_entropy(model(ids[mine]), y[mine]).backward()
             if size > 1:
                 (pending,) = opt._handles.values()
-                kinds = sorted(type(part[1]).__name__ for _, part in pending[1].parts)
+                kinds = sorted(type(part).__name__ for part in pending.parts)
                 assert kinds == want_kinds, (sparse_as_dense, kinds)
             opt.step()
             assert model.emb.weight.grad.is_sparse, sparse_as_dense
@@ -396,7 +396,7 @@ def check_buckets_flat_and_split(hvd, rank, size):
         opt.zero_grad()
         F.cross_entropy(model(_my_rows(x, rank)[0]), _my_rows(yy, rank)[0]).backward()
         if size > 1:
-            seen.update({type(pending[1]).__name__: len(key) for key, pending in opt._handles.items()})
+            seen.update({type(pending).__name__: len(key) for key, pending in opt._handles.items()})
         opt.step()
     _assert_same_params(model, want, 1e-5, "one flat bucket")
     assert size == 1 or seen == {"_Flat": 4}, seen
