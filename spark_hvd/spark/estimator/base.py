@@ -6,14 +6,17 @@ Keras and Lightning:
 1. checks: the framework's model and optimizer, the columns and their types, the losses, the
    cluster's task slots, the executors' Python and the store (nothing runs on Spark before they
    pass);
-2. dry runs: the model on rows of zeros when the schema tells every feature's size, then one
-   batch of real rows through the model and the loss (one small Spark job);
+2. the dry run: the model once, on rows of zeros when the schema tells every feature's size (the
+   loss too where it takes zeros), else on one batch of real rows with the loss (one small Spark
+   job, whose labels are checked against their losses either way);
 3. the run's fingerprint and resume point (a checkpoint of the same ``run_id``);
 4. the data's materialization as Parquet in the store (reused for the same DataFrame);
-5. the training spec, and the barrier stage with retries from the last checkpoint;
+5. the training spec (every setting that comes from a Param under the Param's name), and the
+   barrier stage with retries from the last checkpoint;
 6. the fitted model, and MLflow.
 
 A framework subclass supplies only the hooks (``_check_model``, ``_try_model``, ``_spec``, ...),
+typed by its own checked values (``DistributedEstimator[_Torch]``, whose fits are ``Fit[_Torch]``),
 so a Param or a step added here reaches every estimator.
 """
 
@@ -30,7 +33,7 @@ import uuid
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, ClassVar, Dict, Generic, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 from pyspark.ml import Estimator
@@ -47,7 +50,7 @@ from spark_hvd.spark.estimator.labels import LabelRule, check_labels, probe_brea
 from spark_hvd.spark.estimator.mlflow_log import active_run_id, params_for_logging, start_logging, under_tuning_run
 from spark_hvd.spark.estimator.persistence import ParamsReader, ParamsWriter
 from spark_hvd.spark.estimator.progress import ProgressPrinter
-from spark_hvd.spark.estimator.training import adapt_batch
+from spark_hvd.spark.estimator.training import TrainingSpec, adapt_batch
 from spark_hvd.spark.launch.barrier import TimestampedLines, run
 from spark_hvd.spark.launch.backend import run_options
 from spark_hvd.spark.launch.retry import run_with_retries
@@ -120,13 +123,17 @@ class Checkpoint:
     """The framework's own content (weights, optimizer state, ...)."""
 
 
+Own = TypeVar("Own")
+"""The framework's checked values of a fit (its optimizer, losses, metrics, ...)."""
+
+
 @dataclass
-class Fit:
+class Fit(Generic[Own]):
     """One fit after the driver's checks: what every framework has, and the framework's own values."""
 
     model: Any
     """The driver's working copy of the model (the user's object is never changed)."""
-    own: Any
+    own: Own
     """The framework's checked values (optimizer, losses, metrics, ...), from ``_check_model``."""
     feature_cols: List[str]
     label_cols: List[str]
@@ -152,7 +159,7 @@ def _sizes(batch: Mapping[str, Any], cols: Sequence[str]) -> List[int]:
     return [max(1, int(np.prod(np.asarray(batch[col]).shape[1:]))) for col in cols]
 
 
-class DistributedEstimator(Estimator, MLReadable, MLWritable):
+class DistributedEstimator(Estimator, MLReadable, MLWritable, Generic[Own]):
     """Base of the estimators: a Spark ML Estimator whose ``fit`` trains on barrier tasks.
 
     Subclasses mix in their Params (``params_mixin``) and implement the hooks below; the class
@@ -176,31 +183,28 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
     label_rules_from_task: ClassVar[bool] = False
     """Check labels by the declared ``task`` where no loss names a rule (a LightningModule's loss is
     inside its training_step)."""
-    dry_run_loss_on_zeros: ClassVar[bool] = False
-    """Also put rows of zeros through the loss before any Spark job, when the schema tells the
-    labels' sizes too."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
 
     # ---- hooks ----------------------------------------------------------------------------------
-    def _check_model(self) -> Any:
+    def _check_model(self) -> Own:
         """The framework's model-level values (model, optimizer, ...), or a ValueError; no column
         is known yet."""
         raise NotImplementedError
 
-    def _check_training(self, own: Any, feature_cols: List[str], label_cols: List[str]) -> None:
+    def _check_training(self, own: Own, feature_cols: List[str], label_cols: List[str]) -> None:
         """Checks that need the columns (losses per label, inputs per feature); may complete ``own``."""
 
-    def _model_dtype(self, own: Any) -> str:
+    def _model_dtype(self, own: Own) -> str:
         """numpy name of the floating dtype the model takes."""
         return "float32"
 
-    def _infer_task(self, own: Any, label_cols: List[str]) -> str:
+    def _infer_task(self, own: Own, label_cols: List[str]) -> str:
         """The concrete prediction task (the ``task`` Param, or what the loss implies)."""
         return str(self.getOrDefault("task"))
 
-    def _loss_names(self, fit: Fit) -> List[Optional[str]]:
+    def _loss_names(self, fit: Fit[Own]) -> List[Optional[str]]:
         """The name of each label column's loss (class or function), where the framework knows it."""
         return [None] * len(fit.label_cols)
 
@@ -209,21 +213,21 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
         for a model that takes one; None to give the model one input per column."""
         return None
 
-    def _working_copy(self, own: Any) -> Any:
+    def _working_copy(self, own: Own) -> Any:
         """The driver's copy of the model that fit trains and returns."""
         raise NotImplementedError
 
-    def _try_model(self, fit: Fit, sizes: List[int]) -> None:
+    def _try_model(self, fit: Fit[Own], sizes: List[int]) -> None:
         """Set ``fit.shapes`` for features of ``sizes`` values per row and call the model on rows of
         zeros: its outputs must match the labels and the task."""
         raise NotImplementedError
 
-    def _try_batch(self, fit: Fit, batch: Dict[str, Any], sizes: List[int]) -> None:
+    def _try_batch(self, fit: Fit[Own], batch: Dict[str, Any], sizes: List[int]) -> None:
         """Like :meth:`_try_model`, with a batch of rows (features of ``sizes`` values per row, and
         labels) through the model and the loss."""
         raise NotImplementedError
 
-    def _run_fingerprint(self, df: Any, fit: Fit, columns: List[str]) -> Dict[str, str]:
+    def _run_fingerprint(self, df: Any, fit: Fit[Own], columns: List[str]) -> Dict[str, str]:
         """One hash per part of the run: the model architecture, the optimizer, the loss, and the data
         (``df``'s ``columns``; see ``estimator.fingerprint``)."""
         raise NotImplementedError
@@ -251,27 +255,28 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
         """The checkpoint in ``data``; a ValueError for one of another format."""
         raise NotImplementedError
 
-    def _restore(self, fit: Fit, checkpoint: Checkpoint) -> None:
+    def _restore(self, fit: Fit[Own], checkpoint: Checkpoint) -> None:
         """Load the checkpoint's weights into ``fit.model``; raises when they do not fit it."""
         raise NotImplementedError
 
-    def _spec(self, fit: Fit, common: Dict[str, Any], resume: Optional[Checkpoint]) -> Any:
-        """The ranks' spec: the framework's TrainingSpec from the ``common`` fields, resuming ``resume``."""
+    def _spec(self, fit: Fit[Own], common: TrainingSpec, resume: Optional[Checkpoint]) -> TrainingSpec:
+        """The ranks' spec: the framework's TrainingSpec subclass extending ``common`` (see
+        :meth:`TrainingSpec.extending`), resuming ``resume``."""
         raise NotImplementedError
 
     def _rank_function(self) -> Callable[[Any], Any]:
         """The function ``run()`` calls with the spec on every rank."""
         raise NotImplementedError
 
-    def _load_result(self, fit: Fit, result: Dict[str, Any]) -> None:
+    def _load_result(self, fit: Fit[Own], result: Dict[str, Any]) -> None:
         """Load rank 0's result (trained weights) into ``fit.model``."""
         raise NotImplementedError
 
-    def _fitted_params(self, fit: Fit) -> Dict[str, Any]:
+    def _fitted_params(self, fit: Fit[Own]) -> Dict[str, Any]:
         """Params of the fitted model besides the shared ones (e.g. Keras's custom objects)."""
         return {}
 
-    def _fitted(self, fit: Fit, history: List[Dict[str, Any]]) -> Any:
+    def _fitted(self, fit: Fit[Own], history: List[Dict[str, Any]]) -> Any:
         """The fitted model (of ``fitted_class``) around ``fit.model``."""
         assert fit.shapes is not None
         return self.fitted_class(
@@ -280,7 +285,7 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
             prediction_col=self.getOrDefault("prediction_col"), probability_col=self.getOrDefault("probability_col"),
             raw_prediction_col=self.getOrDefault("raw_prediction_col"), **self._fitted_params(fit))
 
-    def _mlflow_params(self, fit: Fit) -> Tuple[Dict[str, Any], Optional[float]]:
+    def _mlflow_params(self, fit: Fit[Own]) -> Tuple[Dict[str, Any], Optional[float]]:
         """The objects to describe among the logged Params (model, optimizer, loss) and the learning rate."""
         return {"model": fit.model}, None
 
@@ -315,7 +320,7 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
         return backend
 
     # ---- 1. checks ------------------------------------------------------------------------------
-    def _check(self, df: Any, stacked: Optional[List[str]] = None) -> Fit:
+    def _check(self, df: Any, stacked: Optional[List[str]] = None) -> Fit[Own]:
         self._warn_unused()
         backend = self._backend()
         own = self._check_model()
@@ -349,13 +354,20 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
                    stacked_from=stacked)
 
     # ---- 2. dry runs ----------------------------------------------------------------------------
-    def _dry_run(self, df: Any, fit: Fit) -> None:
-        """The model on rows of zeros when the schema tells every feature's size (before any Spark
-        job), then one batch of real rows through the model and the loss (one small job)."""
+    def _dry_run(self, df: Any, fit: Fit[Own]) -> None:
+        """The model tried once before training: on rows of zeros when the schema tells every
+        feature's size (before any Spark job; with the loss, or a LightningModule's training_step,
+        too where the labels' sizes are known, see :meth:`_zero_batch`), and on one batch of real
+        rows (one small job) only where the zeros did not already put the model and its loss
+        through these sizes. The real rows' labels are checked against their losses either way."""
         schema_sizes = checks.schema_row_sizes(df.schema, fit.feature_cols)
+        tried: Optional[List[int]] = None  # the feature sizes that model and loss ran with on zeros
         if all(size is not None for size in schema_sizes):
             sizes = [int(s) for s in schema_sizes]  # type: ignore[arg-type]
-            self._try(fit, sizes, self._zero_batch(df, fit, sizes))
+            zeros = self._zero_batch(df, fit, sizes)
+            self._try(fit, sizes, zeros)
+            if zeros is not None:
+                tried = sizes
         batch = _probe_batch(df, self._columns(fit), min(self.getOrDefault("batch_size"), PROBE_ROWS), fit.dtype)
         batch = adapt_batch(batch, self.getOrDefault("transformation_fn"), self._removed_fields(), fit.label_cols,
                             self.getOrDefault("label_shapes"))
@@ -363,13 +375,14 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
             return  # no complete row: the materialization names the nulls, or the empty frame
         sizes = _sizes(batch, fit.feature_cols)
         self._probe_labels(df, fit, batch, sizes)
-        self._try(fit, sizes, batch)
+        if sizes != tried:
+            self._try(fit, sizes, batch)
 
-    def _columns(self, fit: Fit) -> List[str]:
+    def _columns(self, fit: Fit[Own]) -> List[str]:
         """The columns training reads: features, labels and the sample weight."""
         return fit.feature_cols + fit.label_cols + ([fit.sample_weight_col] if fit.sample_weight_col else [])
 
-    def _probe_labels(self, df: Any, fit: Fit, batch: Dict[str, Any], sizes: List[int]) -> None:
+    def _probe_labels(self, df: Any, fit: Fit[Own], batch: Dict[str, Any], sizes: List[int]) -> None:
         """Labels of the probe batch that their loss cannot take are named with their counts over
         ``df`` (one Spark job, only then), before the loss meets them and fails less clearly."""
         rules = self._label_rules(df, fit)
@@ -379,18 +392,17 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
         if probe_breaks(batch, rules):
             check_labels(df, rules, {}, self._columns(fit), fit.dtype, self.getOrDefault("invalid_rows") == "skip")
 
-    def _try(self, fit: Fit, sizes: List[int], batch: Optional[Dict[str, Any]] = None) -> None:
+    def _try(self, fit: Fit[Own], sizes: List[int], batch: Optional[Dict[str, Any]] = None) -> None:
         if batch is None:
             self._try_model(fit, sizes)
         else:
             self._try_batch(fit, batch, sizes)
         fit.sizes = sizes
 
-    def _zero_batch(self, df: Any, fit: Fit, sizes: List[int]) -> Optional[Dict[str, Any]]:
+    def _zero_batch(self, df: Any, fit: Fit[Own], sizes: List[int]) -> Optional[Dict[str, Any]]:
         """Two rows of zeros of every feature and label, when the schema tells the labels' sizes and
-        the loss is tried on zeros (see ``dry_run_loss_on_zeros``); else None."""
-        if (not self.dry_run_loss_on_zeros or self.getOrDefault("transformation_fn") is not None
-                or self.getOrDefault("label_shapes") is not None):
+        no ``transformation_fn`` or ``label_shapes`` reshapes the batch; else None."""
+        if self.getOrDefault("transformation_fn") is not None or self.getOrDefault("label_shapes") is not None:
             return None
         label_sizes = checks.schema_row_sizes(df.schema, fit.label_cols)
         if any(size is None for size in label_sizes):
@@ -404,7 +416,7 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
             batch[fit.sample_weight_col] = np.ones(2, dtype=fit.dtype)
         return batch
 
-    def _label_rules(self, df: Any, fit: Fit) -> List[LabelRule]:
+    def _label_rules(self, df: Any, fit: Fit[Own]) -> List[LabelRule]:
         """What each label column must hold for its loss (or, see ``label_rules_from_task``, its task);
         none when ``transformation_fn`` may change the labels before the loss sees them."""
         if self.getOrDefault("transformation_fn") is not None:
@@ -423,10 +435,10 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
         return rules
 
     # ---- 3. fingerprint and resume --------------------------------------------------------------
-    def _fingerprint(self, df: Any, fit: Fit) -> Dict[str, str]:
+    def _fingerprint(self, df: Any, fit: Fit[Own]) -> Dict[str, str]:
         return self._run_fingerprint(df, fit, fit.feature_cols + fit.label_cols + [fit.sample_weight_col or ""])
 
-    def _resume_state(self, fit: Fit) -> Optional[Checkpoint]:
+    def _resume_state(self, fit: Fit[Own]) -> Optional[Checkpoint]:
         """The run's checkpoint to continue from, its weights loaded into ``fit.model``; None for a
         new run (or one started over with ``overwrite_run``)."""
         store, path = fit.store, self._checkpoint_path(fit.store, fit.run_id)  # path: for the error below
@@ -452,7 +464,7 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
                 "fix: use a new run_id, or pass overwrite_run=True to start this run over") from None
         return checkpoint
 
-    def _latest(self, fit: Fit) -> Optional[Checkpoint]:
+    def _latest(self, fit: Fit[Own]) -> Optional[Checkpoint]:
         """The run's checkpoint when it is this fit's (same fingerprint), for a retry to resume from."""
         try:
             checkpoint = self._load_checkpoint(fit.run_id, fit.store)
@@ -465,9 +477,9 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
         """Training steps per epoch are rounded up to a multiple of this (1: as computed)."""
         return 1
 
-    def _common_spec(self, fit: Fit, prepared: PreparedData, resume: Optional[Checkpoint],
-                     seed: Optional[int]) -> Dict[str, Any]:
-        """The :class:`~spark_hvd.spark.estimator.training.TrainingSpec` fields every framework shares."""
+    def _common_spec(self, fit: Fit[Own], prepared: PreparedData, resume: Optional[Checkpoint],
+                     seed: Optional[int]) -> TrainingSpec:
+        """The settings every framework's ranks share; each from a Param keeps the Param's name."""
         assert fit.shapes is not None, "the features' shapes are known once the data is prepared"
         batch_size = self.getOrDefault("batch_size")
         val_batch_size = self.getOrDefault("val_batch_size") or batch_size
@@ -483,7 +495,7 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
             seed = resume.seed  # the rest of a resumed epoch keeps its shuffle order
         label_shapes = self.getOrDefault("label_shapes")
         store = fit.store
-        return dict(
+        return TrainingSpec(
             feature_cols=fit.feature_cols, label_cols=fit.label_cols, sample_weight_col=fit.sample_weight_col,
             feature_shapes=fit.shapes, column_shapes=dict(prepared.shapes), train_url=store.url(prepared.train_path),
             val_url=store.url(prepared.val_path) if prepared.val_path else None,
@@ -492,16 +504,16 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
             start_epoch=resume.epoch if resume else 0, train_steps=train_steps, val_steps=val_steps,
             shuffle=self.getOrDefault("shuffle"),
             seed=seed if seed is not None else int(np.random.SeedSequence().entropy % (2 ** 31)),
-            model_seed=self.getOrDefault("random_seed"), store=store,
+            random_seed=self.getOrDefault("random_seed"), store=store,
             checkpoint_path=self._checkpoint_path(fit.store, fit.run_id),
             run_path=store.get_run_path(fit.run_id),
             history=list(resume.history) if resume else [], compression=self.getOrDefault("gradient_compression"),
             use_gpu=self.getOrDefault("use_gpu"), transformation_fn=self.getOrDefault("transformation_fn"),
             progress=self.getOrDefault("verbose") > 0, fingerprint=dict(fit.fingerprint),
-            shuffle_buffer_rows=self.getOrDefault("shuffle_buffer_size"),
+            shuffle_buffer_size=self.getOrDefault("shuffle_buffer_size"),
             label_shapes=[tuple(s) for s in label_shapes] if label_shapes is not None else None,
-            removed_fields=self._removed_fields(), cache_all=self.getOrDefault("inmemory_cache_all"),
-            reshuffle=self.getOrDefault("sharding") == "reshuffle")
+            removed_fields=self._removed_fields(), inmemory_cache_all=self.getOrDefault("inmemory_cache_all"),
+            sharding=self.getOrDefault("sharding"))
 
     # ---- the whole fit ------------------------------------------------------------------------------
     def _fit(self, dataset: Any) -> Any:
@@ -619,7 +631,7 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable):
         return self._finish(model, fit)
 
     # ---- 6. MLflow ------------------------------------------------------------------------------
-    def _finish(self, model: Any, fit: Fit) -> Any:
+    def _finish(self, model: Any, fit: Fit[Own]) -> Any:
         """Log the fit to MLflow when asked or when a run is active (see ``log_to_mlflow``)."""
         logger = start_logging(self.getOrDefault("log_to_mlflow"))
         if logger is None:

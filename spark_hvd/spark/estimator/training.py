@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 __all__ = ["TrainingSpec", "RunFiles", "adapt_batch", "close_readers", "rank_threads", "run_trainer", "record_epoch"]
 
 
+_Spec = TypeVar("_Spec", bound="TrainingSpec")
+
+
 @dataclass(kw_only=True)
 class TrainingSpec:
-    """The training settings every framework's ranks share; built by the estimator on the driver."""
+    """The training settings every framework's ranks share; built by the estimator on the driver.
+    A setting that comes from a Param has the Param's name."""
 
     feature_cols: List[str]
     label_cols: List[str]
@@ -43,9 +47,9 @@ class TrainingSpec:
     shuffle: bool
     seed: int
     """Seed of the readers' shuffle order (the same on every rank)."""
-    model_seed: Optional[int]
-    """The ``random_seed`` Param: seeds the framework's generators (initialization, dropout) on every
-    rank; None leaves them unseeded."""
+    random_seed: Optional[int]
+    """Seeds the framework's generators (initialization, dropout) on every rank; None leaves them
+    unseeded."""
     store: Any
     checkpoint_path: str
     run_path: str = ""
@@ -61,17 +65,24 @@ class TrainingSpec:
     progress_interval_s: float = 0.25
     fingerprint: Dict[str, str] = field(default_factory=dict)
     """What the run trains (see ``estimator.fingerprint``), recorded in every checkpoint."""
-    shuffle_buffer_rows: Optional[int] = None
+    shuffle_buffer_size: Optional[int] = None
     """Rows each rank holds to shuffle within; None: the reader's default."""
     label_shapes: Optional[List[Tuple[int, ...]]] = None
     """Per-row shape each label column is given to the loss in (``label_shapes``); None: as stored."""
     removed_fields: Tuple[str, ...] = ()
     """Columns dropped from every batch after ``transformation_fn``."""
-    cache_all: Union[bool, str] = "auto"
-    """Keep the rows a rank reads in memory after the first epoch (``inmemory_cache_all``: True,
-    False or 'auto')."""
-    reshuffle: bool = True
-    """Deal the row groups to the ranks anew every epoch (``sharding='reshuffle'``)."""
+    inmemory_cache_all: Union[bool, str] = "auto"
+    """Keep the rows a rank reads in memory after the first epoch: True, False or 'auto'."""
+    sharding: str = "reshuffle"
+    """How row groups reach the ranks when shuffling: 'reshuffle' deals them anew every epoch,
+    'fixed' keeps row group i on rank i % size."""
+
+    @classmethod
+    def extending(cls: Type[_Spec], common: TrainingSpec, **own: Any) -> _Spec:
+        """A framework's spec (a subclass) made of ``common``'s shared settings and the framework's
+        ``own`` fields, which win where both name one (``callbacks``)."""
+        shared = {f.name: getattr(common, f.name) for f in fields(TrainingSpec)}
+        return cls(**{**shared, **own})
 
     def adapt_batch(self, batch: Dict[str, Any]) -> Dict[str, Any]:
         """A reader batch as the model's code receives it (see :func:`adapt_batch`)."""
@@ -105,9 +116,9 @@ class TrainingSpec:
         url = self.val_url if validation else self.train_url
         if url is None:
             raise ValueError("the fit has no validation rows: expected validation to be set")
-        extra: Dict[str, Any] = {"cache_all": self.cache_all, "reshuffle": self.reshuffle}
-        if self.shuffle_buffer_rows is not None:
-            extra["shuffle_buffer_rows"] = self.shuffle_buffer_rows
+        extra: Dict[str, Any] = {"cache_all": self.inmemory_cache_all, "reshuffle": self.sharding == "reshuffle"}
+        if self.shuffle_buffer_size is not None:
+            extra["shuffle_buffer_rows"] = self.shuffle_buffer_size
         return make_reader(self.reader, url, rank=rank, size=size,
                            batch_size=self.val_batch_size if validation else self.batch_size,
                            feature_cols=self.feature_cols, label_cols=self.label_cols,

@@ -11,6 +11,7 @@ import keras
 
 from spark_hvd.spark.data.store import Store
 from spark_hvd.spark.estimator.base import Checkpoint, DistributedEstimator, Fit
+from spark_hvd.spark.estimator.training import TrainingSpec
 from spark_hvd.spark.estimator.outputs import check_task
 from spark_hvd.spark.keras import checks
 from spark_hvd.spark.keras.checkpoint import CHECKPOINT_NAME, load_model_bytes, model_bytes, read_checkpoint
@@ -56,7 +57,7 @@ def _copy_model(model: Any, custom_objects: Optional[Dict[str, Any]]) -> Any:
                              "pass its custom classes and functions as custom_objects={'Name': Name, ...}") from None
 
 
-class KerasEstimator(DistributedEstimator, KerasEstimatorParams):
+class KerasEstimator(DistributedEstimator[_Keras], KerasEstimatorParams):
     """Trains a Keras 3 model on a Spark DataFrame with data-parallel ranks on barrier tasks.
 
     Construct with keyword arguments (``KerasEstimator(model=..., optimizer=..., loss=...,
@@ -129,7 +130,7 @@ class KerasEstimator(DistributedEstimator, KerasEstimatorParams):
     def _model_dtype(self, own: _Keras) -> str:
         return checks.model_dtype(own.model)
 
-    def _loss_names(self, fit: Fit) -> List[Optional[str]]:
+    def _loss_names(self, fit: Fit[_Keras]) -> List[Optional[str]]:
         losses = fit.own.losses
         return [checks.loss_name(fn)[0] for fn in (losses * len(fit.label_cols) if len(losses) == 1 else losses)]
 
@@ -140,7 +141,7 @@ class KerasEstimator(DistributedEstimator, KerasEstimatorParams):
         return _copy_model(own.model, self.getCustomObjects())
 
     # ---- dry runs -------------------------------------------------------------------------------
-    def _try_model(self, fit: Fit, sizes: List[int]) -> None:
+    def _try_model(self, fit: Fit[_Keras], sizes: List[int]) -> None:
         """Feature shapes from the columns' sizes, then two rows of zeros through the model (which
         builds a model without defined inputs): the outputs must match the labels and the task."""
         fit.shapes = checks.feature_shapes(self.getInputShapes(), fit.model, fit.feature_cols, sizes)
@@ -148,14 +149,14 @@ class KerasEstimator(DistributedEstimator, KerasEstimatorParams):
                                                                    fit.dtype)
         check_task(fit.task, fit.own.output_shapes)
 
-    def _try_batch(self, fit: Fit, batch: Dict[str, Any], sizes: List[int]) -> None:
+    def _try_batch(self, fit: Fit[_Keras], batch: Dict[str, Any], sizes: List[int]) -> None:
         fit.shapes = checks.feature_shapes(self.getInputShapes(), fit.model, fit.feature_cols, sizes)
         fit.own.output_shapes = fit.output_shapes = checks.dry_run_batch(
             fit.model, fit.own.losses, batch, fit.feature_cols, fit.label_cols, fit.shapes, fit.dtype, task=fit.task)
 
     # ---- the run --------------------------------------------------------------------------------
-    def _run_fingerprint(self, df: Any, fit: Fit, columns: List[str]) -> Dict[str, str]:
-        own: _Keras = fit.own
+    def _run_fingerprint(self, df: Any, fit: Fit[_Keras], columns: List[str]) -> Dict[str, str]:
+        own = fit.own
         return run_fingerprint(fit.model, own.optimizer, own.losses, own.loss_weights, df, columns, self.getValidation())
 
     def _checkpoint_path(self, store: Store, run_id: str) -> str:
@@ -165,17 +166,17 @@ class KerasEstimator(DistributedEstimator, KerasEstimatorParams):
         state = read_checkpoint(data)
         return Checkpoint(epoch=state.epoch, history=list(state.history), fingerprint=state.fingerprint, state=state)
 
-    def _restore(self, fit: Fit, checkpoint: Checkpoint) -> None:
+    def _restore(self, fit: Fit[_Keras], checkpoint: Checkpoint) -> None:
         fit.model.set_weights(load_model_bytes(checkpoint.state.model, self.getCustomObjects()).get_weights())
 
-    def _spec(self, fit: Fit, common_fields: Dict[str, Any], resume: Optional[Checkpoint]) -> KerasTrainingSpec:
-        own: _Keras = fit.own
+    def _spec(self, fit: Fit[_Keras], common: TrainingSpec, resume: Optional[Checkpoint]) -> KerasTrainingSpec:
+        own = fit.own
         assert own.output_shapes is not None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             data = model_bytes(fit.model)  # holds any resumed weights
-        return KerasTrainingSpec(
-            **common_fields, model=data, optimizer=keras.optimizers.serialize(own.optimizer), losses=own.losses,
+        return KerasTrainingSpec.extending(
+            common, model=data, optimizer=keras.optimizers.serialize(own.optimizer), losses=own.losses,
             loss_weights=own.loss_weights, metrics=own.metrics, custom_objects=self.getCustomObjects(),
             output_shapes=own.output_shapes, dtype=fit.dtype,
             optimizer_variables=resume.state.optimizer_variables if resume is not None else None,
@@ -188,16 +189,16 @@ class KerasEstimator(DistributedEstimator, KerasEstimatorParams):
     def _rank_env(self) -> Optional[Dict[str, str]]:
         return {**RANK_ENVIRONMENT, **(self.getBackendEnv() or {})}
 
-    def _load_result(self, fit: Fit, result: Dict[str, Any]) -> None:
+    def _load_result(self, fit: Fit[_Keras], result: Dict[str, Any]) -> None:
         fit.model.set_weights(result["weights"])
 
-    def _fitted_params(self, fit: Fit) -> Dict[str, Any]:
+    def _fitted_params(self, fit: Fit[_Keras]) -> Dict[str, Any]:
         custom = self.getCustomObjects()
         return {} if custom is None else {"custom_objects": custom}
 
     # ---- MLflow ---------------------------------------------------------------------------------
-    def _mlflow_params(self, fit: Fit) -> Tuple[Dict[str, Any], Optional[float]]:
-        own: _Keras = fit.own
+    def _mlflow_params(self, fit: Fit[_Keras]) -> Tuple[Dict[str, Any], Optional[float]]:
+        own = fit.own
         lr = own.optimizer.get_config().get("learning_rate")
         return ({"model": fit.model, "optimizer": type(own.optimizer).__name__, "loss": own.losses},
                 lr if isinstance(lr, (int, float)) else None)

@@ -95,8 +95,8 @@ class _Trainer:
             pass
         if not spec.use_gpu:
             tf.config.set_visible_devices([], "GPU")
-        if spec.model_seed is not None:
-            keras.utils.set_random_seed(spec.model_seed)
+        if spec.random_seed is not None:
+            keras.utils.set_random_seed(spec.random_seed)
         self.model = load_model_bytes(spec.model, spec.custom_objects)
         self.lr_scale = float(self.size) if spec.scale_lr else 1.0
         self.base_lr = spec.optimizer.get("config", {}).get("learning_rate")

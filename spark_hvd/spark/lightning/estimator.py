@@ -11,6 +11,7 @@ import torch
 
 from spark_hvd.spark.estimator import checks as common
 from spark_hvd.spark.estimator.base import Checkpoint, DistributedEstimator, Fit
+from spark_hvd.spark.estimator.training import TrainingSpec
 from spark_hvd.spark.estimator.outputs import check_task
 from spark_hvd.spark.lightning import checks
 from spark_hvd.spark.lightning.model import LightningModel
@@ -61,7 +62,7 @@ def _optimizer_spec(model: pl.LightningModule) -> OptimizerSpec:
     return OptimizerSpec(type(None), {}, [])
 
 
-class LightningEstimator(TorchModuleHooks, DistributedEstimator, LightningEstimatorParams):
+class LightningEstimator(TorchModuleHooks, DistributedEstimator[_Lightning], LightningEstimatorParams):
     """Trains a pytorch_lightning.LightningModule on a Spark DataFrame with data-parallel ranks.
 
     Construct with keyword arguments (``LightningEstimator(model=module, feature_cols=[...],
@@ -122,7 +123,7 @@ class LightningEstimator(TorchModuleHooks, DistributedEstimator, LightningEstima
             own.model.configure(losses, weights, torch_checks.check_metrics(self.getMetrics()), feature_cols,
                                 label_cols, self.getSampleWeightCol())
 
-    def _loss_names(self, fit: Fit) -> List[Optional[str]]:
+    def _loss_names(self, fit: Fit[_Lightning]) -> List[Optional[str]]:
         if isinstance(fit.model, ModuleAsLightning):
             return [torch_checks.loss_name(fn) for fn in fit.model.losses]
         return super()._loss_names(fit)
@@ -149,7 +150,7 @@ class LightningEstimator(TorchModuleHooks, DistributedEstimator, LightningEstima
         return losses[0] if len(losses) == 1 else losses
 
     # ---- dry runs -------------------------------------------------------------------------------
-    def _try_batch(self, fit: Fit, batch: Dict[str, Any], sizes: List[int]) -> None:
+    def _try_batch(self, fit: Fit[_Lightning], batch: Dict[str, Any], sizes: List[int]) -> None:
         """forward on the batch's features, then training_step on the batch, as a rank will run them."""
         fit.shapes = common.known_shapes(self.getInputShapes(), fit.feature_cols, sizes)
         tensors = module_batch(batch, fit.feature_cols, fit.label_cols, fit.sample_weight_col, fit.shapes,
@@ -160,8 +161,8 @@ class LightningEstimator(TorchModuleHooks, DistributedEstimator, LightningEstima
         checks.dry_run_training_step(fit.model, tensors)
 
     # ---- the run --------------------------------------------------------------------------------
-    def _run_fingerprint(self, df: Any, fit: Fit, columns: List[str]) -> Dict[str, str]:
-        own: _Lightning = fit.own
+    def _run_fingerprint(self, df: Any, fit: Fit[_Lightning], columns: List[str]) -> Dict[str, str]:
+        own = fit.own
         losses = fit.model.losses if isinstance(fit.model, ModuleAsLightning) else [type(fit.model).training_step]
         return run_fingerprint(fit.model, own.optimizer, losses, [1.0] * len(losses), df, columns, self.getValidation())
 
@@ -175,12 +176,12 @@ class LightningEstimator(TorchModuleHooks, DistributedEstimator, LightningEstima
         return Checkpoint(epoch=int(record["epochs_done"]), history=list(record["history"]),
                           fingerprint=dict(record.get("fingerprint") or {}), state=checkpoint["state_dict"])
 
-    def _restore(self, fit: Fit, checkpoint: Checkpoint) -> None:
+    def _restore(self, fit: Fit[_Lightning], checkpoint: Checkpoint) -> None:
         fit.model.load_state_dict(checkpoint.state)
 
-    def _spec(self, fit: Fit, common_fields: Dict[str, Any], resume: Optional[Checkpoint]) -> LightningTrainingSpec:
-        own: _Lightning = fit.own
-        return LightningTrainingSpec(**common_fields, model=fit.model, resume=resume is not None,
+    def _spec(self, fit: Fit[_Lightning], common: TrainingSpec, resume: Optional[Checkpoint]) -> LightningTrainingSpec:
+        own = fit.own
+        return LightningTrainingSpec.extending(common, model=fit.model, resume=resume is not None,
                                      trainer_args=self._trainer_args(own), callbacks=own.callbacks,
                                      learning_rate=self.getLearningRate())
 
@@ -202,7 +203,7 @@ class LightningEstimator(TorchModuleHooks, DistributedEstimator, LightningEstima
         return fit_on_rank
 
     # ---- MLflow ---------------------------------------------------------------------------------
-    def _mlflow_params(self, fit: Fit) -> Tuple[Dict[str, Any], Optional[float]]:
-        own: _Lightning = fit.own
+    def _mlflow_params(self, fit: Fit[_Lightning]) -> Tuple[Dict[str, Any], Optional[float]]:
+        own = fit.own
         return ({"model": own.model, "optimizer": own.optimizer.cls.__name__},
                 own.optimizer.defaults.get("lr"))

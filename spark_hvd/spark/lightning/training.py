@@ -300,8 +300,8 @@ def fit_on_rank(spec: LightningTrainingSpec) -> Optional[Dict[str, Any]]:
         warnings.filterwarnings("ignore", message=pattern)
     for name in ("pytorch_lightning", "lightning_fabric", "lightning.pytorch"):
         logging.getLogger(name).setLevel(logging.WARNING)  # no GPU/TPU banners from every rank
-    if spec.model_seed is not None:
-        torch.manual_seed(spec.model_seed)
+    if spec.random_seed is not None:
+        torch.manual_seed(spec.random_seed)
     module = spec.model
     dtype = model_dtype(module)
     strategy = SparkHvdStrategy(compression=spec.compression) if spec.compression is not None else SparkHvdStrategy()

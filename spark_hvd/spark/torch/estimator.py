@@ -13,6 +13,7 @@ import torch
 from spark_hvd.spark.data.columns import scalar_columns
 from spark_hvd.spark.estimator import checks as common
 from spark_hvd.spark.estimator.base import Checkpoint, DistributedEstimator, Fit
+from spark_hvd.spark.estimator.training import TrainingSpec
 from spark_hvd.spark.estimator.outputs import check_task, infer_task
 from spark_hvd.spark.torch.params import TorchEstimatorParams
 from spark_hvd.spark.torch import checks
@@ -48,19 +49,19 @@ class TorchModuleHooks:
     def _working_copy(self, own: Any) -> torch.nn.Module:
         return copy.deepcopy(own.model).cpu()
 
-    def _try_model(self, fit: Fit, sizes: List[int]) -> None:
+    def _try_model(self, fit: Fit[Any], sizes: List[int]) -> None:
         fit.shapes = common.known_shapes(self.getInputShapes(), fit.feature_cols, sizes)  # type: ignore[attr-defined]
         fit.output_shapes = checks.dry_run(fit.model, fit.shapes, len(fit.label_cols), model_dtype(fit.model))
         check_task(fit.task, fit.output_shapes)
 
-    def _load_result(self, fit: Fit, result: Dict[str, Any]) -> None:
+    def _load_result(self, fit: Fit[Any], result: Dict[str, Any]) -> None:
         fit.model.load_state_dict(result["model"])
 
     def _log_model(self, mlflow: Any, fitted: Any) -> None:
         log_torch_model(mlflow, fitted.getModel(), [tuple(s) for s in fitted.getInputShapes() or []])
 
 
-class TorchEstimator(TorchModuleHooks, DistributedEstimator, TorchEstimatorParams):
+class TorchEstimator(TorchModuleHooks, DistributedEstimator[_Torch], TorchEstimatorParams):
     """Trains a torch model on a Spark DataFrame with data-parallel ranks on barrier tasks.
 
     Construct with keyword arguments (``TorchEstimator(model=..., optimizer=..., loss=...,
@@ -98,7 +99,6 @@ class TorchEstimator(TorchModuleHooks, DistributedEstimator, TorchEstimatorParam
     worker_modules = ("torch",)
     # torch._dynamo: imported by torch.optim at the first step, about as slow as torch itself.
     rank_preload = ("torch", "torch._dynamo", "spark_hvd.torch", "spark_hvd.spark.torch.training")
-    dry_run_loss_on_zeros = True
 
     # ---- checks ---------------------------------------------------------------------------------
     def _check_model(self) -> _Torch:
@@ -149,23 +149,23 @@ class TorchEstimator(TorchModuleHooks, DistributedEstimator, TorchEstimatorParam
             return None
         return list(cols), "float64" if model_dtype(model) == torch.float64 else "float32"
 
-    def _loss_names(self, fit: Fit) -> List[Optional[str]]:
+    def _loss_names(self, fit: Fit[_Torch]) -> List[Optional[str]]:
         return [checks.loss_name(fn) for fn in fit.own.losses]
 
     def _infer_task(self, own: _Torch, label_cols: List[str]) -> str:
         return infer_task(self.getTask(), own.losses, label_cols)
 
     # ---- dry runs -------------------------------------------------------------------------------
-    def _try_batch(self, fit: Fit, batch: Dict[str, Any], sizes: List[int]) -> None:
+    def _try_batch(self, fit: Fit[_Torch], batch: Dict[str, Any], sizes: List[int]) -> None:
         fit.shapes = common.known_shapes(self.getInputShapes(), fit.feature_cols, sizes)
-        own: _Torch = fit.own
+        own = fit.own
         fit.output_shapes = checks.dry_run_batch(fit.model, LossFunction(own.losses, own.loss_weights), batch,
                                                  fit.feature_cols, fit.label_cols, fit.shapes, model_dtype(fit.model),
                                                  task=fit.task)
 
     # ---- the run --------------------------------------------------------------------------------
-    def _run_fingerprint(self, df: Any, fit: Fit, columns: List[str]) -> Dict[str, str]:
-        own: _Torch = fit.own
+    def _run_fingerprint(self, df: Any, fit: Fit[_Torch], columns: List[str]) -> Dict[str, str]:
+        own = fit.own
         return run_fingerprint(fit.model, own.optimizer, own.losses, own.loss_weights, df, columns, self.getValidation())
 
     def _read_checkpoint(self, data: bytes) -> Checkpoint:
@@ -175,7 +175,7 @@ class TorchEstimator(TorchModuleHooks, DistributedEstimator, TorchEstimatorParam
                           fingerprint=dict(state.get("fingerprint") or {}), batch=int(state.get("batch") or 0),
                           seed=state.get("seed"), state=state, finished=stopped)
 
-    def _restore(self, fit: Fit, checkpoint: Checkpoint) -> None:
+    def _restore(self, fit: Fit[_Torch], checkpoint: Checkpoint) -> None:
         state = checkpoint.state
         best = state.get("best_model") if checkpoint.finished else None
         fit.model.load_state_dict(best if best is not None else state["model"])
@@ -184,12 +184,12 @@ class TorchEstimator(TorchModuleHooks, DistributedEstimator, TorchEstimatorParam
         # Whole optimizer steps only: every epoch ends with the accumulated gradients applied.
         return int(self.getBackwardPassesPerStep())
 
-    def _spec(self, fit: Fit, common_fields: Dict[str, Any], resume: Optional[Checkpoint]) -> TorchTrainingSpec:
-        own: _Torch = fit.own
+    def _spec(self, fit: Fit[_Torch], common: TrainingSpec, resume: Optional[Checkpoint]) -> TorchTrainingSpec:
+        own = fit.own
         state = resume.state if resume is not None else None
         partial = dict(state.get("partial") or {}) if state else {}
-        return TorchTrainingSpec(
-            **common_fields, model=fit.model, optimizer=own.optimizer, losses=own.losses,
+        return TorchTrainingSpec.extending(
+            common, model=fit.model, optimizer=own.optimizer, losses=own.losses,
             loss_weights=own.loss_weights, metrics=own.metrics, metric_names=metric_names(own.metrics, fit.label_cols),
             start_batch=resume.batch if resume is not None else 0,
             partial=partial or None,
@@ -204,7 +204,7 @@ class TorchEstimator(TorchModuleHooks, DistributedEstimator, TorchEstimatorParam
     def _rank_function(self) -> Callable[[Any], Any]:
         return train_on_rank
 
-    def _load_result(self, fit: Fit, result: Dict[str, Any]) -> None:
+    def _load_result(self, fit: Fit[_Torch], result: Dict[str, Any]) -> None:
         super()._load_result(fit, result)
         if result.get("early_stopping"):
             log.info("%s", result["early_stopping"])
@@ -212,8 +212,8 @@ class TorchEstimator(TorchModuleHooks, DistributedEstimator, TorchEstimatorParam
                 print(result["early_stopping"])
 
     # ---- MLflow ---------------------------------------------------------------------------------
-    def _mlflow_params(self, fit: Fit) -> Tuple[Dict[str, Any], Optional[float]]:
-        own: _Torch = fit.own
+    def _mlflow_params(self, fit: Fit[_Torch]) -> Tuple[Dict[str, Any], Optional[float]]:
+        own = fit.own
         return ({"model": own.model, "optimizer": own.optimizer.cls.__name__, "loss": own.losses},
                 own.optimizer.defaults.get("lr"))
 

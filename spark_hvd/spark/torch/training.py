@@ -187,8 +187,8 @@ class _Trainer:
             raise
 
     def _set_up(self, spec: TorchTrainingSpec, hvd: Any) -> None:
-        if spec.model_seed is not None:
-            torch.manual_seed(spec.model_seed)
+        if spec.random_seed is not None:
+            torch.manual_seed(spec.random_seed)
         self.device = _device(spec.use_gpu)
         self.model = spec.model.to(self.device)
         if spec.resume_model is not None:

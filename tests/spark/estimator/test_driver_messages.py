@@ -104,3 +104,36 @@ def test_a_ranks_error_arrives_once_with_the_users_file_and_line_and_no_java_tra
     _, err = capfd.readouterr()
     assert "ERROR Executor" not in err and "ERROR TaskSetManager" not in err, err[-2000:]
     assert "\tat org.apache.spark" not in err
+
+
+class _CountingForward(torch.nn.Module):
+    """Records the rows of every forward call made in this process (the driver's dry run)."""
+
+    rows: list = []
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 1)
+
+    def forward(self, x):
+        _CountingForward.rows.append(len(x))
+        return self.linear(x)
+
+
+def test_the_driver_runs_the_model_once_before_training(spark, frame, tmp_path):
+    """Where the schema tells the features' sizes (a VectorAssembler's column) the model and the loss
+    run once, on two rows of zeros, and the real rows only have their labels checked; where it does
+    not, the model and the loss run once, on one batch of real rows."""
+    from pyspark.ml.feature import VectorAssembler
+
+    scalars = spark.createDataFrame([(float(i % 7), 1.0, -1.0, float(i % 2)) for i in range(64)],
+                                    ["a", "b", "c", "label"])
+    assembled = VectorAssembler(inputCols=["a", "b", "c"], outputCol="features").transform(scalars)
+    for df, want in ((assembled, [2]), (frame, [8])):
+        model = _CountingForward()
+        est = _torch(tmp_path, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        fit = est._check(df, None)
+        _CountingForward.rows.clear()
+        est._dry_run(df, fit)
+        assert _CountingForward.rows == want
+        assert fit.sizes == [3] and fit.shapes == [(3,)] and fit.output_shapes == [(1,)]

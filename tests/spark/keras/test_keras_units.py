@@ -211,7 +211,7 @@ def _spec(tmp_path, model, optimizer, **overrides):
         feature_shapes=[(3,)], output_shapes=[(1,)], column_shapes={"features": (3,), "y": ()}, dtype="float32",
         train_url=str(tmp_path / "train"), val_url=None, storage_options={}, reader="builtin", batch_size=8,
         val_batch_size=8, epochs=1, start_epoch=0, train_steps=1, val_steps=0, shuffle=False,
-        shuffle_buffer_rows=0, seed=0, model_seed=0, store=store,
+        shuffle_buffer_size=0, seed=0, random_seed=0, store=store,
         checkpoint_path=os.path.join(store.get_run_path("run"), "checkpoint.keras"), progress=False)
     values.update(overrides)
     return KerasTrainingSpec(**values), store

@@ -239,12 +239,13 @@ def test_fit_refuses_bad_input_before_any_spark_job(spark, frame, tmp_path, over
 
 
 def test_a_training_step_that_reads_a_missing_column_fails_on_the_driver(frame, tmp_path):
-    """training_step runs once on the driver with a real batch; its KeyError is named with the
-    batch's columns, shapes and dtypes, before any data is materialized."""
+    """training_step runs once on the driver, on two rows of zeros where the schema tells the
+    columns' sizes (before any Spark job); its KeyError is named with the batch's columns, shapes
+    and dtypes, before any data is materialized."""
     est = make_estimator(tmp_path, model=WrongColumn())
     with pytest.raises(ValueError, match=r"WrongColumn.training_step raised KeyError: 'label' \(at .*"
-                                         r"test_lightning_estimator.py.*on a batch of \{'features': \(8, 3\) "
-                                         r"float32, 'y': \(8,\) float64\}"):
+                                         r"test_lightning_estimator.py.*on a batch of \{'features': \(2, 3\) "
+                                         r"float32, 'y': \(2,\) float64\}"):
         est.fit(frame)
     assert nothing_materialized(est)
 

@@ -290,7 +290,7 @@ def _spec(tmp_path, model, optimizer, **overrides):
         sample_weight_col=None, feature_shapes=[(3,)], column_shapes={"features": (3,), "y": ()},
         train_url=str(tmp_path / "train"), val_url=None, storage_options={}, reader="builtin", batch_size=8,
         val_batch_size=8, epochs=1, start_epoch=0, train_steps=1, val_steps=0, shuffle=False, seed=0,
-        model_seed=0, store=store, checkpoint_path=store.get_checkpoint_path("run"), progress=False)
+        random_seed=0, store=store, checkpoint_path=store.get_checkpoint_path("run"), progress=False)
     values.update(overrides)
     return TorchTrainingSpec(**values), store
 
