@@ -13,6 +13,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
+from .ordering import ORDERINGS
+
 __all__ = [
     "Setting",
     "SETTINGS",
@@ -44,6 +46,16 @@ def _parse_controller(text: str) -> str:
 
 
 _parse_controller.__name__ = "controller"
+
+
+def _parse_ordering(text: str) -> str:
+    value = text.strip().lower() or "auto"
+    if value not in ORDERINGS:
+        raise ValueError(f"expected one of {', '.join(ORDERINGS)}, got {text!r}")
+    return value
+
+
+_parse_ordering.__name__ = "ordering"
 
 
 @dataclass(frozen=True)
@@ -154,6 +166,10 @@ SETTINGS: Tuple[Setting, ...] = (
             "Seconds within which a silent or vanished peer is declared lost."),
     Setting("shm", "SPARK_HVD_SHM", _parse_bool, True,
             "Move data between ranks of one host through shared memory instead of sockets."),
+    Setting("shm_ordering", "SPARK_HVD_SHM_ORDERING", _parse_ordering, "auto",
+            "How shared-memory counters are published in order: auto (plain stores on x86-64, whose stores keep "
+            "program order; release/acquire atomics of libatomic on other CPUs, which may reorder plain stores) or "
+            "atomics (libatomic everywhere). Without libatomic on another CPU, ranks of one host use sockets."),
     Setting("bind_cpus", "SPARK_HVD_BIND_CPUS", _parse_bool, False,
             "Pin each rank to its own share of the host's CPUs at init() (when there are enough)."),
     Setting("warm_start", "SPARK_HVD_WARM_START", _parse_bool, True,
@@ -240,6 +256,7 @@ class RuntimeConfig:
     elastic_timeout: float = _default("elastic_timeout")
     peer_timeout: float = _default("peer_timeout")
     shm: bool = _default("shm")
+    shm_ordering: str = _default("shm_ordering")
     bind_cpus: bool = _default("bind_cpus")
     warm_start: bool = _default("warm_start")
     task_cpus: Optional[int] = _default("task_cpus")

@@ -16,6 +16,11 @@ instead of reducing unrelated buffers. A rank that joins (``join()``) marks its 
 others fall back to the negotiated path for the step it did not publish, and every rank stays on
 that path from then on, where joined ranks contribute zeros. Waiting follows the engine's rules:
 aborts, lost peers and stalls end it with a :class:`CollectiveError`.
+
+The counters are the mailboxes' :class:`~.shm.ShmRing` counters, so a store of a step is a release
+and a load of it an acquire on every CPU (:mod:`.ordering`): a rank that reads step ``k`` from a
+peer's counter sees that peer's slot as written, and a peer's reads of a slot finish before it
+publishes the step after.
 """
 
 from __future__ import annotations
@@ -113,7 +118,7 @@ class Lockstep:
             np.copyto(data, flat)
             if prescale != 1.0:
                 scale_inplace(data, prescale, wire)
-            mine.counters[_PUBLISHED] = step  # after the data; x86 keeps store order
+            mine.counters[_PUBLISHED] = step  # a release (see .ordering): header and data are visible first
             if not self._wait(step, name):
                 self._off = True  # everyone falls back at this same step, and stays there
                 return False

@@ -9,6 +9,10 @@ job ends, nothing is left in /dev/shm.
 
 The tag, an HMAC of the job secret and the ring's direction, lets the peer check that the file it
 opened is the ring it expected and not whatever a recycled pid or fd number points to now.
+
+The counters are read and written through :mod:`.ordering`: a counter's store publishes the slot
+bytes written before it (a release), and a load of it makes them visible to the reader (an
+acquire), on every CPU, not only on those that keep plain stores in order.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import mmap
 import os
 from typing import Optional
 
+from .ordering import ordered_counters, ordering_available
 from .transport import Op, Sink
 
 __all__ = ["ShmRing", "ShmChannel", "shm_available", "ring_tag"]
@@ -28,9 +33,10 @@ _TAG_AT = 96
 _TAG_BYTES = 32
 
 
-def shm_available() -> bool:
-    """Whether this system can create anonymous memory files and reopen them through /proc."""
-    return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
+def shm_available(ordering: str = "auto") -> bool:
+    """Whether this system can create anonymous memory files, reopen them through /proc, and
+    publish their counters in order (see :mod:`.ordering`)."""
+    return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd") and ordering_available(ordering)
 
 
 def ring_tag(key: bytes, generation: int, src: int, dst: int) -> bytes:
@@ -41,16 +47,17 @@ def ring_tag(key: bytes, generation: int, src: int, dst: int) -> bytes:
 class ShmRing:
     """One direction of a shared-memory channel."""
 
-    def __init__(self, mm: mmap.mmap, slots: int, slot_bytes: int, fd: Optional[int] = None) -> None:
+    def __init__(self, mm: mmap.mmap, slots: int, slot_bytes: int, fd: Optional[int] = None,
+                 ordering: str = "auto") -> None:
         self.mm = mm
         self.slots = slots
         self.slot_bytes = slot_bytes
         self._fd = fd
-        self.counters = memoryview(mm)[:_HEADER].cast("q")
+        self.counters = ordered_counters(mm, _HEADER // 8, ordering)
         self.view = memoryview(mm)[_HEADER:]
 
     @classmethod
-    def create(cls, slots: int, slot_bytes: int, tag: bytes) -> "ShmRing":
+    def create(cls, slots: int, slot_bytes: int, tag: bytes, ordering: str = "auto") -> "ShmRing":
         """A new ring; :attr:`fd` stays open until :meth:`release_fd`, so the peer can open it."""
         size = _HEADER + slots * slot_bytes
         fd = os.memfd_create("spark-hvd-ring", os.MFD_CLOEXEC)
@@ -61,10 +68,16 @@ class ShmRing:
             os.close(fd)
             raise
         mm[_TAG_AT:_TAG_AT + _TAG_BYTES] = tag
-        return cls(mm, slots, slot_bytes, fd)
+        try:
+            return cls(mm, slots, slot_bytes, fd, ordering)
+        except BaseException:
+            mm.close()
+            os.close(fd)
+            raise
 
     @classmethod
-    def open_peer(cls, pid: int, fd: int, slots: int, slot_bytes: int, tag: bytes) -> "ShmRing":
+    def open_peer(cls, pid: int, fd: int, slots: int, slot_bytes: int, tag: bytes,
+                  ordering: str = "auto") -> "ShmRing":
         """Map the ring that process ``pid`` created as its descriptor ``fd``; check its tag."""
         size = _HEADER + slots * slot_bytes
         path = f"/proc/{pid}/fd/{fd}"
@@ -78,7 +91,7 @@ class ShmRing:
         if not hmac.compare_digest(bytes(mm[_TAG_AT:_TAG_AT + _TAG_BYTES]), tag):
             mm.close()
             raise OSError(f"{path} does not carry the expected ring tag")
-        return cls(mm, slots, slot_bytes)
+        return cls(mm, slots, slot_bytes, ordering=ordering)
 
     @property
     def fd(self) -> int:
@@ -133,7 +146,7 @@ class _ShmSend(Op):
             ring.slot(written)[:n] = self.src[self.sent:self.sent + n]
             self.sent += n
             written += 1
-            counters[0] = written  # publish after the copy; x86 keeps store order
+            counters[0] = written  # a release: the slot's bytes are visible before the new count
             moved = True
         self.done = self.sent >= self.total
         return moved
@@ -152,12 +165,12 @@ class _ShmRecv(Op):
         counters = ring.counters
         moved = False
         consumed = counters[8]
-        while self.got < self.total and consumed < counters[0]:
+        while self.got < self.total and consumed < counters[0]:  # an acquire: the slots it counts are visible
             n = min(ring.slot_bytes, self.total - self.got)
             self.sink(self.got, ring.slot(consumed)[:n])
             self.got += n
             consumed += 1
-            counters[8] = consumed
+            counters[8] = consumed  # a release: this slot is read before the producer may reuse it
             moved = True
         self.done = self.got >= self.total
         return moved

@@ -253,13 +253,14 @@ def _map_shared_memory(client: RendezvousClient, cfg: RuntimeConfig, gen: str, k
     that is every other rank, also every rank's mailbox (``boxes``, this rank's own included)."""
     rank, size = cfg.rank, cfg.size
     assert rank is not None and size is not None
-    use_shm = cfg.shm and shm_available()
+    use_shm = cfg.shm and shm_available(cfg.shm_ordering)
     local = [r for r in range(size) if r != rank and use_shm and _same_machine_view(me, peers[r])]
     for peer in local:
-        rings[peer] = ShmRing.create(_SHM_SLOTS, cfg.chunk_bytes, ring_tag(key, generation, rank, peer))
+        rings[peer] = ShmRing.create(_SHM_SLOTS, cfg.chunk_bytes, ring_tag(key, generation, rank, peer),
+                                     cfg.shm_ordering)
     box_bytes = _mailbox_bytes(cfg.lockstep_bytes)
     if local and box_bytes and len(local) == size - 1:
-        boxes[rank] = ShmRing.create(MAILBOX_SLOTS, box_bytes, mailbox_tag(key, generation, rank))
+        boxes[rank] = ShmRing.create(MAILBOX_SLOTS, box_bytes, mailbox_tag(key, generation, rank), cfg.shm_ordering)
     if local:
         mine = {str(p): ring.fd for p, ring in rings.items()}
         if rank in boxes:
@@ -326,7 +327,7 @@ def _meet_connected(client: RendezvousClient, gen: str, rank: int, size: int, ri
 
 def _open_shared(pid: int, fd: int, cfg: RuntimeConfig, slots: int, slot_bytes: int, tag: bytes) -> ShmRing:
     try:
-        return ShmRing.open_peer(pid, fd, slots, slot_bytes, tag)
+        return ShmRing.open_peer(pid, fd, slots, slot_bytes, tag, cfg.shm_ordering)
     except OSError as exc:
         raise CollectiveError(
             f"rank {cfg.rank} could not map the shared memory of the process {pid} on its host ({exc}); "
