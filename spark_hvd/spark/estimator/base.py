@@ -6,9 +6,8 @@ Keras and Lightning:
 1. checks: the framework's model and optimizer, the columns and their types, the losses, the
    cluster's task slots, the executors' Python and the store (nothing runs on Spark before they
    pass);
-2. the dry run: the model once, on rows of zeros when the schema tells every feature's size (the
-   loss too where it takes zeros), else on one batch of real rows with the loss (one small Spark
-   job, whose labels are checked against their losses either way);
+2. the dry run: the model and its loss once, on rows of zeros when the schema tells every
+   feature's and label's size (no Spark job), else on one batch of real rows (one small Spark job);
 3. the run's fingerprint and resume point (a checkpoint of the same ``run_id``);
 4. the data's materialization as Parquet in the store (reused for the same DataFrame);
 5. the training spec (every setting that comes from a Param under the Param's name), and the
@@ -355,19 +354,17 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable, Generic[Own]):
 
     # ---- 2. dry runs ----------------------------------------------------------------------------
     def _dry_run(self, df: Any, fit: Fit[Own]) -> None:
-        """The model tried once before training: on rows of zeros when the schema tells every
-        feature's size (before any Spark job; with the loss, or a LightningModule's training_step,
-        too where the labels' sizes are known, see :meth:`_zero_batch`), and on one batch of real
-        rows (one small job) only where the zeros did not already put the model and its loss
-        through these sizes. The real rows' labels are checked against their losses either way."""
+        """The model and its loss tried once before any data is written: on two rows of zeros when
+        the schema tells every feature's and label's size (no Spark job; the labels' values are
+        checked later from the ranges the write observes), else on one batch of real rows (one
+        small job), whose labels are also checked against their losses."""
         schema_sizes = checks.schema_row_sizes(df.schema, fit.feature_cols)
-        tried: Optional[List[int]] = None  # the feature sizes that model and loss ran with on zeros
         if all(size is not None for size in schema_sizes):
             sizes = [int(s) for s in schema_sizes]  # type: ignore[arg-type]
             zeros = self._zero_batch(df, fit, sizes)
             self._try(fit, sizes, zeros)
             if zeros is not None:
-                tried = sizes
+                return  # model and loss ran on these sizes; real rows would add a job and nothing more
         batch = _probe_batch(df, self._columns(fit), min(self.getOrDefault("batch_size"), PROBE_ROWS), fit.dtype)
         batch = adapt_batch(batch, self.getOrDefault("transformation_fn"), self._removed_fields(), fit.label_cols,
                             self.getOrDefault("label_shapes"))
@@ -375,8 +372,7 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable, Generic[Own]):
             return  # no complete row: the materialization names the nulls, or the empty frame
         sizes = _sizes(batch, fit.feature_cols)
         self._probe_labels(df, fit, batch, sizes)
-        if sizes != tried:
-            self._try(fit, sizes, batch)
+        self._try(fit, sizes, batch)
 
     def _columns(self, fit: Fit[Own]) -> List[str]:
         """The columns training reads: features, labels and the sample weight."""

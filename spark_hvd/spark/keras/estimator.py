@@ -69,9 +69,9 @@ class KerasEstimator(DistributedEstimator[_Keras], KerasEstimatorParams):
     ``fit(df)`` works as TorchEstimator's:
 
     1. checks the Params, the columns and their types, the feature and label counts and sizes
-       against the model's inputs and outputs, one batch of real rows through the model and
-       the loss, and the cluster's task slots (errors name the value and the fix; nothing is
-       written before they pass);
+       against the model's inputs and outputs, one batch through the model and the loss (rows
+       of zeros when the schema tells every size, else real rows), and the cluster's task slots
+       (errors name the value and the fix; nothing is written before they pass);
     2. materializes the needed columns as Parquet in ``store`` (reused for the same DataFrame);
     3. trains on ``num_proc`` barrier tasks, in processes with ``KERAS_BACKEND=tensorflow``:
        each rank reads its shard and runs ``model.fit`` with the optimizer wrapped in

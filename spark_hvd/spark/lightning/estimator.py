@@ -78,7 +78,8 @@ class LightningEstimator(TorchModuleHooks, DistributedEstimator[_Lightning], Lig
     per feature column, as :class:`LightningModel` calls it in ``transform``.
 
     ``fit(df)`` works as TorchEstimator's: the Params, columns, the Trainer arguments, the module
-    (``forward`` and ``training_step`` on one real batch) and the cluster's task slots are checked
+    (``forward`` and ``training_step`` on one batch: rows of zeros when the schema tells every size,
+    else real rows) and the cluster's task slots are checked
     before any data is written; the columns are materialized as Parquet in ``store``; ``num_proc``
     barrier tasks each build ``pytorch_lightning.Trainer(strategy=SparkHvdStrategy(), devices=1,
     max_epochs=epochs, **trainer_args)`` (accelerator 'gpu' with ``use_gpu`` and CUDA, else 'cpu')
