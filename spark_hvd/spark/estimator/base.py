@@ -65,10 +65,11 @@ tuning.install()  # a grid over objects is refused when its tuning object is sav
 PROBE_ROWS = 64
 """Rows of real data the driver puts through the model and the loss before materializing."""
 
-RANK_DATA_MODULES = ("cloudpickle", "fsspec", "pyarrow.parquet", "spark_hvd.spark.data.reader",
+RANK_DATA_MODULES = ("cloudpickle", "fsspec", "pandas", "pyarrow.parquet", "spark_hvd.spark.data.reader",
                      "spark_hvd.spark.data.store")
-"""Modules every estimator's rank imports to run its call and read its shard: imported once in
-the warm process, so a repeat fit's ranks do not import them again (0.5-0.7 s a rank here)."""
+"""Modules every estimator's rank imports to run its call and read its shard, and pandas, which
+the module defining a Spark user's model usually imports (about 300 modules): imported once in the
+warm process, so a repeat fit's ranks do not import them again (0.5-0.7 s a rank here)."""
 
 _default_store: Optional[Store] = None
 _store_lock = threading.Lock()
