@@ -107,35 +107,36 @@ class BucketTuner:
         steps = config.autotune_steps_per_sample
         return cls(config.autotune_warmup_samples * steps, steps)
 
-    def after_step(self, slowest: Callable[[float, int], float], regroup: Callable[[float], None]) -> Optional[float]:
+    def after_step(self, slowest: Callable[[float, int], float], regroup: Callable[[float], None]) -> None:
         """Count a step; at the end of the warm-up or of a sample, ``regroup`` to the next bucket size
-        (MiB), or to the fastest once all were tried, and return it; None while the buckets stay.
+        (MiB), or to the fastest once all were tried.
 
         ``slowest(seconds, index)`` returns the largest of every rank's ``seconds`` per step in sample
         ``index`` (an allreduce: every rank calls it at the same step)."""
         if self.done:
-            return None
+            return
         self.steps += 1
         if self.in_sample < 0:
-            return self._next(regroup) if self.steps >= self.warmup_steps else None
+            if self.steps >= self.warmup_steps:
+                self._next(regroup)
+            return
         self.in_sample += 1
         if self.in_sample < self.steps_per_sample:
-            return None
+            return
         seconds = (time.perf_counter() - self.mark) / self.steps_per_sample
         self.trials.append((self.current, slowest(seconds, len(self.trials))))
-        return self._next(regroup)
+        self._next(regroup)
 
-    def _next(self, regroup: Callable[[float], None]) -> float:
+    def _next(self, regroup: Callable[[float], None]) -> None:
         if self.plan:
             self.current = self.plan.pop(0)
             regroup(self.current)
             self.in_sample = 0
             self.mark = time.perf_counter()
-            return self.current
+            return
         best = min(self.trials, key=lambda trial: trial[1])
         self.current = best[0]
         self.done = True
         regroup(best[0])
         log.info("spark-hvd autotune: keeping bucket_cap_mb=%s (%.3g ms per step; tried %s)", best[0],
                  best[1] * 1e3, ", ".join(f"{c}: {s * 1e3:.3g} ms" for c, s in self.trials))
-        return best[0]

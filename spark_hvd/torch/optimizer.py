@@ -273,7 +273,7 @@ class _DistributedOptimizer:
         slowest rank's seconds per step under it; the fastest is kept once all are tried."""
         return list(self._bucket_tuner.trials) if self._bucket_tuner is not None else []
 
-    def _usebucket_params(self, cap_mb: float) -> None:
+    def _use_buckets(self, cap_mb: float) -> None:
         """Regroup the gradients (between steps, when nothing is pending)."""
         self._group_of.clear()
         self._group_ready.clear()
@@ -540,7 +540,7 @@ class _DistributedOptimizer:
         result = super().step(closure)  # type: ignore[misc]
         tuner = self._bucket_tuner
         if tuner is not None and not tuner.done and self._communicate:
-            tuner.after_step(self._slowest_seconds, self._usebucket_params)
+            tuner.after_step(self._slowest_seconds, self._use_buckets)
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -358,7 +358,8 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable, Generic[Own]):
         """The model and its loss tried once before any data is written: on two rows of zeros when
         the schema tells every feature's and label's size (no Spark job; the labels' values are
         checked later from the ranges the write observes), else on one batch of real rows (one
-        small job), whose labels are also checked against their losses."""
+        small job), whose labels are also checked against their losses. Where the schema tells
+        only the features' sizes, ``forward`` alone meets rows of zeros first, before any job."""
         schema_sizes = checks.schema_row_sizes(df.schema, fit.feature_cols)
         if all(size is not None for size in schema_sizes):
             sizes = [int(s) for s in schema_sizes]  # type: ignore[arg-type]
