@@ -116,6 +116,14 @@ class SlowToLoadOnRank1(torch.nn.Sequential):
             time.sleep(1.0)
 
 
+def slow_to_load_estimator(store, run_id, **overrides):
+    """``estimator`` with the default model's layers and seed in a :class:`SlowToLoadOnRank1`."""
+    torch.manual_seed(0)
+    model = SlowToLoadOnRank1(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    return estimator(store, run_id, model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.02),
+                     **overrides)
+
+
 def test_a_host_cut_off_while_the_ranks_start_delays_the_start(spark_2x1, hosts, frame, store, capsys):
     """Rank 1's host loses its links the moment rank 1's process starts, for CUT_S: rank 1's init()
     keeps trying to reach the rendezvous and rank 0 until the links are back (well within the start
@@ -123,10 +131,7 @@ def test_a_host_cut_off_while_the_ranks_start_delays_the_start(spark_2x1, hosts,
     cutter = CutWhenRankStarts(hosts, rank=1, seconds=CUT_S)
     fault = FaultThread(cutter)
     fault.start()
-    torch.manual_seed(0)
-    slow = SlowToLoadOnRank1(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    model = estimator(store, "cut-at-start", model=slow,
-                      optimizer=torch.optim.Adam(slow.parameters(), lr=0.02)).fit(frame)
+    model = slow_to_load_estimator(store, "cut-at-start").fit(frame)
     fault.finish()
     assert len(cutter.cut) == 1
     assert_continuous(model)
@@ -141,11 +146,8 @@ def test_a_host_cut_off_longer_than_the_start_timeout_fails_naming_it(spark_2x1,
     fault = FaultThread(cutter)
     fault.start()
     backend = SparkBackend(num_proc=2, env={"SPARK_HVD_START_TIMEOUT": str(START_TIMEOUT_S)})
-    torch.manual_seed(0)
-    model = SlowToLoadOnRank1(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     with pytest.raises(Exception) as raised:
-        estimator(store, "cut-too-long", backend=backend, max_retries=0, model=model,
-                  optimizer=torch.optim.Adam(model.parameters(), lr=0.02)).fit(frame)
+        slow_to_load_estimator(store, "cut-too-long", backend=backend, max_retries=0).fit(frame)
     fault.finish()
     (name,) = cutter.cut
     host = next(h for h in hosts.hosts if h.name == name)
