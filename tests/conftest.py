@@ -19,6 +19,15 @@ if HERE not in sys.path:
 
 _SPARK_FOLDERS = ("spark", "cluster")
 
+# Every JVM the tests start (local sessions, Spark Connect servers, the cluster's masters, workers
+# and executors, the example programs' sessions) compiles with the client compiler only: they live
+# seconds to minutes, and the server compiler's threads cost more CPU than its code saves there
+# (tests/spark/keras: 249 -> 198 busy core-seconds, 147 -> 132 s). The `java` launcher of JDK 9+
+# reads JDK_JAVA_OPTIONS, and every process the tests start inherits it.
+_CLIENT_COMPILER_ONLY = "-XX:TieredStopAtLevel=1"
+if _CLIENT_COMPILER_ONLY not in os.environ.get("JDK_JAVA_OPTIONS", ""):
+    os.environ["JDK_JAVA_OPTIONS"] = f"{os.environ.get('JDK_JAVA_OPTIONS', '')} {_CLIENT_COMPILER_ONLY}".strip()
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "spark: starts Spark (a session, a cluster, or a program that starts one)")
