@@ -122,6 +122,9 @@ def _deep(levels):
 
 def interrupted_on_rank_one():
     if os.environ["SPARK_HVD_RANK"] == "1":
+        # Ctrl-C as in a terminal's foreground job: a suite started in the background (make test &)
+        # hands its processes SIGINT ignored, and a fresh interpreter keeps it ignored.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         _deep(20)
 
 
