@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PETASTORM_VENV := .venv-petastorm
 PETASTORM_STAMP := $(PETASTORM_VENV)/.installed
 
-.PHONY: demo cluster-demo test test-main test-quick test-petastorm venv bench lint clean
+.PHONY: demo cluster-demo test test-main suite-spark suite-rest suite-petastorm test-quick quick-processes quick-frameworks test-petastorm venv bench lint clean
 
 venv: $(STAMP)
 
@@ -32,16 +32,40 @@ demo: $(STAMP)
 cluster-demo: $(STAMP)
 	$(PY) tests/cluster/demo.py
 
-test: test-main test-petastorm
+# The whole suite: the linter, then three pytest runs, two at a time (each test waits on purpose
+# for part of its time, rank deaths, network cuts and timeouts, and the other run uses the CPU
+# meanwhile): the Spark layer's tests, every other test of the main environment, and the
+# petastorm run once either is done. Each run's output is printed when it ends.
+test: $(STAMP) $(PETASTORM_STAMP)
+	$(VENV)/bin/ruff check .
+	$(MAKE) --no-print-directory -j2 --output-sync=target suite-spark suite-rest suite-petastorm
 
+# The main environment's tests in one pytest run, one after another.
 test-main: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests -m "not petastorm"
 
+suite-spark: $(STAMP)
+	$(PY) -m pytest -q tests/spark -m "not petastorm"
+
+suite-rest: $(STAMP)
+	$(PY) -m pytest -q tests --ignore=tests/spark -m "not petastorm"
+
+suite-petastorm: test-petastorm
+
 # The edit-test loop: every test that starts no Spark and forms no network-namespace host.
+# Two pytest runs side by side: the runtime and the launcher (they wait on purpose for a good part
+# of their time), and the framework bindings with the other top-level tests.
+QUICK := -m "not spark and not cluster and not petastorm"
 test-quick: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q tests --ignore=tests/spark --ignore=tests/cluster -m "not spark and not cluster and not petastorm"
+	$(MAKE) --no-print-directory -j2 --output-sync=target quick-processes quick-frameworks
+
+quick-processes: $(STAMP)
+	$(PY) -m pytest -q tests/runtime tests/runner $(QUICK)
+
+quick-frameworks: $(STAMP)
+	$(PY) -m pytest -q tests --ignore=tests/spark --ignore=tests/cluster --ignore=tests/runtime --ignore=tests/runner $(QUICK)
 
 # The data and estimator tests again, on the pinned versions petastorm needs (pyarrow<15, numpy<2).
 test-petastorm: $(PETASTORM_STAMP)
