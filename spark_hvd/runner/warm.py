@@ -12,6 +12,8 @@ would have, with:
   socket), written through line by line as with ``PYTHONUNBUFFERED=1``;
 - a session of its own (signals reach its process group, as for a supervised rank), and SIGKILL
   when the warm process dies;
+- Ctrl-C (SIGINT) as a fresh interpreter takes it: Python's handler, or ignored where the
+  launcher ignores it (started in the background or under ``nohup``);
 - the name ``hvd-rank<r>`` (:data:`RANK_PROCESS_NAME`) in ``ps`` and ``top``;
 - Python's ``random`` and numpy's global generator reseeded, so forked ranks do not share draws.
 
@@ -473,7 +475,10 @@ def _become_rank(control: socket.socket, wake: Sequence[int], message: Dict[str,
             os.close(fd)
         for signum in (signal.SIGCHLD, signal.SIGTERM):
             signal.signal(signum, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        # Ctrl-C as a fresh interpreter takes it: Python's handler, unless the launcher ignored
+        # SIGINT (started in the background or under nohup), which this process inherited.
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         os.setsid()
         prctl = _prctl()
         if prctl is not None:

@@ -228,3 +228,30 @@ def test_run_refuses_a_preload_that_is_not_a_sequence_of_module_names(preload):
 
     with pytest.raises(ValueError, match=r"preload=.* is not valid: expected a sequence of module names"):
         run(_whoami, np=1, preload=preload)
+
+
+def _ctrl_c():
+    handler = signal.getsignal(signal.SIGINT)
+    return "ignored" if handler is signal.SIG_IGN else "python" if handler is signal.default_int_handler else repr(handler)
+
+
+@pytest.mark.parametrize("launcher", ["ignored", "python"])
+def test_a_warm_rank_takes_ctrl_c_as_a_fresh_one_would(tmp_path, launcher):
+    """A launcher with SIGINT ignored (started in the background, under nohup) gives its ranks SIGINT
+    ignored, warm or fresh; a launcher that takes Ctrl-C gives both Python's handler."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN if launcher == "ignored" else signal.default_int_handler)
+    try:
+        started = warm.WarmStarter(sys.executable, ["json.tool"], dict(os.environ), cwd=str(tmp_path))
+        try:
+            seen = {}
+            for kind, starter in (("warm", started), ("fresh", None)):
+                workdir, secret = _call(tmp_path, kind, _ctrl_c)
+                with RankProcesses(sink=lambda r, stream, line: None) as procs:
+                    procs.spawn(0, _argv(workdir), _env(secret), cwd=str(tmp_path), starter=starter)
+                    assert procs.wait(timeout=60) is None
+                seen[kind] = _outcome(workdir, secret)
+        finally:
+            started.close()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert seen == {"warm": ("ok", launcher), "fresh": ("ok", launcher)}
