@@ -186,6 +186,7 @@ def bare_loop(framework: str, rows: int, batch: int, threads: int, seed: int) ->
         import torch
 
         torch.set_num_threads(threads)
+        torch.set_flush_denormal(True)  # as the estimators' ranks do (flush_denormal=True)
         xt, yt = torch.from_numpy(x), torch.from_numpy(y)
         if framework == "lightning":
             import logging

@@ -79,6 +79,7 @@ def bare_fraud_loop(example: str, rows: int, batch: int, seed: int, passes: int 
     import torch
 
     torch.set_num_threads(1)
+    torch.set_flush_denormal(True)  # as the estimator's ranks do (flush_denormal=True)
     spec = importlib.util.spec_from_file_location("fraud_example", example)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -58,6 +58,8 @@ class TrainingSpec:
     """Per-epoch logs of the epochs done before this stage."""
     compression: Any = None
     use_gpu: bool = True
+    flush_denormal: bool = True
+    """Whether the rank's CPU math flushes subnormal floats to zero (see :func:`rank_cpu`)."""
     transformation_fn: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None
     callbacks: List[Any] = field(default_factory=list)
     progress: bool = True

@@ -328,6 +328,7 @@ def fit_on_rank(spec: LightningTrainingSpec) -> Optional[Dict[str, Any]]:
         try:
             rank, size = hvd.rank(), hvd.size()
             torch.set_num_threads(rank_threads(hvd.local_size()))
+            torch.set_flush_denormal(spec.flush_denormal)  # this thread and the threads it starts
 
             def convert(batch: Dict[str, np.ndarray]) -> Dict[str, torch.Tensor]:
                 return module_batch(batch, spec.feature_cols, spec.label_cols, spec.sample_weight_col,

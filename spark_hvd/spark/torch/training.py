@@ -177,6 +177,7 @@ class _Trainer:
         self.hvd = hvd
         self.rank, self.size = hvd.rank(), hvd.size()
         torch.set_num_threads(rank_threads(hvd.local_size()))
+        torch.set_flush_denormal(spec.flush_denormal)  # this thread and the threads it starts
         self.reporter = ProgressReporter(self.rank == 0, spec.progress, spec.progress_interval_s)
         # Opened first: the first epoch's rows are read while the model is set up and broadcast.
         self.train_reader, self.val_reader = spec.open_readers(self.rank, self.size, self.reporter)

@@ -43,7 +43,7 @@ ISSUE_PARAMS = [
 ]
 OUR_PARAMS = ["invalid_rows", "overwrite_run", "task", "prediction_col", "probability_col", "raw_prediction_col",
               "log_to_mlflow", "max_retries", "checkpoint_every_steps", "sharding", "cleanup_intermediate",
-              "learning_rate"]
+              "learning_rate", "flush_denormal"]
 HOROVOD_ONLY = [s.name for s in HOROVOD_ESTIMATOR_PARAMS]
 
 

@@ -411,6 +411,28 @@ def test_callbacks_transformation_fn_compression_and_accumulation(tmp_path):
                                    "batch_end:3", "epoch_end:0", "train_end"]
 
 
+class _SubnormalProbe:
+    """Records what the rank's training thread computes for a subnormal float32 times one."""
+
+    def on_train_end(self, state):
+        state.history[-1]["subnormal"] = float(torch.tensor([1e-39], dtype=torch.float32)[0] * 1.0)
+
+
+@pytest.mark.parametrize("flush", [True, False])
+def test_ranks_flush_subnormal_floats_unless_told_not_to(tmp_path, flush):
+    """flush_denormal=True (the default) makes the rank's math treat subnormal floats as zero, which
+    keeps a model whose values drift there at full speed; False keeps IEEE subnormals."""
+    _write_shards(tmp_path / "train", rows_per_file=8, files=2)
+    model = torch.nn.Linear(3, 1)
+    spec, _ = _spec(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.1), callbacks=[_SubnormalProbe()],
+                    flush_denormal=flush)
+    history = run_local(train_on_rank, args=(spec,), np=2)[0]["history"]
+    if flush:
+        assert history[0]["subnormal"] == 0.0
+    else:
+        assert history[0]["subnormal"] == pytest.approx(1e-39, rel=1e-3)
+
+
 def test_train_minibatch_fn_replaces_the_step(tmp_path):
     """A train_minibatch_fn gets Horovod's arguments and its returned loss is what is reported."""
     _write_shards(tmp_path / "train", rows_per_file=8, files=2)
