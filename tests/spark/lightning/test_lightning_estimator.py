@@ -334,17 +334,21 @@ def test_same_run_id_resumes_with_its_optimizer_state_and_a_saved_estimator_retu
 def test_a_plain_module_with_optimizer_and_loss_trains_as_torch_estimator_does(frame, tmp_path):
     """Horovod's Lightning estimator takes a plain torch.nn.Module with optimizer, loss and metrics:
     it trains to the weights TorchEstimator reaches on the same rows, seed and batches, logs the
-    loss and the metric per epoch, and the fitted model scores with the module's forward."""
+    loss and the metric per epoch, and the fitted model scores with the module's forward. Both
+    estimators' ranks flush subnormal floats to zero by default (flush_denormal)."""
     from spark_hvd.spark.torch import TorchEstimator
 
     def accuracy(out, lab):
         return ((out > 0).float() == lab).float().mean()
 
+    def subnormal(out, lab):  # a subnormal float32 times one, as the rank's training thread computes it
+        return torch.tensor(1e-39, dtype=torch.float32) * 1.0
+
     def plain(cls, **extra):
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
         return cls(num_proc=1, model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
-                   loss=torch.nn.BCEWithLogitsLoss(), metrics=[accuracy], feature_cols=["features"], label_cols=["y"],
+                   loss=torch.nn.BCEWithLogitsLoss(), metrics=[accuracy, subnormal], feature_cols=["features"], label_cols=["y"],
                    batch_size=8, epochs=2, store=Store.create(str(tmp_path / cls.__name__)), random_seed=3, verbose=0,
                    validation=0.25, **extra)
 
@@ -355,6 +359,7 @@ def test_a_plain_module_with_optimizer_and_loss_trains_as_torch_estimator_does(f
     last = lightning.getHistory()[-1]
     assert {"loss", "accuracy", "val_loss", "val_accuracy"} <= set(last)
     assert last["loss"] == pytest.approx(torch_model.getHistory()[-1]["loss"], rel=1e-5)
+    assert last["subnormal"] == torch_model.getHistory()[-1]["subnormal"] == 0.0
     assert lightning.transform(frame).select("prediction").distinct().count() >= 1
 
 
