@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
 
-__all__ = ["TrainingSpec", "RunFiles", "adapt_batch", "close_readers", "rank_threads", "run_trainer", "record_epoch"]
+__all__ = ["TrainingSpec", "RunFiles", "adapt_batch", "close_readers", "rank_threads", "set_up_torch_cpu", "run_trainer", "record_epoch"]
 
 
 _Spec = TypeVar("_Spec", bound="TrainingSpec")
@@ -59,7 +59,7 @@ class TrainingSpec:
     compression: Any = None
     use_gpu: bool = True
     flush_denormal: bool = True
-    """Whether the rank's CPU math flushes subnormal floats to zero (see :func:`rank_cpu`)."""
+    """Whether the rank's PyTorch CPU math flushes subnormal floats to zero (see :func:`set_up_torch_cpu`)."""
     transformation_fn: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None
     callbacks: List[Any] = field(default_factory=list)
     progress: bool = True
@@ -214,6 +214,16 @@ def rank_threads(local_size: int) -> int:
     shared = max(1, cpus // max(1, local_size))
     given = config.read_setting("task_cpus")
     return min(shared, given) if given is not None and given > 0 else shared
+
+
+def set_up_torch_cpu(spec: TrainingSpec, local_size: int) -> None:
+    """A torch or Lightning rank's CPU math, set on its training thread before training: the threads
+    of :func:`rank_threads`, and subnormal floats flushed to zero as ``spec.flush_denormal`` says
+    (for this thread and the threads it starts later, such as the math library's pool)."""
+    import torch
+
+    torch.set_num_threads(rank_threads(local_size))
+    torch.set_flush_denormal(spec.flush_denormal)
 
 
 def run_trainer(hvd: Any, trainer_class: Callable[[Any, Any], Any], spec: Any) -> Any:

@@ -28,7 +28,7 @@ from pytorch_lightning.callbacks import Callback, Checkpoint, ModelCheckpoint
 from spark_hvd.spark.torch.batches import feature_tensors, model_dtype, weight_tensor
 from spark_hvd.spark.estimator.progress import ProgressReporter
 from spark_hvd.spark.estimator.step_profile import LIGHTNING_PHASES, step_profile
-from spark_hvd.spark.estimator.training import RunFiles, TrainingSpec, close_readers, rank_threads, record_epoch
+from spark_hvd.spark.estimator.training import RunFiles, TrainingSpec, close_readers, record_epoch, set_up_torch_cpu
 
 __all__ = ["LightningTrainingSpec", "fit_on_rank", "CHECKPOINT_KEY", "history_entry", "set_learning_rate"]
 
@@ -327,8 +327,7 @@ def fit_on_rank(spec: LightningTrainingSpec) -> Optional[Dict[str, Any]]:
                              **kwargs)
         try:
             rank, size = hvd.rank(), hvd.size()
-            torch.set_num_threads(rank_threads(hvd.local_size()))
-            torch.set_flush_denormal(spec.flush_denormal)  # this thread and the threads it starts
+            set_up_torch_cpu(spec, hvd.local_size())
 
             def convert(batch: Dict[str, np.ndarray]) -> Dict[str, torch.Tensor]:
                 return module_batch(batch, spec.feature_cols, spec.label_cols, spec.sample_weight_col,

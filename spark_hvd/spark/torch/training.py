@@ -26,7 +26,7 @@ from spark_hvd.spark.torch.callbacks import TrainingState, call_hook
 from spark_hvd.spark.torch.stopping import EarlyStopping, restore_scheduler, step_scheduler
 from spark_hvd.spark.estimator.progress import ProgressReporter
 from spark_hvd.spark.estimator.step_profile import TORCH_PHASES, step_profile
-from spark_hvd.spark.estimator.training import TrainingSpec, close_readers, rank_threads, record_epoch, run_trainer
+from spark_hvd.spark.estimator.training import TrainingSpec, close_readers, record_epoch, run_trainer, set_up_torch_cpu
 
 __all__ = ["OptimizerSpec", "TorchTrainingSpec", "train_on_rank", "CHECKPOINT_FORMAT", "checkpoint_bytes",
            "load_checkpoint"]
@@ -176,8 +176,7 @@ class _Trainer:
         self.spec = spec
         self.hvd = hvd
         self.rank, self.size = hvd.rank(), hvd.size()
-        torch.set_num_threads(rank_threads(hvd.local_size()))
-        torch.set_flush_denormal(spec.flush_denormal)  # this thread and the threads it starts
+        set_up_torch_cpu(spec, hvd.local_size())
         self.reporter = ProgressReporter(self.rank == 0, spec.progress, spec.progress_interval_s)
         # Opened first: the first epoch's rows are read while the model is set up and broadcast.
         self.train_reader, self.val_reader = spec.open_readers(self.rank, self.size, self.reporter)
