@@ -6,12 +6,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from spark_hvd.spark.data.columns import quote
 
-__all__ = ["FORMAT_VERSION", "dataset_key", "data_identity", "normalize_ids"]
+__all__ = ["FORMAT_VERSION", "DatasetKey", "dataset_key", "data_identity", "normalize_ids"]
 
 FORMAT_VERSION = 2
 """Bumped when the written layout changes, so older cached datasets are not reused (2: array and Vector
@@ -27,16 +28,83 @@ def dataset_key(df: Any, settings: Dict[str, Any], columns: Optional[Sequence[st
     renumbered, and the files the plan reads (its text does not name them). A plan over data held in memory (``createDataFrame`` from local rows or pandas, an
     RDD) does not show that data, so for such plans the key also hashes the content of ``columns``
     (default every column), counted and hashed row by row in one Spark job (once per DataFrame
-    and session: the digest is remembered).
+    and session: the digest is remembered; :class:`DatasetKey` lets a write gather it instead).
     """
-    raw = _plan_text(df)
-    plan = normalize_ids(raw)
-    parts: Dict[str, Any] = {"settings": settings, "format": FORMAT_VERSION, "schema": df.schema.json(),
-                             "plan": plan, "files": _input_files(df)}
-    if _IN_MEMORY_SOURCE.search(plan):
-        parts["content"] = _content_digest(df, raw, list(columns) if columns else list(df.columns))
-    digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
-    return digest[:20]
+    key = DatasetKey(df, settings, columns)
+    if key.pending:
+        key.count_rows()
+    return key.value
+
+
+class DatasetKey:
+    """The cache key of :func:`dataset_key`, built without running a Spark job.
+
+    For a plan over in-memory rows whose digest this session has not computed yet the key is
+    ``pending``: its content digest comes either from a job of its own (:meth:`count_rows`) or
+    from a pass that runs anyway, such as the write of the prepared data: add
+    :meth:`row_hash` as a column, aggregate it with :meth:`metrics` in an Observation of that
+    pass, and give the observed values to :meth:`observed`. The digest is remembered for the
+    session either way, so later keys and identities of the same DataFrame need no job.
+    """
+
+    def __init__(self, df: Any, settings: Dict[str, Any], columns: Optional[Sequence[str]] = None) -> None:
+        raw = _plan_text(df)
+        plan = normalize_ids(raw)
+        self._df = df
+        self._columns = list(columns) if columns else list(df.columns)
+        self._parts: Dict[str, Any] = {"settings": settings, "format": FORMAT_VERSION, "schema": df.schema.json(),
+                                       "plan": plan, "files": _input_files(df)}
+        self._memo: Optional[Tuple[str, str, Tuple[str, ...]]] = None
+        if _IN_MEMORY_SOURCE.search(plan):
+            self._memo = (_session_id(df), raw, tuple(self._columns))
+            known = _remembered(self._memo)
+            if known is not None:
+                self._parts["content"] = known
+
+    @property
+    def pending(self) -> bool:
+        """Whether the key still needs the rows' digest."""
+        return self._memo is not None and "content" not in self._parts
+
+    def row_hash(self) -> Any:
+        """A column expression: the 64-bit hash of one row's ``columns`` that the digest sums."""
+        from pyspark.sql import functions as F
+
+        return F.xxhash64(*[F.col(quote(c)) for c in self._columns])
+
+    @staticmethod
+    def metrics(hashed: Any, prefix: str) -> List[Any]:
+        """The digest's aggregates over the ``hashed`` column (named ``prefix`` + n, s, x)."""
+        from pyspark.sql import functions as F
+
+        return [F.count(F.lit(1)).alias(prefix + "n"), F.sum(hashed.cast("decimal(38,0)")).alias(prefix + "s"),
+                F.bit_xor(hashed).alias(prefix + "x")]
+
+    def observed(self, values: Dict[str, Any], prefix: str) -> None:
+        """Complete the key from the :meth:`metrics` a pass over every row of the DataFrame gathered."""
+        self._remember([int(values[prefix + "n"]), str(values[prefix + "s"]), int(values[prefix + "x"] or 0)])
+
+    def count_rows(self) -> None:
+        """Complete the key with a Spark job of its own over the rows."""
+        from pyspark.sql import functions as F
+
+        row = self._df.select(self.row_hash().alias("h")).agg(*self.metrics(F.col("h"), "")).collect()[0]
+        self.observed(row.asDict(), "")
+
+    def _remember(self, digest: List[Any]) -> None:
+        assert self._memo is not None, "only a plan over in-memory rows has a content digest"
+        self._parts["content"] = digest
+        with _digests_lock:
+            _digests[self._memo] = digest
+            while len(_digests) > _DIGESTS_KEPT:
+                _digests.popitem(last=False)
+
+    @property
+    def value(self) -> str:
+        """The key (20 hex digits)."""
+        if self.pending:
+            raise RuntimeError("the dataset key still needs the rows' digest: call count_rows() or observed() first")
+        return hashlib.sha256(json.dumps(self._parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
 def data_identity(df: Any, columns: Sequence[str]) -> Optional[str]:
@@ -90,6 +158,7 @@ def _input_files(df: Any) -> List[str]:
 
 _digests: "OrderedDict[Tuple[str, str, Tuple[str, ...]], List[Any]]" = OrderedDict()
 _DIGESTS_KEPT = 256
+_digests_lock = threading.Lock()
 
 
 def _session_id(df: Any) -> str:
@@ -100,29 +169,12 @@ def _session_id(df: Any) -> str:
         return ""
 
 
-def _content_digest(df: Any, raw_plan: str, columns: Sequence[str]) -> List[Any]:
-    """Row count, and sum and xor of per-row 64-bit hashes of ``columns``: independent of the
-    rows' order and partitioning, so equal for equal data in any session.
-
-    Remembered by the session and the plan with its session-unique expression ids, which name
-    this DataFrame (and those derived the same way from it) only.
-    """
-    memo = (_session_id(df), raw_plan, tuple(columns))
-    if memo in _digests:
-        _digests.move_to_end(memo)
-        return _digests[memo]
-    digest = _compute_digest(df, columns)
-    _digests[memo] = digest
-    while len(_digests) > _DIGESTS_KEPT:
-        _digests.popitem(last=False)
-    return digest
-
-
-def _compute_digest(df: Any, columns: Sequence[str]) -> List[Any]:
-    from pyspark.sql import functions as F
-
-    hashed = F.xxhash64(*[F.col(quote(c)) for c in columns])
-    row = df.select(hashed.alias("h")).agg(
-        F.count(F.lit(1)).alias("n"), F.sum(F.col("h").cast("decimal(38,0)")).alias("s"),
-        F.expr("bit_xor(h)").alias("x")).collect()[0]
-    return [int(row["n"]), str(row["s"]), int(row["x"] or 0)]
+def _remembered(memo: Tuple[str, str, Tuple[str, ...]]) -> Optional[List[Any]]:
+    """The content digest this session computed for the DataFrame and columns of ``memo`` (its
+    session, its plan with its session-unique expression ids, which name this DataFrame and those
+    derived the same way from it only, and the columns), or None."""
+    with _digests_lock:
+        found = _digests.get(memo)
+        if found is not None:
+            _digests.move_to_end(memo)
+        return found

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import posixpath
+import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from spark_hvd.spark.data.columns import StoredColumn, is_float, plan_columns, quote, to_arrays, valid_rows
-from spark_hvd.spark.data.identity import FORMAT_VERSION, dataset_key
-from spark_hvd.spark.data.layout import row_bytes_field, rows_as_bytes, scan_parquet
+from spark_hvd.spark.data.identity import FORMAT_VERSION, DatasetKey
+from spark_hvd.spark.data.layout import ParquetLayout, row_bytes_field, rows_as_bytes, scan_parquet
 from spark_hvd.spark.data.store import Store
 
 __all__ = ["ColumnInfo", "PreparedData", "prepare_data"]
@@ -18,6 +20,10 @@ _MiB = 1024 * 1024
 # Above this, Spark's size estimate means "unknown" (its default is Long.MaxValue).
 _UNKNOWN_SIZE = 1 << 60
 _MAX_FILES_PER_PROC = 64
+# The column (and directory name) telling a written row's split: 1 validation, 0 training.
+_SPLIT = "spark_hvd_split"
+# The column of each row's content hash while the digest of in-memory data is gathered.
+_ROW_HASH = "spark_hvd_row_hash"
 
 @dataclass(frozen=True)
 class ColumnInfo:
@@ -164,11 +170,12 @@ def _laid_out(frame: Any, num_files: int, num_proc: int, exact: bool) -> Any:
     return frame
 
 
-def _source_observed(frame: Any, planned: List[StoredColumn], skip_invalid: bool,
-                     marker: Optional[str]) -> Tuple[Any, Any]:
+def _source_observed(frame: Any, planned: List[StoredColumn], skip_invalid: bool, marker: Optional[str],
+                     hashes: Sequence[str]) -> Tuple[Any, Any]:
     """``frame`` (every selected row, before rows are skipped or split) with an Observation of the
-    rows ``skip_invalid`` leaves out and of the values of the validation ``marker`` column that are
-    not 0/1/true/false; (frame, None) when there is nothing to count. The first write gathers it."""
+    rows ``skip_invalid`` leaves out, of the values of the validation ``marker`` column that are not
+    0/1/true/false, and of the content digests (:class:`DatasetKey`) over its ``hashes`` columns;
+    (frame, None) when there is nothing to count. The write gathers it."""
     from pyspark.sql import Observation
     from pyspark.sql import functions as F
 
@@ -180,6 +187,8 @@ def _source_observed(frame: Any, planned: List[StoredColumn], skip_invalid: bool
         bad = col.isNotNull() & ~F.coalesce(col.cast("double").isin(0.0, 1.0), F.lit(False))
         metrics += [F.sum(F.when(bad, 1).otherwise(0)).alias("marks"),
                     F.first(F.when(bad, col.cast("string")), ignorenulls=True).alias("mark")]
+    for name in hashes:
+        metrics += DatasetKey.metrics(F.col(name), name)
     if not metrics:
         return frame, None
     observation = Observation("spark_hvd_source")
@@ -242,14 +251,20 @@ def _as_row_bytes(frame: Any, planned: List[StoredColumn]) -> Any:
 
 
 def _write(frame: Any, planned: List[StoredColumn], num_files: int, num_proc: int, exact: bool, url: str,
-           row_group_bytes: int, name: str, labels: Sequence[str]) -> Dict[str, Any]:
-    """Write ``frame`` as Parquet at ``url`` in one pass, array columns as raw rows; returns what
-    :func:`_observed` gathered from the rows on their way."""
-    observed, observation = _observed(_laid_out(frame, num_files, num_proc, exact), planned, name, labels)
-    (_as_row_bytes(observed, planned).write.mode("overwrite")
-     .option("parquet.block.size", str(row_group_bytes))
-     .parquet(url))
+           row_group_bytes: int, labels: Sequence[str], split: bool) -> Dict[str, Any]:
+    """Write ``frame`` as Parquet at ``url`` in one pass, array columns as raw rows, with ``split``
+    the training and validation rows in the sub-directories of :func:`_split_path` (one pass for
+    both); returns what :func:`_observed` gathered from the rows on their way."""
+    observed, observation = _observed(_laid_out(frame, num_files, num_proc, exact), planned, "data", labels)
+    writer = (_as_row_bytes(observed, planned).write.mode("overwrite")
+              .option("parquet.block.size", str(row_group_bytes)))
+    (writer.partitionBy(_SPLIT) if split else writer).parquet(url)
     return dict(observation.get)
+
+
+def _split_path(path: str, validation: bool) -> str:
+    """The directory under ``path`` that one write's training (or ``validation``) rows go to."""
+    return posixpath.join(path, f"{_SPLIT}={int(validation)}")
 
 
 def _label_ranges(observed: List[Dict[str, Any]], planned: List[StoredColumn]) -> Dict[str, List[Any]]:
@@ -360,10 +375,13 @@ def prepare_data(df: Any, store: Store, feature_cols: Sequence[str], label_cols:
     """Write the columns of ``df`` needed for training as Parquet in ``store``.
 
     Checks columns and types before running any Spark job; turns Spark ML Vectors into arrays;
-    splits off validation rows (a fraction, drawn with ``seed``, or a 0/1 or boolean column whose
-    true rows are validation); writes a multiple of ``num_proc`` files, so every rank has at least
-    one row group; records row counts, shapes and dtypes as JSON in the store. A DataFrame already
-    prepared with the same settings (same cache key) is not written again unless
+    splits off validation rows (a fraction, drawn per row with ``seed``, or a 0/1 or boolean column
+    whose true rows are validation); writes a multiple of ``num_proc`` files, so every rank has at
+    least one row group; records row counts, shapes and dtypes as JSON in the store. One Spark job
+    reads the DataFrame once and writes both splits (the two sub-directories of the key's training
+    data path that :attr:`PreparedData.train_path` and :attr:`PreparedData.val_path` name), checking
+    the values and, for data held in memory, hashing the rows for the cache key on the way. A
+    DataFrame already prepared with the same settings (same cache key) is not written again unless
     ``reuse_cached=False``; the key is the same in every session and process (see
     :func:`dataset_key`). Nulls, NaN and infinities in the columns are refused with their counts
     per column, or, with ``skip_invalid=True``, the rows holding them are left out. Note the key
@@ -383,79 +401,91 @@ def prepare_data(df: Any, store: Store, feature_cols: Sequence[str], label_cols:
                 "validation": validation, "num_proc": num_proc, "seed": seed, "vector_dtype": vector_dtype,
                 "target_file_bytes": target_file_bytes, "row_group_bytes": row_group_bytes,
                 "files_per_proc": files_per_proc, "skip_invalid": skip_invalid}
-    needed = [*feature_cols, *label_cols, *([sample_weight_col] if sample_weight_col else []),
-              *([validation] if isinstance(validation, str) else [])]
-    key = dataset_key(df, settings, list(dict.fromkeys(needed)))
-    metadata_path = store.get_data_metadata_path(key)
-    if reuse_cached and store.exists(metadata_path):
-        cached = PreparedData.from_json(store.read(metadata_path))
-        if all(store.exists(p) for p in (cached.train_path, cached.val_path) if p is not None):
+    needed = list(dict.fromkeys([*feature_cols, *label_cols, *([sample_weight_col] if sample_weight_col else []),
+                                 *([validation] if isinstance(validation, str) else [])]))
+    key = DatasetKey(df, settings, needed)
+    # Data held in memory is keyed by a digest of its rows. Unless this session has it already, the
+    # write gathers it (no pass of its own): the data goes to a pending directory, renamed to the
+    # key's once the key is known. The fit's fingerprint hashes the rows without the validation
+    # column, so that digest is gathered on the same pass.
+    digests = [key]
+    if key.pending and isinstance(validation, str):
+        digests.append(DatasetKey(df, {}, [c for c in needed if c != validation]))
+    digests = [d for d in digests if d.pending]
+    if not key.pending:
+        cached = _cached(store, key.value) if reuse_cached else None
+        if cached is not None:
             return cached
 
     exprs = to_arrays(df, planned, vector_dtype)
-    train_path = store.get_train_data_path(key)
-    val_path = store.get_val_data_path(key) if validation is not None else None
+    hashes = [d.row_hash().alias(f"{_ROW_HASH}{i}") for i, d in enumerate(digests)]
+    hash_names = [f"{_ROW_HASH}{i}" for i in range(len(digests))]
     estimate = _estimated_bytes(df)
-    source: Any = None
     if isinstance(validation, str):
         is_val = F.coalesce(F.col(quote(validation)).cast("boolean"), F.lit(False))
-        marked = df.select(*exprs, is_val.alias("__spark_hvd_is_val"), F.col(quote(validation)).alias("__spark_hvd_mark"))
-        marked, source = _source_observed(marked, planned, skip_invalid, "__spark_hvd_mark")
-        if skip_invalid:
-            marked = marked.filter(valid_rows(planned))
-        train_df = marked.filter(~F.col("__spark_hvd_is_val")).drop("__spark_hvd_is_val", "__spark_hvd_mark")
-        val_df = marked.filter(F.col("__spark_hvd_is_val")).drop("__spark_hvd_is_val", "__spark_hvd_mark")
-        fractions = (1.0, 1.0)  # unknown split: size both for the whole frame
-    elif validation is not None:
-        fraction = float(validation)
-        selected, source = _source_observed(df.select(*exprs), planned, skip_invalid, None)
-        if skip_invalid:
-            selected = selected.filter(valid_rows(planned))
-        train_df, val_df = selected.randomSplit([1.0 - fraction, fraction], seed=seed)
-        fractions = (1.0 - fraction, fraction)
+        selected = df.select(*exprs, *hashes, is_val.cast("int").alias(_SPLIT),
+                             F.col(quote(validation)).alias("__spark_hvd_mark"))
+        selected, source = _source_observed(selected, planned, skip_invalid, "__spark_hvd_mark", hash_names)
+        selected = selected.drop("__spark_hvd_mark")
+        fraction = 1.0  # unknown split: size the files for the whole frame
     else:
-        selected, source = _source_observed(df.select(*exprs), planned, skip_invalid, None)
-        train_df, val_df, fractions = (selected.filter(valid_rows(planned)) if skip_invalid else selected), None, (1.0, 0.0)
+        selected, source = _source_observed(df.select(*exprs, *hashes), planned, skip_invalid, None, hash_names)
+        fraction = 1.0 if validation is None else 1.0 - float(validation)
+    if hashes:
+        selected = selected.drop(*hash_names)
+    if skip_invalid:
+        selected = selected.filter(valid_rows(planned))
+    split = validation is not None
+    if split and not isinstance(validation, str):
+        # One draw per row, in the same pass as the write: about `validation` of the rows.
+        selected = selected.withColumn(_SPLIT, (F.rand(seed) < float(validation)).cast("int"))
 
-    urls = [store.spark_url(train_path)]
+    path = store.get_train_data_path(key.value if not key.pending else f"pending-{uuid.uuid4().hex[:12]}")
     exact = files_per_proc is not None
-    written = [train_path]
+    written = [path]
     try:
-        observed = [_write(train_df, planned, _num_files(estimate, fractions[0], num_proc, target_file_bytes,
-                                                         files_per_proc), num_proc, exact, urls[0], row_group_bytes,
-                           "train", label_cols)]
+        observed = [_write(selected, planned, _num_files(estimate, fraction, num_proc, target_file_bytes,
+                                                         files_per_proc), num_proc, exact, store.spark_url(path),
+                           row_group_bytes, label_cols, split)]
         counted = dict(source.get) if source is not None else {}
         if isinstance(validation, str):
             _check_marks(counted, validation)
-        if val_df is not None and val_path is not None:
-            urls.append(store.spark_url(val_path))
-            written.append(val_path)
-            observed.append(_write(val_df, planned, _num_files(estimate, fractions[1], num_proc, target_file_bytes,
-                                                               files_per_proc), num_proc, exact, urls[1],
-                                   row_group_bytes, "val", label_cols))
+        if digests:
+            for d, name in zip(digests, hash_names):
+                d.observed(counted, name)
+            cached = _cached(store, key.value) if reuse_cached else None
+            if cached is not None:  # written before, in another session
+                store.delete(path)
+                return cached
+            final = store.get_train_data_path(key.value)
+            store.delete(final)
+            store.move(path, final)
+            written, path = [final], final
         if not any(o.get("rows") for o in observed):
             raise ValueError("the DataFrame has no rows: expected at least one row to train on; check the "
                              "filters that produced it")
         lengths = _lengths(observed, planned)
         if lengths is None:  # something to report: name it with its counts
-            lengths = _check_frames([f for f in (train_df, val_df) if f is not None], planned)
-        train = scan_parquet(store.url(train_path), store.storage_options)
-        val = scan_parquet(store.url(val_path), store.storage_options) if val_path else None
+            lengths = _check_frames([selected], planned)
+        train_path = _split_path(path, False) if split else path
+        val_path = _split_path(path, True) if split else None
+        train = _scan(store, train_path)
         if train.num_rows == 0:
             raise ValueError(f"the training split is empty: validation={validation!r} marked every row; "
                              "expected some rows with 0/false")
+        val = _scan(store, val_path) if val_path is not None else None
         if val is not None and val.num_rows == 0:
             raise ValueError(f"the validation split is empty with validation={validation!r}; fix: use a "
                              "larger fraction, mark some rows, or pass validation=None")
     except BaseException:
-        for path in written:
-            store.delete(path)
+        for written_path in written:
+            store.delete(written_path)
         raise
 
     columns = tuple(ColumnInfo(c.name, c.kind, (lengths[c.name],) if c.kind != "scalar" else (), c.dtype,
                                c.spark_type, "row_bytes" if c.kind != "scalar" else "plain") for c in planned)
     info = PreparedData(
-        key=key, train_path=train_path, val_path=val_path,
+        key=key.value, train_path=train_path, val_path=val_path,
         train_rows=train.num_rows, val_rows=val.num_rows if val else 0,
         train_files=len(train.files), val_files=len(val.files) if val else 0,
         train_row_groups=len(train.row_groups), val_row_groups=len(val.row_groups) if val else 0,
@@ -463,5 +493,23 @@ def prepare_data(df: Any, store: Store, feature_cols: Sequence[str], label_cols:
         sample_weight_col=sample_weight_col, num_proc=num_proc, label_ranges=_label_ranges(observed, planned),
         skipped_rows=int(counted.get("skipped") or 0))
     # Written last: its presence is what marks the dataset complete for later calls.
-    store.write(metadata_path, info.to_json().encode())
+    store.write(store.get_data_metadata_path(key.value), info.to_json().encode())
     return info
+
+
+def _cached(store: Store, key: str) -> Optional[PreparedData]:
+    """The dataset prepared before under ``key``, when it was written to the end."""
+    metadata_path = store.get_data_metadata_path(key)
+    if not store.exists(metadata_path):
+        return None
+    cached = PreparedData.from_json(store.read(metadata_path))
+    if all(store.exists(p) for p in (cached.train_path, cached.val_path) if p is not None):
+        return cached
+    return None
+
+
+def _scan(store: Store, path: str) -> ParquetLayout:
+    """The written files under ``path``; none where a split got no rows (no directory)."""
+    if not store.exists(path):
+        return ParquetLayout((), (), (), {})
+    return scan_parquet(store.url(path), store.storage_options)

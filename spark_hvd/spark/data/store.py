@@ -323,6 +323,10 @@ class Store(ABC):
     def delete(self, path: str) -> None:
         """Remove the file or directory tree at ``path``; nothing happens if it does not exist."""
 
+    def move(self, source: str, target: str) -> None:
+        """Rename the file or directory tree ``source`` to ``target`` (which must not exist)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot rename {source!r}: implement Store.move")
+
     @abstractmethod
     def spark_url(self, path: str) -> str:
         """The URL Spark uses to read or write Parquet at ``path``."""
@@ -428,6 +432,10 @@ class LocalStore(FilesystemStore):
             shutil.rmtree(path, ignore_errors=False)
         elif os.path.lexists(path):
             os.remove(path)
+
+    def move(self, source: str, target: str) -> None:
+        os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+        os.rename(source, target)
 
     def spark_url(self, path: str) -> str:
         return "file://" + os.path.abspath(path)
@@ -628,6 +636,10 @@ class FsspecStore(FilesystemStore):
         target = self._fs_path(path)
         if self.fs.exists(target):
             self.fs.rm(target, recursive=True)
+
+    def move(self, source: str, target: str) -> None:
+        # A rename on HDFS and local filesystems; object stores copy and delete.
+        self.fs.mv(self._fs_path(source), self._fs_path(target), recursive=True)
 
     def spark_url(self, path: str) -> str:
         scheme = _SPARK_SCHEMES.get(self.protocol)

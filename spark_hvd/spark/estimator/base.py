@@ -8,7 +8,9 @@ Keras and Lightning:
    pass);
 2. the dry run: the model and its loss once, on rows of zeros when the schema tells every
    feature's and label's size (no Spark job), else on one batch of real rows (one small Spark job);
-3. the run's fingerprint and resume point (a checkpoint of the same ``run_id``);
+3. the run's fingerprint and resume point (a checkpoint of the same ``run_id``), before the
+   materialization when the run has a checkpoint, else after it (its pass hashes rows held in
+   memory for both);
 4. the data's materialization as Parquet in the store (reused for the same DataFrame);
 5. the training spec (every setting that comes from a Param under the Param's name), and the
    barrier stage with retries from the last checkpoint;
@@ -523,8 +525,13 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable, Generic[Own]):
             dataset = dataset.withColumn(STACKED_FEATURES, stacked_column(*stacking))
         fit = self._check(dataset, stacking[0] if stacking is not None else None)
         self._dry_run(dataset, fit)
-        fit.fingerprint = self._fingerprint(dataset, fit)
-        resume = self._resume_state(fit)
+        # A run with a checkpoint is checked against it before anything is written; a new run takes
+        # its fingerprint after the write, whose pass hashes rows held in memory (no job of its own).
+        resume: Optional[Checkpoint] = None
+        known = fit.store.exists(self._checkpoint_path(fit.store, fit.run_id))
+        if known:
+            fit.fingerprint = self._fingerprint(dataset, fit)
+            resume = self._resume_state(fit)
         timings["validation"] = time.monotonic() - started
 
         mark = time.monotonic()
@@ -535,6 +542,8 @@ class DistributedEstimator(Estimator, MLReadable, MLWritable, Generic[Own]):
                 self.getOrDefault("validation"), fit.num_proc, seed=seed if seed is not None else 0,
                 vector_dtype=fit.dtype, skip_invalid=self.getOrDefault("invalid_rows") == "skip",
                 files_per_proc=self.getOrDefault("partitions_per_process"))
+        if not known:
+            fit.fingerprint = self._fingerprint(dataset, fit)
         sizes = [max(1, int(np.prod(prepared.column(col).shape))) for col in fit.feature_cols]
         if sizes != fit.sizes or fit.shapes is None:
             self._try(fit, sizes)  # the stored data's sizes, which the ranks will read

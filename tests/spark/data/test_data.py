@@ -191,6 +191,41 @@ def test_second_prepare_reuses_the_written_data(spark, frame, tmp_path):
     assert prepare_data(frame, store, ["v"], ["y"], validation=0.2, num_proc=3).key != first.key
 
 
+@pytest.mark.parametrize("validation", [0.25, "mark"])
+def test_one_job_writes_both_splits_and_hashes_rows_held_in_memory(spark, frame, tmp_path, validation):
+    """Rows held in memory (their key needs a digest of the rows) are read once: one Spark job
+    writes both splits and hashes the rows on the way. The key is the one a digest job of its own
+    gives, so another session finds the data; the fit's data identity of the same rows (without
+    the validation column) needs no job after it."""
+    from spark_hvd.spark.data import identity
+
+    df = frame.select("id", "v", "y", "w", "mark")  # a plan of its own: no digest remembered yet
+    store = Store.create(str(tmp_path / "store"))
+    made = []
+    assert jobs_run_by(spark, lambda: made.append(
+        prepare_data(df, store, ["v"], ["y"], "w", validation=validation, num_proc=2))) == 1
+    info = made[0]
+    assert info.train_rows + info.val_rows == N and info.train_rows > 0 and info.val_rows > 0
+    if validation == "mark":
+        assert info.val_rows == N // 4
+    # Both splits are sub-directories of the key's training data path; nothing else is left.
+    assert os.path.dirname(info.train_path) == os.path.dirname(info.val_path) == store.get_train_data_path(info.key)
+    assert sorted(os.listdir(store.prefix)) == sorted(os.path.basename(p) for p in (
+        store.get_train_data_path(info.key), store.get_data_metadata_path(info.key)))
+    written = [pq.read_table(f).num_rows for p in (info.train_path, info.val_path)
+               for f in scan_parquet(store.url(p)).files]
+    assert sum(written) == N
+
+    assert jobs_run_by(spark, lambda: identity.data_identity(df, ["v", "y", "w"])) == 0
+    remembered = identity.data_identity(df, ["v", "y", "w"])
+    identity._digests.clear()  # as in another session: the digest is not known
+    assert identity.data_identity(df, ["v", "y", "w"]) == remembered  # now from a job of its own
+    identity._digests.clear()
+    again = prepare_data(df, store, ["v"], ["y"], "w", validation=validation, num_proc=2)
+    assert again == info
+    assert not [n for n in os.listdir(store.prefix) if "pending" in n]
+
+
 def test_ragged_arrays_and_nulls_are_refused_and_cleaned_up(spark, tmp_path):
     """Arrays of unequal length and null values raise ValueError naming the column; nothing stays."""
     from pyspark.sql import Row
