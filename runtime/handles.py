@@ -13,7 +13,7 @@ import numpy as np
 
 from .messages import Meta
 
-__all__ = ["Handle", "Entry", "RequestBook", "Driver"]
+__all__ = ["Handle", "Then", "Entry", "RequestBook", "Driver"]
 
 
 class Driver(Protocol):
@@ -84,6 +84,43 @@ class Handle:
             error = copy.copy(self._error)
             raise error.with_traceback(None)
         return self._results[0] if self._single else list(self._results)
+
+
+class Then(Handle):
+    """An operation built on another: finished with ``then(result)`` once ``inner`` has finished
+    (computed by whichever caller first sees it done, once)."""
+
+    __slots__ = ("_inner", "_then", "_settling")
+
+    def __init__(self, name: str, inner: Handle, then: Any) -> None:
+        super().__init__(name)
+        self._inner, self._then = inner, then
+        self._settling = threading.Lock()
+
+    def _settle(self, timeout: Optional[float]) -> None:
+        with self._settling:
+            if self._done:
+                return
+            try:
+                value = self._inner.wait(timeout)
+            except TimeoutError:
+                raise
+            except BaseException as exc:  # the inner operation's failure is this one's
+                self._fail(exc)
+                return
+            try:
+                self._set(0, self._then(value))
+            except BaseException as exc:
+                self._fail(exc)
+
+    def done(self) -> bool:
+        if not self._done and self._inner.done():
+            self._settle(0.0)
+        return self._done
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        self._settle(timeout)
+        return super().wait(0.0)
 
 
 class Entry:

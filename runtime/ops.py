@@ -21,6 +21,8 @@ __all__ = [
     "reduce_into",
     "scale_inplace",
     "check_op",
+    "adasum",
+    "ADASUM_WIRES",
 ]
 
 
@@ -86,8 +88,12 @@ def storage_dtype(wire: str) -> np.dtype:
     return DTYPES[wire]
 
 
+ADASUM_WIRES = ("float16", "bfloat16", "float32", "float64")
+"""The wire dtypes Adasum combines (it scales by ratios of dot products: floating point only)."""
+
 _VALID = {(int(op), wire): op for op in ReduceOp for wire in DTYPES
-          if op != ReduceOp.Adasum and not (wire == "bool" and op in (ReduceOp.Average, ReduceOp.Product))}
+          if not (wire == "bool" and op in (ReduceOp.Average, ReduceOp.Product))
+          and not (op == ReduceOp.Adasum and wire not in ADASUM_WIRES)}
 _WIRE_BY_DTYPE = {dtype: name for name, dtype in DTYPES.items() if name != "bfloat16"}
 
 
@@ -101,10 +107,8 @@ def check_op(op: int, wire: str) -> ReduceOp:
     except ValueError:
         raise ValueError(f"op={op!r} is not a reduction; expected one of {[o.name for o in ReduceOp]}") from None
     if op == ReduceOp.Adasum:
-        # NotImplementedError is a RuntimeError, which is what Horovod raises for this too.
-        raise NotImplementedError(
-            "op=Adasum is not supported yet by spark-hvd; use op=Average (the default) or op=Sum"
-        )
+        raise ValueError(f"op=Adasum combines floating-point arrays ({', '.join(ADASUM_WIRES)}), got {wire}; "
+                         "use op=Sum or op=Average for other dtypes")
     if wire == "bool" and op in (ReduceOp.Average, ReduceOp.Product):
         raise ValueError(f"op={op.name} is not defined for bool arrays; use Sum (logical or), Min or Max")
     return op
@@ -180,3 +184,40 @@ def average_inplace(array: np.ndarray, count: int, wire: str) -> None:
         _f32_to_bf16(_bf16_to_f32(array) / np.float32(count), array)
     else:
         np.copyto(array, np.trunc(array / count), casting="unsafe")
+
+
+def _to_float64(array: np.ndarray, wire: str) -> np.ndarray:
+    return (_bf16_to_f32(array) if wire == "bfloat16" else array).astype(np.float64)
+
+
+def adasum(contributions: np.ndarray, wire: str, out: np.ndarray) -> None:
+    """Combine the ranks' vectors (``contributions[r]`` is rank r's, in ``wire`` storage) with
+    Adasum (Maleki et al., 2020) into ``out``.
+
+    Two vectors a and b combine as ``(1 - a.b / (2 a.a)) a + (1 - a.b / (2 b.b)) b``: their sum
+    when orthogonal, their average when equal, and in between the sum with the part they share
+    counted once. The ranks combine pairwise as a binary tree over rank order: (0, 1), (2, 3), ...
+    first, then the pairs of those results, and so on (for a power-of-two count, the pairs at
+    distance 1, 2, 4, ... of the recursive halving Horovod runs); an odd one out moves up a level
+    unchanged. Dot products and the combination are computed in float64, then rounded once to
+    ``wire``. A zero vector leaves the other unchanged.
+    """
+    level = [_to_float64(c, wire) for c in contributions]
+    while len(level) > 1:
+        paired = [_combine(level[i], level[i + 1]) for i in range(0, len(level) - 1, 2)]
+        if len(level) % 2:
+            paired.append(level[-1])
+        level = paired
+    result = level[0].reshape(out.shape)
+    if wire == "bfloat16":
+        _f32_to_bf16(result.astype(np.float32), out)
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.copyto(out, result, casting="unsafe")
+
+
+def _combine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    dot, aa, bb = float(np.dot(a, b)), float(np.dot(a, a)), float(np.dot(b, b))
+    ca = 1.0 - dot / (2.0 * aa) if aa > 0.0 else 1.0
+    cb = 1.0 - dot / (2.0 * bb) if bb > 0.0 else 1.0
+    return ca * a + cb * b

@@ -14,9 +14,9 @@ import numpy as np
 
 from .engine import build_engine, usable_cpus
 from .lockstep import Lockstep
-from .handles import Entry, Handle
+from .handles import Entry, Handle, Then
 from .messages import Meta
-from .ops import check_op, storage_dtype, wire_dtype
+from .ops import ReduceOp, adasum, check_op, scale_inplace, storage_dtype, wire_dtype
 from .kinds import ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN, REDUCESCATTER
 
 __all__ = ["Session", "prepare_array"]
@@ -140,6 +140,8 @@ class Session:
                grouped: bool, will_wait: bool = False) -> Handle:
         """Start an allreduce or reducescatter of each array (one request, or a group)."""
         pre, post = float(prescale), float(postscale)
+        if isinstance(op, int) and op == ReduceOp.Adasum:
+            return self._adasum(kind, arrays, name, pre, post, outs, dtype, ps, grouped, will_wait)
         parts = []
         for i, raw in enumerate(arrays):
             array, wire = prepare_array(raw, dtype)
@@ -155,6 +157,47 @@ class Session:
                         postscale=post, ps=ps)
             parts.append((meta, array, out))
         return self._submit(kind, name, parts, grouped, will_wait, ps)
+
+    def _adasum(self, kind: str, arrays: Sequence[np.ndarray], name: Optional[str], pre: float, post: float,
+                outs: Optional[Sequence[Optional[np.ndarray]]], dtype: Optional[str], ps: int, grouped: bool,
+                will_wait: bool) -> Handle:
+        """An Adasum allreduce (:func:`.ops.adasum`): each rank gathers every rank's arrays (one
+        allgather request, negotiated and carried by whichever path allgathers take: ring,
+        hierarchical, shared memory) and combines them in the same order, so every rank computes
+        the same bits. Each array of a group is combined on its own, as Horovod does per tensor."""
+        if kind != ALLREDUCE:
+            # NotImplementedError is a RuntimeError, what Horovod raises for this too.
+            raise NotImplementedError(f"op=Adasum is defined for allreduce, not {kind}; use op=Sum or op=Average")
+        members = len(self.members(ps))
+        if members & (members - 1):
+            raise ValueError(f"op=Adasum combines the ranks pairwise and needs a power-of-two number of them, got "
+                             f"{members}; run 1, 2, 4, 8, ... ranks (or a process set of that many), or use "
+                             "op=Average")
+        staged = []
+        for i, raw in enumerate(arrays):
+            array, wire = prepare_array(raw, dtype)
+            check_op(ReduceOp.Adasum, wire)
+            out = _target(raw, array, outs[i] if outs is not None else None, kind)
+            sent = array.reshape(1, -1)
+            if pre != 1.0:
+                sent = sent.copy()
+                scale_inplace(sent, pre, wire)
+            staged.append((sent, wire, out))
+        if not staged:
+            return self._submit(ALLGATHER, name, [], grouped, will_wait, ps)
+        gathered = self.allgather([sent for sent, _, _ in staged], name=self.name("adasum", name, ps),
+                                  dtype=dtype, ps=ps, grouped=True,
+                                  will_wait=will_wait)
+
+        def combine(rows: List[np.ndarray]) -> Any:
+            results = []
+            for (_, wire, out), contributions in zip(staged, rows):
+                adasum(contributions, wire, out)
+                scale_inplace(out, post, wire)
+                results.append(out)
+            return results if grouped else results[0]
+
+        return Then(gathered.name, gathered, combine)
 
     def allgather(self, arrays: Sequence[np.ndarray], *, name: Optional[str], dtype: Optional[str], ps: int,
                   grouped: bool, will_wait: bool = False) -> Handle:

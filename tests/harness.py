@@ -18,8 +18,10 @@ import time
 import traceback
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
+import numpy as np
+
 __all__ = ["SIZES", "PRELOAD", "Check", "run_checks", "launch", "assert_passed", "is_alive", "wait_until", "rank_processes",
-           "counting_lockstep"]
+           "counting_lockstep", "adasum_reference"]
 
 SIZES = (1, 2, 3)
 
@@ -173,3 +175,15 @@ def counting_lockstep() -> Iterator[List[bool]]:
         yield calls
     finally:
         rt.allreduce_lockstep = original
+
+
+def adasum_reference(vectors) -> np.ndarray:
+    """Adasum of a power-of-two list of vectors, pairwise in rank order (Maleki et al., 2020)."""
+    level = [np.asarray(v, dtype=np.float64) for v in vectors]
+    while len(level) > 1:
+        nxt = []
+        for a, b in zip(level[0::2], level[1::2]):
+            dot = float(a @ b)
+            nxt.append((1.0 - dot / (2.0 * float(a @ a))) * a + (1.0 - dot / (2.0 * float(b @ b))) * b)
+        level = nxt
+    return level[0]

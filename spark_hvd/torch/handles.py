@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 import spark_hvd.runtime as _rt
-from spark_hvd.torch.basics import Average, Sum, global_process_set
+from spark_hvd.torch.basics import Adasum, Average, Sum, global_process_set
 from spark_hvd.torch.device import enqueue_device, use_device
 from spark_hvd.torch.tensor_bridge import Staged, stage
 from spark_hvd.runtime.kinds import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER
@@ -176,7 +176,7 @@ def enqueue(
             raise ValueError(f"grouped_{kind} got an empty list of tensors; expected at least one tensor")
     if kind == REDUCESCATTER:
         _refuse_scalars(tensors, grouped)
-    if tensors and tensors[0].is_cuda and use_device(tensors):
+    if tensors and tensors[0].is_cuda and not (kind == ALLREDUCE and op == Adasum) and use_device(tensors):
         inner, finish_device = enqueue_device(kind, list(tensors), grouped=grouped, inplace=inplace, name=name, op=op,
                                               prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                                               root_rank=root_rank, splits=splits, process_set=process_set)

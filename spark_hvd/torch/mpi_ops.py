@@ -57,7 +57,9 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
         average: Deprecated: True means op=Average, False op=Sum. Pass op instead.
         name: Matches this operation across ranks; None draws a name from a per-kind counter,
             so unnamed operations must then be issued in the same order on every rank.
-        op: Average (the default), Sum, Min, Max or Product.
+        op: Average (the default), Sum, Min, Max, Product, or Adasum (see
+            :func:`spark_hvd.runtime.ops.adasum`: floating point, a power-of-two number of ranks,
+            each tensor combined on its own).
         prescale_factor: Multiplies the input before the reduction.
         postscale_factor: Multiplies the result after the reduction.
         process_set: The ranks taking part (default: all ranks).
@@ -78,7 +80,7 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
         tensor: The tensor to reduce and overwrite.
         average: Deprecated: True means op=Average, False op=Sum. Pass op instead.
         name: Matches this operation across ranks; None draws a name from a per-kind counter.
-        op: Average (the default), Sum, Min, Max or Product.
+        op: Average (the default), Sum, Min, Max, Product or Adasum (as for :func:`allreduce_async`).
         prescale_factor: Multiplies the input before the reduction.
         postscale_factor: Multiplies the result after the reduction.
         process_set: The ranks taking part (default: all ranks).
@@ -98,7 +100,7 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
         tensor: The tensor to reduce and overwrite.
         average: Deprecated: True means op=Average, False op=Sum. Pass op instead.
         name: Matches this operation across ranks; None draws a name from a per-kind counter.
-        op: Average (the default), Sum, Min, Max or Product.
+        op: Average (the default), Sum, Min, Max, Product or Adasum (as for :func:`allreduce_async`).
         prescale_factor: Multiplies the input before the reduction.
         postscale_factor: Multiplies the result after the reduction.
         process_set: The ranks taking part (default: all ranks).
@@ -120,7 +122,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
         tensors: The tensors to reduce; the i-th is combined with the i-th of every rank.
         average: Deprecated: True means op=Average, False op=Sum. Pass op instead.
         name: Matches this operation across ranks; None draws a name from a per-kind counter.
-        op: Average (the default), Sum, Min, Max or Product.
+        op: Average (the default), Sum, Min, Max, Product or Adasum (as for :func:`allreduce_async`).
         prescale_factor: Multiplies each input before the reduction.
         postscale_factor: Multiplies each result after the reduction.
         process_set: The ranks taking part (default: all ranks).
@@ -141,7 +143,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[
         tensors: The tensors to reduce and overwrite.
         average: Deprecated: True means op=Average, False op=Sum. Pass op instead.
         name: Matches this operation across ranks; None draws a name from a per-kind counter.
-        op: Average (the default), Sum, Min, Max or Product.
+        op: Average (the default), Sum, Min, Max, Product or Adasum (as for :func:`allreduce_async`).
         prescale_factor: Multiplies each input before the reduction.
         postscale_factor: Multiplies each result after the reduction.
         process_set: The ranks taking part (default: all ranks).
@@ -161,7 +163,7 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] 
         tensors: The tensors to reduce and overwrite.
         average: Deprecated: True means op=Average, False op=Sum. Pass op instead.
         name: Matches this operation across ranks; None draws a name from a per-kind counter.
-        op: Average (the default), Sum, Min, Max or Product.
+        op: Average (the default), Sum, Min, Max, Product or Adasum (as for :func:`allreduce_async`).
         prescale_factor: Multiplies each input before the reduction.
         postscale_factor: Multiplies each result after the reduction.
         process_set: The ranks taking part (default: all ranks).

@@ -24,7 +24,7 @@ from spark_hvd.torch.handles import Handle, enqueue
 from spark_hvd.torch.mpi_ops import sparse_allreduce_async
 from spark_hvd.runtime.kinds import ALLREDUCE
 
-__all__ = ["DistributedOptimizer", "_DistributedOptimizer",  # the latter: Horovod's base class name, for isinstance
+__all__ = ["DistributedOptimizer", "_DistributedOptimizer", "_DistributedAdasumOptimizer",  # the latter: Horovod's base class name, for isinstance
            "BUCKET_CANDIDATES"]
 
 _TOO_MANY_PASSES = (
@@ -560,6 +560,49 @@ class _DistributedOptimizer:
         super().load_state_dict(state_dict)  # type: ignore[misc]
 
 
+class _DistributedAdasumOptimizer:
+    """Horovod's Adasum optimizer: every rank applies the wrapped optimizer to its own gradients,
+    then the ranks combine the parameters' changes (not the gradients) with Adasum
+    (:func:`spark_hvd.runtime.ops.adasum`, each parameter on its own) and every rank sets its
+    parameters to where they started plus the combined change. The wrapped optimizer's state
+    (momenta, Adam's moments) stays each rank's own, as in Horovod."""
+
+    def _hvd_adasum_setup(self, named: List[Tuple[str, torch.Tensor]], compression: Compressor,
+                          process_set: Any) -> None:
+        self._compression = compression
+        self.process_set = process_set
+        self._parameter_names = {p: name for name, p in named}
+
+    def _trainable(self) -> List[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]  # type: ignore
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: the changes are combined inside ``step()``."""
+
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Accepted for code written for the averaging optimizer; ``step()`` combines as always."""
+        yield
+
+    def step(self, closure: Any = None) -> Any:
+        """The wrapped optimizer's step on this rank's gradients, then the parameters' changes
+        combined over the ranks with Adasum (a blocking grouped allreduce)."""
+        params = self._trainable()
+        with torch.no_grad():
+            starts = [p.detach().clone() for p in params]
+        result = super().step(closure)  # type: ignore[misc]
+        if not params:
+            return result
+        with torch.no_grad():
+            sent, contexts = zip(*(self._compression.compress(p.detach() - start) for p, start in zip(params, starts)))
+            handle = enqueue(ALLREDUCE, list(sent), grouped=True, inplace=True, name=None, op=Adasum,
+                             process_set=self.process_set)
+            combined = handle.wait()
+            for p, start, change, ctx in zip(params, starts, combined, contexts):
+                p.copy_(start + self._compression.decompress(change, ctx).to(p.dtype))
+        return result
+
+
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
     named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
@@ -587,7 +630,12 @@ def DistributedOptimizer(
             must be unique). Without them, parameters are numbered.
         compression: ``Compression.none`` or ``Compression.fp16`` (gradients travel as float16).
         backward_passes_per_step: Backward passes accumulated locally before one reduction.
-        op: ``Average`` (default) or ``Sum``. ``Adasum`` is not supported yet (NotImplementedError).
+        op: ``Average`` (default), ``Sum``, or ``Adasum``: each rank steps the wrapped optimizer on
+            its own gradients and the ranks combine the parameters' changes with Adasum (a
+            power-of-two number of ranks; ``backward_passes_per_step`` means calling ``step()``
+            after that many backward passes, and ``groups``/``bucket_cap_mb`` do not apply).
+            Horovod's guide for the learning rate with Adasum: the best single-worker rate, scaled
+            by ``hvd.local_size()`` where GPUs reduce within a host, else by about 2-2.5.
         gradient_predivide_factor: With op=Average, gradients are scaled by 1/factor before the
             sum and factor/size after it.
         num_groups: Deprecated spelling of ``groups`` as a number.
@@ -609,13 +657,8 @@ def DistributedOptimizer(
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if isinstance(optimizer, _DistributedOptimizer):
+    if isinstance(optimizer, (_DistributedOptimizer, _DistributedAdasumOptimizer)):
         raise ValueError("optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
-    if op == Adasum:
-        # The same refusal, and type, as the collectives' (NotImplementedError is a RuntimeError).
-        raise NotImplementedError(
-            "op=Adasum is not supported yet by spark-hvd; use op=Average (the default) or op=Sum"
-        )
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError(
             f"gradient_predivide_factor={gradient_predivide_factor} is only supported with op=Average, got op={op!r}"
@@ -638,6 +681,12 @@ def DistributedOptimizer(
                              "grouped: expected one of them; drop groups to use buckets, or bucket_cap_mb to use "
                              "your groups")
     named = _named(optimizer, named_parameters)
+    if op == Adasum:
+        adasum = type(optimizer.__class__.__name__, (_DistributedAdasumOptimizer, optimizer.__class__), {})
+        wrapped_adasum = adasum.__new__(adasum)
+        wrapped_adasum.__dict__.update(optimizer.__dict__)
+        wrapped_adasum._hvd_adasum_setup(named, compression, process_set)
+        return wrapped_adasum
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     # Adopt the optimizer's attributes instead of constructing anew: its state (a loaded
     # checkpoint), defaults and hooks carry over, and constructors with required arguments work.

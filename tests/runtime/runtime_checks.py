@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 import spark_hvd.runtime as rt
+from harness import adasum_reference
 
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8"]
 OPS = [rt.Sum, rt.Average, rt.Min, rt.Max, rt.Product]
@@ -381,8 +382,63 @@ def repeated_small_allreduces(rt, rank: int, size: int) -> int:
     return compared
 
 
+def adasum_cases(rt, rank: int, size: int) -> int:
+    """op=Adasum against a numpy reference of the same inputs: every float dtype, shapes, groups
+    (each array combined on its own), async, in place, scaling; orthogonal vectors sum, parallel
+    ones average; integer arrays, reducescatter and a world that is not a power of two are refused
+    before any communication. Returns the number of cases compared."""
+    if size & (size - 1):
+        try:
+            rt.allreduce(np.ones(4, np.float32), op=rt.Adasum)
+        except ValueError as exc:
+            assert "power-of-two" in str(exc) and str(size) in str(exc), str(exc)
+        else:
+            raise AssertionError(f"Adasum over {size} ranks was not refused")
+        return 0
+    cases = 0
+    for dtype, tol in (("float64", 1e-12), ("float32", 1e-5), ("float16", 2e-3), ("bfloat16", 2e-2)):
+        inputs = [np.random.default_rng(40 + r).normal(size=(3, 5)) for r in range(size)]
+        want = adasum_reference([v.reshape(-1) for v in inputs]).reshape(3, 5)
+        extra = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
+        got = from_wire(rt.allreduce(to_wire(inputs[rank], dtype), op=rt.Adasum, **extra), dtype)
+        assert got.shape == (3, 5) and np.allclose(got, want, rtol=tol, atol=tol), (dtype, got, want)
+        cases += 1
+    # Each array of a group on its own: the second one's vectors are orthogonal (one nonzero
+    # element per rank), so it sums, while the first one's are parallel, so it averages.
+    parallel = np.arange(1.0, 7.0) * (rank + 1)
+    orthogonal = np.zeros(size * 2)
+    orthogonal[2 * rank] = rank + 1.0
+    first, second = rt.grouped_allreduce([parallel, orthogonal], op=rt.Adasum)
+    assert np.allclose(first, np.arange(1.0, 7.0) * (size + 1) / 2), first
+    assert np.allclose(second, [r + 1.0 if i % 2 == 0 else 0.0 for r in range(size) for i in range(2)]), second
+    cases += 2
+    # Async and polled, in place, with scaling: prescale before the combination, postscale after.
+    data = np.random.default_rng(7 + rank).normal(size=1001).astype(np.float32)
+    want = adasum_reference([np.random.default_rng(7 + r).normal(size=1001).astype(np.float32) * 2.0
+                             for r in range(size)]) * 0.5
+    handle = rt.allreduce_async(data, op=rt.Adasum, out=data, prescale_factor=2.0, postscale_factor=0.5)
+    while not rt.poll(handle):
+        time.sleep(0.001)
+    assert rt.synchronize(handle) is data and np.allclose(data, want, rtol=1e-5, atol=1e-6)
+    cases += 1
+    zero = rt.allreduce(np.zeros(3) if rank else np.ones(3), op=rt.Adasum)  # a zero vector changes nothing
+    assert np.allclose(zero, np.ones(3)), zero
+    for call, error, text in ((lambda: rt.allreduce(np.ones(3, np.int32), op=rt.Adasum), ValueError, "int32"),
+                              (lambda: rt.reducescatter(np.ones(4 * size, np.float32), op=rt.Adasum),
+                               NotImplementedError, "reducescatter")):
+        try:
+            call()
+        except error as exc:
+            assert text in str(exc), str(exc)
+        else:
+            raise AssertionError(f"{text} with op=Adasum was not refused")
+    after = rt.allreduce(np.ones(2), op=rt.Sum)  # the refusals sent nothing
+    assert np.allclose(after, size), after
+    return cases
+
+
 ALL = [
     allreduce_matrix, scaled_allreduce, allgather_cases, broadcast_cases, alltoall_cases, reducescatter_cases,
     grouped_and_async_cases, object_cases, barrier_and_process_sets, join_cases, storage_views_and_counters,
-    polled_async_rounds, duplicate_names, unwaited_async_is_announced, repeated_small_allreduces,
+    polled_async_rounds, duplicate_names, unwaited_async_is_announced, repeated_small_allreduces, adasum_cases,
 ]

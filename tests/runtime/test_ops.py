@@ -71,8 +71,9 @@ def test_unsupported_inputs_are_named():
     """Unsupported dtypes, Adasum and mismatched bfloat16 storage give errors with the fix."""
     with pytest.raises(ValueError, match="complex128 are not supported"):
         wire_dtype(np.zeros(2, np.complex128))
-    with pytest.raises(NotImplementedError, match="Adasum is not supported yet"):
-        check_op(ReduceOp.Adasum, "float32")
+    with pytest.raises(ValueError, match="op=Adasum combines floating-point arrays .* got int32; use op=Sum"):
+        check_op(ReduceOp.Adasum, "int32")
+    assert check_op(ReduceOp.Adasum, "bfloat16") == ReduceOp.Adasum
     with pytest.raises(ValueError, match="needs 2-byte elements"):
         wire_dtype(np.zeros(2, np.float32), "bfloat16")
     with pytest.raises(ValueError, match="not defined for bool"):

@@ -28,3 +28,10 @@ def test_join_returns_last_rank(world):
     """join() returns, on every rank, the rank that joined last (the one with most steps)."""
     size, results = world
     assert assert_passed(results, checks.join_cases) == [size - 1] * size
+
+
+def test_adasum_compares_every_case_in_power_of_two_worlds(world):
+    """Adasum ran its comparisons against the numpy reference in worlds of 1 and 2 ranks, and
+    was refused (0 cases) in a world of 3."""
+    size, results = world
+    assert set(assert_passed(results, checks.adasum_cases)) == {0 if size == 3 else 7}

@@ -244,26 +244,42 @@ def check_other_dtypes_move(hvd, rank, size):
 
 
 def check_adasum_and_bool_average_refused(hvd, rank, size):
-    """op=Adasum raises a 'not supported yet' NotImplementedError (a RuntimeError, as Horovod's
-    reducescatter test expects) before any communication, from every allreduce and reducescatter
-    form and from DistributedOptimizer alike; Average of bool raises a ValueError."""
-    x = torch.ones(2 * size)
+    """op=Adasum combines float tensors as the numpy reference of the same inputs does, from every
+    allreduce form and in a power-of-two world (in a world of 3 it is refused with a ValueError
+    naming the count); reducescatter refuses it with a RuntimeError, as Horovod's test expects,
+    before any communication; Average of bool raises a ValueError."""
+    import numpy as np
+
+    from harness import adasum_reference
+
+    inputs = [torch.from_numpy(np.random.default_rng(11 + r).normal(size=(4, 3))).float() for r in range(size)]
     calls = {
-        "allreduce": lambda: hvd.allreduce(x, op=hvd.Adasum),
-        "allreduce_async_": lambda: hvd.allreduce_async_(x.clone(), op=hvd.Adasum),
-        "grouped_allreduce": lambda: hvd.grouped_allreduce([x], op=hvd.Adasum),
-        "reducescatter": lambda: hvd.reducescatter(x, op=hvd.Adasum),
-        "grouped_reducescatter_async": lambda: hvd.grouped_reducescatter_async([x], op=hvd.Adasum),
-        "DistributedOptimizer": lambda: hvd.DistributedOptimizer(
-            torch.optim.SGD([torch.nn.Parameter(x.clone())], lr=0.1), op=hvd.Adasum),
+        "allreduce": lambda x: hvd.allreduce(x, op=hvd.Adasum),
+        "allreduce_async_": lambda x: hvd.synchronize(hvd.allreduce_async_(x.clone(), op=hvd.Adasum)),
+        "grouped_allreduce": lambda x: hvd.grouped_allreduce([x, x.double()], op=hvd.Adasum)[1].float(),
     }
-    for what, call in calls.items():
+    if size & (size - 1) == 0:
+        want = torch.from_numpy(adasum_reference([t.reshape(-1).numpy() for t in inputs]).reshape(4, 3)).float()
+        for what, call in calls.items():
+            close(call(inputs[rank]), want, what=f"{what} with op=Adasum", atol=1e-5)
+    else:
+        for what, call in calls.items():
+            try:
+                call(inputs[rank])
+            except ValueError as exc:
+                assert "power-of-two" in str(exc) and f"got {size}" in str(exc), (what, str(exc))
+            else:
+                raise AssertionError(f"{what} with op=Adasum over {size} ranks was not refused")
+    x = torch.ones(2 * size)
+    for what, call in {"reducescatter": lambda: hvd.reducescatter(x, op=hvd.Adasum),
+                       "grouped_reducescatter_async": lambda: hvd.grouped_reducescatter_async([x], op=hvd.Adasum),
+                       }.items():
         try:
             call()
-        except NotImplementedError as exc:
-            assert isinstance(exc, RuntimeError) and "Adasum is not supported yet" in str(exc), (what, str(exc))
+        except RuntimeError as exc:
+            assert "Adasum is defined for allreduce" in str(exc), (what, str(exc))
         else:
-            raise AssertionError(f"{what} with op=Adasum did not raise NotImplementedError")
+            raise AssertionError(f"{what} with op=Adasum did not raise RuntimeError")
     try:
         hvd.allreduce(torch.ones(2, dtype=torch.bool), op=hvd.Average)
     except ValueError as exc:

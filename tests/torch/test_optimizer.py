@@ -504,8 +504,8 @@ def check_sparse_gradients(hvd, rank, size):
 
 
 def check_argument_errors(hvd, rank, size):
-    """Duplicate names, unnamed parameters, non-tuple entries and predivide with Sum are refused
-    with ValueErrors that name the problem; Adasum with the collectives' NotImplementedError."""
+    """Duplicate names, unnamed parameters, non-tuple entries, predivide with Sum or Adasum, and
+    wrapping twice are refused with ValueErrors that name the problem."""
     model = _model()
     params = list(model.named_parameters())
     cases = [
@@ -513,6 +513,7 @@ def check_argument_errors(hvd, rank, size):
         ({"named_parameters": params[:2]}, "not named"),
         ({"named_parameters": [p for _, p in params]}, "tuples"),
         ({"op": hvd.Sum, "gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
+        ({"op": hvd.Adasum, "gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
         ({"backward_passes_per_step": 0}, "backward_passes_per_step"),
     ]
     for options, phrase in cases:
@@ -522,12 +523,14 @@ def check_argument_errors(hvd, rank, size):
             assert phrase in str(exc), (phrase, str(exc))
         else:
             raise AssertionError(f"{options} did not raise ValueError")
-    try:
-        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum)
-    except NotImplementedError as exc:
-        assert "not supported yet" in str(exc)
-    else:
-        raise AssertionError("op=Adasum did not raise NotImplementedError")
+    for op in (hvd.Average, hvd.Adasum):
+        once = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=op)
+        try:
+            hvd.DistributedOptimizer(once)
+        except ValueError as exc:
+            assert "already a DistributedOptimizer" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"wrapping a DistributedOptimizer(op={op!r}) again was not refused")
 
 
 def check_one_bucket_takes_the_one_host_path(hvd, rank, size):
@@ -559,11 +562,58 @@ def test_one_bucket_without_the_fast_path():
     assert_passed(results, check_one_bucket_takes_the_one_host_path)
 
 
+def check_adasum_combines_parameter_changes(hvd, rank, size):
+    """DistributedOptimizer(op=Adasum): each rank steps SGD on its own gradients, and every rank
+    ends at the start plus the Adasum (numpy reference) of all ranks' changes, per parameter; with
+    Adam (per-rank moments) the ranks still end with equal parameters. Over 3 ranks step() refuses
+    with a ValueError naming the count."""
+    from harness import adasum_reference
+
+    data = _data(size, 2)
+    x, y = data[0]
+    changes = []  # every rank's SGD change, computed here from its rows
+    for r in range(size):
+        local = _model()
+        F.cross_entropy(local(_my_rows(x, r)[0]), _my_rows(y, r)[0]).backward()
+        changes.append([-0.1 * p.grad.detach().clone() for p in local.parameters()])
+    model = _model()
+    start = [p.detach().clone() for p in model.parameters()]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), op=hvd.Adasum)
+    assert isinstance(opt, torch.optim.SGD)
+    F.cross_entropy(model(_my_rows(x, rank)[0]), _my_rows(y, rank)[0]).backward()
+    if size & (size - 1):
+        try:
+            opt.step()
+        except ValueError as exc:
+            assert "power-of-two" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"Adasum over {size} ranks was not refused")
+        return
+    opt.step()
+    for i, (p, s) in enumerate(zip(model.parameters(), start)):
+        combined = adasum_reference([c[i].reshape(-1).double().numpy() for c in changes])
+        want = s + torch.from_numpy(combined).reshape(s.shape).float()
+        close(p.detach(), want, atol=1e-6, what=f"parameter {i} after the Adasum step")
+    adam_model = _model()
+    adam = hvd.DistributedOptimizer(torch.optim.Adam(adam_model.parameters(), lr=0.01), op=hvd.Adasum)
+    for xb, yb in data:
+        adam.zero_grad()
+        F.cross_entropy(adam_model(_my_rows(xb, rank)[0]), _my_rows(yb, rank)[0]).backward()
+        adam.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in adam_model.parameters()])
+    gathered = hvd.allgather(flat.unsqueeze(0))
+    for r in range(size):
+        close(gathered[r], gathered[0], what=f"rank {r}'s parameters after Adam steps with Adasum")
+    assert not torch.equal(flat, torch.cat([p.detach().reshape(-1) for p in _model().parameters()]))
+
+
 ALL = [check_matches_single_process_training, check_backward_passes_per_step, check_fp16_compression,
        check_allreduce_starts_during_backward, check_unused_parameters, check_clipping_between_synchronize_and_step,
        check_zero_grad_between_backward_and_step, check_groups_and_predivide, check_bucket_cap_mb,
        check_buckets_flat_and_split, check_flat_buffer_is_never_handed_out, check_wrapping_keeps_optimizer_identity,
-       check_sparse_gradients, check_argument_errors, check_one_bucket_takes_the_one_host_path]
+       check_sparse_gradients, check_argument_errors, check_one_bucket_takes_the_one_host_path,
+       check_adasum_combines_parameter_changes]
 
 
 @pytest.mark.parametrize("check", ALL, ids=lambda c: c.__name__[len("check_"):])
