@@ -63,7 +63,8 @@ def _reduce_torch(grads: List[Any], settings: _Settings) -> List[Any]:
     out = list(grads)
     dense = [i for i, g in enumerate(grads) if g is not None]
     groups = settings.groups if isinstance(settings.groups, int) and settings.groups > 0 else 1
-    elementwise = settings.compression in (Compression.none, Compression.fp16)
+    # Adasum combines each gradient on its own: never flattened together.
+    elementwise = settings.compression in (Compression.none, Compression.fp16) and settings.op != Adasum
     for group in _split(dense, groups):
         # With an element-wise compression the gradients of each dtype and device travel end to
         # end in one flat tensor: one request instead of one per gradient (a compressor of the
@@ -240,7 +241,8 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
         compression: Compression.none or Compression.fp16 (gradients travel as float16).
         sparse_as_dense: Reduce sparse (IndexedSlices) gradients as dense tensors.
         gradient_predivide_factor: With Average, scale by 1/factor before the sum and factor/size after.
-        op: Average (default) or Sum.
+        op: Average (default), Sum or Adasum (each gradient combined on its own, over a power-of-two
+            number of ranks, as Horovod's Keras optimizer does).
         backward_passes_per_step: Steps whose gradients accumulate locally before one reduction
             and one update (Keras's gradient_accumulation_steps).
         average_aggregated_gradients: With backward_passes_per_step > 1, apply the mean of the
@@ -255,8 +257,6 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
         raise ValueError(f"optimizer must be a keras.optimizers.Optimizer (Keras 3), got {type(optimizer).__name__}")
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
-    if op == Adasum:
-        raise NotImplementedError("op=Adasum is not supported yet by spark-hvd; use op=Average (the default) or Sum")
     if op != Average and gradient_predivide_factor != 1.0:
         raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} is only supported with op=Average")
     if gradient_predivide_factor <= 0:

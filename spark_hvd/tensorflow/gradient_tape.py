@@ -41,7 +41,7 @@ class GradientReduction:
     sparse_as_dense: bool = False
     """Reduce ``tf.IndexedSlices`` as dense tensors instead of allgathering them."""
     op: int = Average
-    """Average or Sum."""
+    """Average, Sum or Adasum (each gradient combined on its own, a power-of-two number of ranks)."""
     gradient_predivide_factor: float = 1.0
     """With Average: scale by 1/factor before the sum and factor/size after it."""
     groups: Groups = None
@@ -50,8 +50,6 @@ class GradientReduction:
     """The ranks that average their gradients."""
 
     def __post_init__(self) -> None:
-        if self.op == Adasum:
-            raise NotImplementedError("op=Adasum is not supported yet by spark-hvd; use op=Average (the default) or Sum")
         if self.gradient_predivide_factor != 1.0 and self.op != Average:
             raise ValueError(f"gradient_predivide_factor={self.gradient_predivide_factor} is only supported with "
                              f"op=Average, got op={self.op!r}")
@@ -108,7 +106,7 @@ class GradientReduction:
         issues it in the same order, so ranks that share a host skip negotiating it (the one-host
         fast path, :func:`spark_hvd.runtime.allreduce_lockstep`).
         """
-        if not _elementwise(self.compression):
+        if not _elementwise(self.compression) or self.op == Adasum:  # Adasum: each gradient on its own
             return grouped_allreduce(grads, compression=self.compression, op=self.op, prescale_factor=pre,
                                      postscale_factor=post, process_set=self.process_set)
         grads = [tf.convert_to_tensor(g) for g in grads]
@@ -240,7 +238,8 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
         device_dense, device_sparse: Accepted for Horovod compatibility (data moves through host memory).
         compression: Compression.none or Compression.fp16.
         sparse_as_dense: Reduce tf.IndexedSlices gradients as dense tensors (otherwise allgathered).
-        op: Average (default) or Sum; Adasum raises NotImplementedError.
+        op: Average (default), Sum or Adasum (each gradient combined on its own over a power-of-two
+            number of ranks; tf.IndexedSlices need sparse_as_dense=True).
         gradient_predivide_factor: With Average, scale by 1/factor before the sum and factor/size after.
         num_groups: Deprecated spelling of ``groups`` as a number.
         groups: None (all gradients in one grouped operation), a number of groups, or lists of

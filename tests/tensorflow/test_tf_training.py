@@ -67,6 +67,59 @@ def check_gradient_tape_matches_single_process(hvd, rank, size):
     close(got[2], shared, 1e-6, "shared kernel gradient")
 
 
+def check_adasum_gradient_tape_and_keras_optimizer(hvd, rank, size):
+    """op=Adasum: DistributedGradientTape, eagerly and inside tf.function, and the Keras optimizer
+    return each variable's gradients combined over the ranks as the numpy reference of every
+    rank's own gradients (each variable on its own); over 3 ranks the combination is refused
+    naming the power-of-two rule."""
+    import keras
+    import tensorflow as tf
+
+    from harness import adasum_reference
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(size * 4, 5)).astype("float32")
+    y = rng.normal(size=(size * 4, 2)).astype("float32")
+    keras.utils.set_random_seed(0)
+    net = keras.Sequential([keras.Input((5,)), keras.layers.Dense(2)])
+
+    def own(r):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((net(x[r * 4:r * 4 + 4]) - y[r * 4:r * 4 + 4]) ** 2)
+        return tape, loss
+
+    def distributed():
+        tape, loss = own(rank)
+        return hvd.DistributedGradientTape(tape, op=hvd.Adasum).gradient(loss, net.trainable_variables)
+
+    if size & (size - 1):
+        try:
+            distributed()
+        except Exception as exc:  # the runtime's ValueError, as the framework surfaces it
+            assert "power-of-two" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"Adasum over {size} ranks was not refused")
+        return
+    grads = []
+    for r in range(size):
+        tape, loss = own(r)
+        grads.append([g.numpy() for g in tape.gradient(loss, net.trainable_variables)])
+    want = [adasum_reference([g[i].reshape(-1) for g in grads]).reshape(grads[0][i].shape).astype("float32")
+            for i in range(len(grads[0]))]
+    for compiled in (False, True):
+        got = (tf.function(distributed) if compiled else distributed)()
+        for g, w in zip(got, want):
+            close(g.numpy(), w, 1e-5, f"Adasum gradient, compiled={compiled}")
+    import spark_hvd.keras as khvd
+
+    opt = khvd.DistributedOptimizer(keras.optimizers.SGD(1.0), op=khvd.Adasum)
+    start = [v.numpy().copy() for v in net.trainable_variables]
+    tape, loss = own(rank)
+    opt.apply_gradients(zip(tape.gradient(loss, net.trainable_variables), net.trainable_variables))
+    for v, s0, w in zip(net.trainable_variables, start, want):
+        close(v.numpy(), s0 - w, 1e-5, "Keras optimizer step with Adasum")
+
+
 def check_load_model_rewraps_optimizer(hvd, rank, size):
     """A model saved after training loads through spark_hvd.keras.load_model with a distributed
     optimizer of the same class that kept its iteration count, and trains on."""
@@ -156,6 +209,7 @@ def check_keras_fit_takes_the_one_host_path(hvd, rank, size):
 
 CHECKS = [
     check_gradient_tape_matches_single_process,
+    check_adasum_gradient_tape_and_keras_optimizer,
     check_fit_matches_single_process,
     check_keras_fit_takes_the_one_host_path,
     check_flat_gradients_of_mixed_dtypes,
