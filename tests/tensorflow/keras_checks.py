@@ -161,6 +161,36 @@ def check_keras_values_and_state(hvd, rank, size):
     assert state.epoch == 0 and np.abs(model.get_weights()[0]).sum() > 0
 
 
+def check_adasum_optimizer_step(hvd, rank, size):
+    """DistributedOptimizer(op=Adasum) on this backend: an SGD step with rate 1 moves each variable
+    by the numpy reference's Adasum of every rank's gradient for it (each variable on its own, even
+    where an element-wise compression would flatten them together); over 3 ranks it is refused
+    naming the power-of-two rule."""
+    import keras
+
+    import spark_hvd.keras as khvd
+    from harness import adasum_reference
+
+    shapes = [(3, 2), (2,), (4,)]
+    grads = [[np.random.default_rng(100 * r + i).normal(size=shape).astype("float32")
+              for i, shape in enumerate(shapes)] for r in range(size)]
+    variables = [keras.Variable(np.ones(shape, "float32")) for shape in shapes]
+    opt = khvd.DistributedOptimizer(keras.optimizers.SGD(1.0), op=khvd.Adasum)
+    step = [keras.ops.convert_to_tensor(g) for g in grads[rank]]
+    if size & (size - 1):
+        try:
+            opt.apply_gradients(zip(step, variables))
+        except Exception as exc:  # the runtime's ValueError, as the backend surfaces it
+            assert "power-of-two" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"Adasum over {size} ranks was not refused")
+        return
+    opt.apply_gradients(zip(step, variables))
+    for i, v in enumerate(variables):
+        want = 1.0 - adasum_reference([g[i].reshape(-1) for g in grads]).reshape(shapes[i])
+        close(keras.ops.convert_to_numpy(v), want.astype("float32"), 1e-5, f"variable {i} after the Adasum step")
+
+
 def check_flat_gradients_of_mixed_dtypes(hvd, rank, size):
     """DistributedOptimizer.apply with gradients of two dtypes and four shapes (a scalar among
     them) moves each variable by the average gradient: with no compression (the gradients of a

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from keras_checks import (
+    check_adasum_optimizer_step,
     check_backward_passes_per_step,
     check_callbacks,
     check_fit_matches_single_process,
@@ -36,6 +37,7 @@ CHECKS = [
     check_backward_passes_per_step,
     check_callbacks,
     check_keras_values_and_state,
+    check_adasum_optimizer_step,
     check_torch_backend_without_tensorflow,
 ]
 

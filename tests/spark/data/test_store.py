@@ -120,6 +120,19 @@ def test_write_read_list_delete(store):
     assert not store.exists(path)
 
 
+def test_move_renames_a_directory_tree(store):
+    """move puts a directory tree (nested files included) under the new name, creating parents;
+    the old name is gone."""
+    source = store.join("intermediate_train_data.pending-x")
+    store.write(store.join("intermediate_train_data.pending-x", "split=0", "part-0.parquet"), b"rows")
+    store.write(store.join("intermediate_train_data.pending-x", "_SUCCESS"), b"")
+    target = store.join("deeper", "intermediate_train_data.k")
+    store.move(source, target)
+    assert not store.exists(source)
+    assert store.read(store.join("deeper", "intermediate_train_data.k", "split=0", "part-0.parquet")) == b"rows"
+    assert store.listdir(target) == ["_SUCCESS", "split=0"]
+
+
 def test_failed_write_keeps_the_old_content(store):
     """A writer that fails mid-stream leaves the previous file whole and no temporary file behind."""
     path = store.join("checkpoint")
