@@ -6,7 +6,7 @@ Every collective works eagerly and inside ``tf.function`` (Keras 3 compiles ``tr
 
 from typing import Any
 
-from spark_hvd.tensorflow import elastic
+from spark_hvd.tensorflow import elastic, util
 from spark_hvd.tensorflow.basics import (
     Adasum,
     Average,
@@ -93,7 +93,7 @@ __all__ = [
     # training
     "broadcast_variables", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
     "allgather_object", "DistributedGradientTape", "PartialDistributedGradientTape", "elastic",
-    "SyncBatchNormalization",
+    "SyncBatchNormalization", "util",
 ]
 
 

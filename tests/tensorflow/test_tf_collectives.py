@@ -338,8 +338,22 @@ def check_broadcast_global_variables_in_a_v1_graph(hvd, rank, size):
         hvd.broadcast_global_variables(0)
 
 
+def check_util_helpers(hvd, rank, size):
+    """hvd.util, as Horovod users import it: vars_to_refs / refs_to_vars round-trip nested lists of
+    variables through hashable references; _executing_eagerly is True eagerly, False in tf.function."""
+    tf = _tf()
+    a, b = tf.Variable(1.0), tf.Variable([2.0, 3.0])
+    refs = hvd.util.vars_to_refs([a, [b]])
+    assert len({refs[0], refs[1][0]}) == 2
+    back = hvd.util.refs_to_vars(refs)
+    assert back[0] is a and back[1][0] is b
+    assert hvd.util._executing_eagerly()
+    assert not bool(tf.function(lambda: tf.constant(hvd.util._executing_eagerly()))())
+
+
 CHECKS = [
     check_topology,
+    check_util_helpers,
     check_allreduce_every_dtype_and_op_eager_and_graph,
     check_allreduce_scaling_average_flag_compression,
     check_scalars_variables_and_grouped,
