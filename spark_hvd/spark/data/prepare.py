@@ -379,7 +379,8 @@ def prepare_data(df: Any, store: Store, feature_cols: Sequence[str], label_cols:
     whose true rows are validation); writes a multiple of ``num_proc`` files, so every rank has at
     least one row group; records row counts, shapes and dtypes as JSON in the store. One Spark job
     reads the DataFrame once and writes both splits (the two sub-directories of the key's training
-    data path that :attr:`PreparedData.train_path` and :attr:`PreparedData.val_path` name), checking
+    data path that :attr:`PreparedData.train_path` and :attr:`PreparedData.val_path` name; the
+    validation rows move to the store's ``val_path`` where it sets one), checking
     the values and, for data held in memory, hashing the rows for the cache key on the way. A
     DataFrame already prepared with the same settings (same cache key) is not written again unless
     ``reuse_cached=False``; the key is the same in every session and process (see
@@ -469,6 +470,13 @@ def prepare_data(df: Any, store: Store, feature_cols: Sequence[str], label_cols:
             lengths = _check_frames([selected], planned)
         train_path = _split_path(path, False) if split else path
         val_path = _split_path(path, True) if split else None
+        if val_path is not None and store.val_path is not None and store.exists(val_path):
+            # The store names a place of its own for validation data (Horovod's val_path).
+            target = store.get_val_data_path(key.value)
+            store.delete(target)
+            store.move(val_path, target)
+            written.append(target)
+            val_path = target
         train = _scan(store, train_path)
         if train.num_rows == 0:
             raise ValueError(f"the training split is empty: validation={validation!r} marked every row; "

@@ -79,9 +79,9 @@ class Store(ABC):
 
     Layout under :attr:`prefix`::
 
-        intermediate_train_data.<key>/         Parquet written by Spark
-        intermediate_val_data.<key>/
-        intermediate_data_metadata.<key>.json  row counts, shapes, dtypes (written last)
+        intermediate_train_data.<key>/         Parquet written by Spark; with validation rows, the
+                                               two splits in spark_hvd_split=0/ and =1/
+        intermediate_data_metadata.<key>.json  row counts, shapes, dtypes, paths (written last)
         runs/<run_id>/checkpoint               latest checkpoint
         runs/<run_id>/logs/                    logs of the run
 
@@ -94,7 +94,8 @@ class Store(ABC):
     train_path: Optional[str] = None
     """Where prepared training data goes instead of ``prefix/intermediate_train_data`` (Horovod's name)."""
     val_path: Optional[str] = None
-    """Where prepared validation data goes instead of ``prefix/intermediate_val_data``."""
+    """Where prepared validation data goes (as ``<val_path>.<key>``, moved there after the write)
+    instead of beside the training rows."""
     test_path: Optional[str] = None
     """Horovod's place for test data (kept for its programs; spark-hvd writes none)."""
     runs_path: Optional[str] = None

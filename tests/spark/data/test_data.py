@@ -226,6 +226,20 @@ def test_one_job_writes_both_splits_and_hashes_rows_held_in_memory(spark, frame,
     assert not [n for n in os.listdir(store.prefix) if "pending" in n]
 
 
+def test_a_store_with_its_own_val_path_gets_the_validation_rows_there(spark, frame, tmp_path):
+    """Horovod's layout settings: with train_path and val_path set, the training rows are under
+    the store's train_path and the validation rows under its val_path; a second prepare finds them."""
+    store = Store.create(str(tmp_path / "store"), train_path=str(tmp_path / "tr"), val_path=str(tmp_path / "va"))
+    info = prepare_data(frame, store, ["v"], ["y"], validation=0.25, num_proc=2, seed=3)
+    assert info.train_path.startswith(store.get_train_data_path(info.key) + os.sep)
+    assert info.val_path == store.get_val_data_path(info.key) == str(tmp_path / "va") + "." + info.key
+    rows = [sum(pq.read_table(f).num_rows for f in scan_parquet(store.url(p)).files)
+            for p in (info.train_path, info.val_path)]
+    assert rows == [info.train_rows, info.val_rows] and sum(rows) == N and info.val_rows > 0
+    assert jobs_run_by(spark, lambda: prepare_data(frame, store, ["v"], ["y"], validation=0.25, num_proc=2,
+                                                   seed=3)) == 0
+
+
 def test_ragged_arrays_and_nulls_are_refused_and_cleaned_up(spark, tmp_path):
     """Arrays of unequal length and null values raise ValueError naming the column; nothing stays."""
     from pyspark.sql import Row
