@@ -7,6 +7,8 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PETASTORM_VENV := .venv-petastorm
 PETASTORM_STAMP := $(PETASTORM_VENV)/.installed
+# pyspark's classes as one class-data-sharing archive for the tests' JVMs (tests/jvm_classes.py).
+JVM_CLASSES := $(VENV)/spark-hvd-jvm-classes.jsa
 
 .PHONY: demo cluster-demo test test-main suite-spark suite-rest suite-petastorm test-quick quick-processes quick-frameworks test-petastorm venv bench lint clean
 
@@ -24,6 +26,9 @@ $(PETASTORM_STAMP): pyproject.toml constraints/petastorm.txt
 	$(PETASTORM_VENV)/bin/python -m pip install -q -c constraints/petastorm.txt -e ".[dev,torch,spark,petastorm]"
 	touch $(PETASTORM_STAMP)
 
+$(JVM_CLASSES): $(STAMP) tests/jvm_classes.py
+	$(PY) tests/jvm_classes.py $@ > $(VENV)/jvm-classes.log 2>&1 || (tail -40 $(VENV)/jvm-classes.log; exit 1)
+
 # The main job: the fraud-detection Spark ML pipeline with TorchEstimator on local[2].
 demo: $(STAMP)
 	$(PY) examples/fraud_detection.py
@@ -36,19 +41,21 @@ cluster-demo: $(STAMP)
 # for part of its time, rank deaths, network cuts and timeouts, and the other run uses the CPU
 # meanwhile): the Spark layer's tests, every other test of the main environment, and the
 # petastorm run once either is done. Each run's output is printed when it ends.
-test: $(STAMP) $(PETASTORM_STAMP)
+# The class archive is written while the petastorm environment installs.
+test: $(STAMP)
+	$(MAKE) --no-print-directory -j2 $(PETASTORM_STAMP) $(JVM_CLASSES)
 	$(VENV)/bin/ruff check .
 	$(MAKE) --no-print-directory -j2 --output-sync=target suite-spark suite-rest suite-petastorm
 
 # The main environment's tests in one pytest run, one after another.
-test-main: $(STAMP)
+test-main: $(STAMP) $(JVM_CLASSES)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests -m "not petastorm"
 
-suite-spark: $(STAMP)
+suite-spark: $(STAMP) $(JVM_CLASSES)
 	$(PY) -m pytest -q tests/spark -m "not petastorm"
 
-suite-rest: $(STAMP)
+suite-rest: $(STAMP) $(JVM_CLASSES)
 	$(PY) -m pytest -q tests --ignore=tests/spark -m "not petastorm"
 
 suite-petastorm: test-petastorm
