@@ -6,16 +6,25 @@ The data is the estimator benchmark's shape (``estimator_scale.py``): 30 float32
 a ``list<float>`` column and a 0/1 label, written with pyarrow into 8 Parquet files of 250k-row
 groups (as ``prepare_data`` stores a Vector column). Two ranks start through
 ``spark_hvd.runner.run`` with one torch thread each and train the 30-64-64-1 MLP with Adam and a
-logistic loss for one epoch of their shard, in four modes:
+logistic loss for one epoch of their shard, in these modes:
 
+- ``bare, slices``: plain torch over one in-memory matrix of the rank's rows, cut into batches in
+  stored order (views, no copy, no shuffle): the floor ``estimator_scale.py`` compares against;
+- ``bare, shuffled rows``: the same matrix, each batch gathered from it by a seeded permutation of
+  its rows (``np.take``), which is what shuffling every epoch costs on its own;
 - ``bare, memory``: plain torch over in-memory batches (the builtin reader's batches, read first);
 - ``bare, reader``: plain torch fed by the builtin reader as it reads (``make_reader``, shuffled);
 - ``hvd, memory``: ``DistributedOptimizer`` over in-memory batches;
-- ``hvd, reader``: both, which is what ``TorchEstimator.fit`` runs per step.
+- ``hvd, cache``: ``DistributedOptimizer`` fed by the builtin reader from its decoded shard cache
+  (``cache_all=True``; a first epoch fills it, untimed; each rank keeps its row groups, so the timed
+  epoch reads no file), which is what ``TorchEstimator.fit`` runs per step once every row group
+  it reads is cached;
+- ``hvd, reader``: ``DistributedOptimizer`` fed by the reader as it reads, which is what the fit
+  runs in its first epoch.
 
-Each row gives the rows per second of both ranks together, the ratio to ``bare, memory`` of the
-same run, and for the ``hvd`` modes the allreduce wait (``synchronize()``) per step: the mean,
-median and 99th percentile of each rank, in milliseconds.
+Each row gives the rows per second of both ranks together, the ratios to ``bare, memory`` and to
+``bare, slices`` of the same run, and for the ``hvd`` modes the allreduce wait (``synchronize()``)
+per step: the mean, median and 99th percentile of each rank, in milliseconds.
 """
 
 from __future__ import annotations
@@ -32,7 +41,8 @@ from typing import Any, Dict, List, Optional
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_JSON = HERE / "results" / "training_sources.json"
-MODES = ("bare, memory", "bare, reader", "hvd, memory", "hvd, reader")
+MODES = ("bare, slices", "bare, shuffled rows", "bare, memory", "bare, reader", "hvd, memory", "hvd, cache",
+         "hvd, reader")
 FEATURES = 30
 FILES = 8
 
@@ -80,8 +90,23 @@ def rank_loop(mode: str, paths: List[str], batch: int) -> Dict[str, Any]:
     if distributed:
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     reader = make_reader("builtin", paths, rank=hvd.rank(), size=hvd.size(), batch_size=batch,
-                         feature_cols=["features"], label_cols=["label"], shapes={"features": [FEATURES]})
-    batches: Any = list(reader.iter_epoch(0)) if mode.endswith("memory") else reader.iter_epoch(0)
+                         feature_cols=["features"], label_cols=["label"], shapes={"features": [FEATURES]},
+                         cache_all=mode.endswith("cache"), reshuffle=not mode.endswith("cache"))
+    batches: Any
+    if mode.endswith("memory"):
+        batches = list(reader.iter_epoch(0))
+    elif mode.endswith("cache"):
+        for _ in reader.iter_epoch(0):  # fills the cache
+            pass
+        batches = reader.iter_epoch(1)
+    elif mode.startswith("bare, s"):
+        read = list(reader.iter_epoch(0))
+        matrix = np.concatenate([b["features"] for b in read]).reshape(-1, FEATURES)
+        labels = np.concatenate([b["label"] for b in read])
+        order = np.random.default_rng([0, hvd.rank()]).permutation(len(matrix)) if "shuffled" in mode else None
+        batches = _matrix_batches(matrix, labels, batch, order)
+    else:
+        batches = reader.iter_epoch(0)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     waits: List[float] = []
     rows = 0
@@ -103,6 +128,18 @@ def rank_loop(mode: str, paths: List[str], batch: int) -> Dict[str, Any]:
     elapsed = time.perf_counter() - started
     reader.close()
     return {"rows_per_s": rows / elapsed, "waits_s": waits}
+
+
+def _matrix_batches(matrix: Any, labels: Any, batch: int, order: Any) -> Any:
+    """Batches of ``matrix``'s rows: slices in stored order, or (with ``order``) rows gathered by it."""
+    import numpy as np
+
+    for start in range(0, len(matrix) - batch + 1, batch):
+        if order is None:
+            yield {"features": matrix[start:start + batch], "label": labels[start:start + batch]}
+        else:
+            rows = order[start:start + batch]
+            yield {"features": np.take(matrix, rows, axis=0), "label": np.take(labels, rows, axis=0)}
 
 
 def run_mode(mode: str, paths: List[str], batch: int, timeout: float) -> Dict[str, Any]:
@@ -146,16 +183,18 @@ def main(argv: Optional[List[str]] = None) -> int:
                 runs[mode].append(record)
                 print(f"run {repeat + 1}/{args.repeats} {mode}: {record['rows_per_s']:,.0f} rows/s", flush=True)
     medians = {mode: statistics.median(r["rows_per_s"] for r in records) for mode, records in runs.items()}
-    floor = medians["bare, memory"]
+    floor, slices = medians["bare, memory"], medians["bare, slices"]
     print(f"\n{rows:,} rows, batch {args.batch} per rank, np=2, one torch thread per rank "
           f"(medians of {args.repeats} run(s))")
-    print("| mode | rows/s | vs bare, memory | allreduce wait per step, ms: mean / median / p99 per rank |")
-    print("|---|---|---|---|")
+    print("| mode | rows/s | vs bare, memory | vs bare, slices | allreduce wait per step, ms: mean / median / p99 "
+          "per rank |")
+    print("|---|---|---|---|---|")
     for mode in MODES:
         best = min(runs[mode], key=lambda r: abs(r["rows_per_s"] - medians[mode]))
         waits = "; ".join(f"{r['mean_ms']:.2f} / {r['median_ms']:.2f} / {r['p99_ms']:.2f}"
                           for r in best["ranks"] if r) or "-"
-        print(f"| {mode} | {medians[mode]:,.0f} | {medians[mode] / floor:.2f}x | {waits} |")
+        print(f"| {mode} | {medians[mode]:,.0f} | {medians[mode] / floor:.2f}x | {medians[mode] / slices:.2f}x "
+              f"| {waits} |")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"rows": rows, "batch": args.batch, "python": sys.version.split()[0],
                                      "runs": runs, "medians": medians}, indent=1))
