@@ -5,13 +5,13 @@ How much of a rank's data the cache may hold is decided here too (:func:`cache_f
 from __future__ import annotations
 
 from collections import deque
-from typing import Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Deque, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from spark_hvd.spark.data.layout import ParquetLayout
 
-__all__ = ["Batch", "Chunk", "Picked", "ShuffleWindow", "Batcher", "ShardCache", "CACHE_MEMORY_SHARE", "cache_fits",
+__all__ = ["Batch", "Chunk", "CachedRows", "Positions", "Picked", "ShuffleWindow", "Batcher", "ShardCache", "CACHE_MEMORY_SHARE", "cache_fits",
            "cache_fits_here"]
 
 Batch = Dict[str, np.ndarray]
@@ -19,9 +19,38 @@ Batch = Dict[str, np.ndarray]
 Chunk = Dict[str, np.ndarray]
 """Rows as read: column name to an array of ``(rows, *shape)``, every column the same rows."""
 
-Picked = Tuple[Optional[Chunk], Optional[np.ndarray]]
-"""Rows on their way to batches: columns (None: no rows), and the order their rows leave in (None:
-as stored); ``Batcher.push(*picked)`` takes them."""
+class CachedRows(dict):
+    """A :data:`Chunk` whose arrays are views of rows ``start`` to ``start + len`` of a
+    :class:`ShardCache`'s arrays (``base``): used as a Chunk it is exactly that; the shuffle window
+    keeps such rows as their positions in ``base`` instead of copies."""
+
+    def __init__(self, base: Chunk, start: int, stop: int) -> None:
+        super().__init__({k: v[start:stop] for k, v in base.items()})
+        self.base = base
+        self.start = start
+        self.stop = stop
+
+
+class Positions:
+    """Rows of ``base`` (column name to array) picked by ``positions`` (indices into it), not yet
+    copied: what the shuffle window holds and hands on for cached rows."""
+
+    def __init__(self, base: Chunk, positions: np.ndarray) -> None:
+        self.base = base
+        self.positions = positions
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def gather(self, order: np.ndarray) -> Chunk:
+        """The rows ``positions[order]`` of every column, copied into arrays of their own."""
+        picked = self.positions[order]
+        return {k: np.take(v, picked, axis=0) for k, v in self.base.items()}
+
+
+Picked = Tuple[Union[None, Chunk, Positions], Optional[np.ndarray]]
+"""Rows on their way to batches: columns (None: no rows; or :class:`Positions` of cached rows), and
+the order their rows leave in (None: as stored); ``Batcher.push(*picked)`` takes them."""
 
 
 class ShuffleWindow:
@@ -31,25 +60,40 @@ class ShuffleWindow:
 
     What leaves is a chunk with the order of its leaving rows: the rows are gathered batch by
     batch (:class:`Batcher`), each straight into the batch's own array, instead of gathering the
-    whole chunk in a new order first."""
+    whole chunk in a new order first. Rows of the shard cache (:class:`CachedRows`) are held as
+    their positions in the cache's arrays: adding a piece appends and permutes integers, not rows,
+    and a batch gathers its rows from the cache once. The random draws are the same either way
+    (one permutation of the window per piece), so the same rows leave in the same order whether
+    a pass reads its row groups or replays them from the cache."""
 
     def __init__(self, capacity: int, rng: Optional[np.random.Generator]) -> None:
         self.capacity = capacity
         self.rng = rng
-        self.rows: Optional[Chunk] = None
+        self.rows: Union[None, Chunk, Positions] = None
 
     def add(self, chunk: Chunk) -> Picked:
         if self.rng is None or self.capacity == 0:
             return chunk, None
-        rows = chunk if self.rows is None else {k: np.concatenate([self.rows[k], v]) for k, v in chunk.items()}
-        count = len(next(iter(rows.values())))
+        rows = self._joined(chunk)
+        count = len(rows) if isinstance(rows, Positions) else len(next(iter(rows.values())))
         surplus = count - self.capacity
         if surplus <= 0:
             self.rows = rows
             return None, None
         order = self.rng.permutation(count)
-        self.rows = _gather(rows, order[surplus:])
+        kept = order[surplus:]
+        self.rows = Positions(rows.base, rows.positions[kept]) if isinstance(rows, Positions) else _gather(rows, kept)
         return rows, order[:surplus]
+
+    def _joined(self, chunk: Chunk) -> Union[Chunk, Positions]:
+        """The window's rows followed by ``chunk``'s: positions when both are rows of one cache."""
+        held = self.rows
+        if isinstance(chunk, CachedRows) and (held is None or (isinstance(held, Positions) and held.base is chunk.base)):
+            fresh = np.arange(chunk.start, chunk.stop)
+            return Positions(chunk.base, fresh if held is None else np.concatenate([held.positions, fresh]))
+        if isinstance(held, Positions):  # rows of another source follow cached ones: copy the window's rows
+            held = held.gather(np.arange(len(held)))
+        return chunk if held is None else {k: np.concatenate([held[k], v]) for k, v in chunk.items()}
 
     def drain(self) -> Picked:
         rows, self.rows = self.rows, None
@@ -57,7 +101,8 @@ class ShuffleWindow:
             return None, None
         if self.rng is None:
             return rows, None
-        return rows, self.rng.permutation(len(next(iter(rows.values()))))
+        count = len(rows) if isinstance(rows, Positions) else len(next(iter(rows.values())))
+        return rows, self.rng.permutation(count)
 
 
 def _gather(rows: Chunk, order: np.ndarray) -> Chunk:
@@ -67,7 +112,9 @@ def _gather(rows: Chunk, order: np.ndarray) -> Chunk:
 
 def _count(picked: Picked) -> int:
     chunk, order = picked
-    return len(order) if order is not None else len(next(iter(chunk.values())))
+    if order is not None:
+        return len(order)
+    return len(chunk) if isinstance(chunk, Positions) else len(next(iter(chunk.values())))
 
 
 class Batcher:
@@ -84,7 +131,7 @@ class Batcher:
         self.pending: Deque[Picked] = deque()
         self.count = 0
 
-    def push(self, chunk: Optional[Chunk], order: Optional[np.ndarray] = None) -> Iterator[Batch]:
+    def push(self, chunk: Union[None, Chunk, Positions], order: Optional[np.ndarray] = None) -> Iterator[Batch]:
         """The batches that are complete once ``chunk`` arrived; ``order``, when given, is the
         order in which its rows leave (indices into it; rows not in it are left out)."""
         if chunk is None:
@@ -113,6 +160,8 @@ class Batcher:
         """The next ``rows`` rows of the first pending chunk (at most all of it): views of a chunk
         in stored order, the rows gathered for one with an order of its own."""
         chunk, order = self.pending[0]
+        if order is None and isinstance(chunk, Positions):  # cached rows kept in their order
+            order = np.arange(len(chunk))
         if order is None:
             if len(next(iter(chunk.values()))) <= rows:
                 self.pending.popleft()
@@ -123,7 +172,7 @@ class Batcher:
             self.pending.popleft()
         else:
             self.pending[0] = (chunk, order[rows:])
-        return _gather(chunk, order[:rows])
+        return chunk.gather(order[:rows]) if isinstance(chunk, Positions) else _gather(chunk, order[:rows])
 
 
 class ShardCache:
@@ -162,8 +211,8 @@ class ShardCache:
         self._sizes = []
         return True
 
-    def add(self, piece: Chunk) -> None:
-        """Copy ``piece``, the next rows of the row group begun, into the arrays."""
+    def add(self, piece: Chunk) -> "CachedRows":
+        """Copy ``piece``, the next rows of the row group begun, into the arrays; the copy, as views."""
         n = len(next(iter(piece.values())))
         if not self.rows:
             self.rows = {k: np.empty((self.capacity,) + v.shape[1:], dtype=v.dtype) for k, v in piece.items()}
@@ -173,6 +222,7 @@ class ShardCache:
             self.rows[k][self.filled:self.filled + n] = v
         self.filled += n
         self._sizes.append(n)
+        return CachedRows(self.rows, self.filled - n, self.filled)
 
     def commit(self, rows: int) -> None:
         """End the row group begun: kept when ``rows`` (its rows) all arrived, else its rows are dropped."""
@@ -187,10 +237,10 @@ class ShardCache:
         else:
             self.filled = start
 
-    def pieces(self, index: int) -> Iterator[Chunk]:
+    def pieces(self, index: int) -> Iterator["CachedRows"]:
         """Row group ``index`` (cached) as views of the pieces it was read in."""
         for start, stop in self._pieces[index]:
-            yield {k: v[start:stop] for k, v in self.rows.items()}
+            yield CachedRows(self.rows, start, stop)
 
 
 CACHE_MEMORY_SHARE = 0.25

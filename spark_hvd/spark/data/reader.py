@@ -326,9 +326,8 @@ def _builtin_source(layout: ParquetLayout, rank: int, size: int, columns: Sequen
                 else:
                     keeping = index if cache.begin(index) else -1
                     for chunk in pieces(groups[index]):
-                        if keeping >= 0:
-                            cache.add(chunk)
-                        yield chunk
+                        # Handed on as the cache's copy, so the shuffle window keeps its positions.
+                        yield cache.add(chunk) if keeping >= 0 else chunk
                     if keeping >= 0:
                         cache.commit(groups[index].num_rows)
                     keeping = -1

@@ -405,6 +405,37 @@ def test_the_shard_cache_copies_each_row_once_and_keeps_only_whole_row_groups():
     assert [p["id"].tolist() for p in cache.pieces(7)] == [[50, 51, 52, 53, 54]]
 
 
+def test_the_window_keeps_cached_rows_as_positions_and_gives_the_batches_of_copies():
+    """Pieces of the shard cache enter the shuffle window as their positions in the cache's arrays (no row
+    is copied until a batch gathers it); the batches are those of the same rows handed over as copies, with
+    the same seed, also when a piece that is not the cache's follows."""
+    from spark_hvd.spark.data.batching import Batcher, Positions, ShardCache, ShuffleWindow
+
+    cache = ShardCache(40)
+    cache.begin(0)
+    pieces = [cache.add({"id": np.arange(a, a + 8), "x": np.arange(a, a + 8, dtype=np.float32).reshape(-1, 1) * 2})
+              for a in range(0, 40, 8)]
+    cache.commit(40)
+    extra = {"id": np.arange(100, 107), "x": np.arange(100, 107, dtype=np.float32).reshape(-1, 1) * 2}
+
+    def batches(chunks, copied):
+        window, batcher, out = ShuffleWindow(12, np.random.default_rng(5)), Batcher(6), []
+        for i, chunk in enumerate(chunks):
+            out += batcher.push(*window.add({k: np.array(v) for k, v in chunk.items()} if copied else chunk))
+            if not copied and not any(c is extra for c in chunks[:i + 1]):
+                assert isinstance(window.rows, Positions) and window.rows.base is cache.rows
+        out += batcher.push(*window.drain())
+        return [(b["id"].tolist(), b["x"][:, 0].tolist()) for b in out]
+
+    for chunks in (pieces, pieces[:3] + [extra] + pieces[3:]):
+        expected = batches(chunks, copied=True)
+        assert batches(chunks, copied=False) == expected
+        ids = [i for b, _ in expected for i in b]
+        rows = sum(len(c["id"]) for c in chunks)
+        assert len(set(ids)) == len(ids) == rows - rows % 6  # each row once; a part batch stays behind
+        assert all(x == [2.0 * i for i in b] for b, x in expected)
+
+
 def test_a_cold_cache_gives_the_batches_of_a_warm_one(tmp_path):
     """With cache_all, an epoch's batches do not depend on what was cached before: a fresh reader (a resumed
     fit's new process) starting at epoch 2 yields what a reader that read epochs 0 and 1 yields, on each of
