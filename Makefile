@@ -26,8 +26,10 @@ $(PETASTORM_STAMP): pyproject.toml constraints/petastorm.txt
 	$(PETASTORM_VENV)/bin/python -m pip install -q -c constraints/petastorm.txt -e ".[dev,torch,spark,petastorm]"
 	touch $(PETASTORM_STAMP)
 
+# Only a saving: when no archive can be written, the tests' JVMs start without one.
 $(JVM_CLASSES): $(STAMP) tests/jvm_classes.py
-	$(PY) tests/jvm_classes.py $@ > $(VENV)/jvm-classes.log 2>&1 || (tail -40 $(VENV)/jvm-classes.log; exit 1)
+	$(PY) tests/jvm_classes.py $@ > $(VENV)/jvm-classes.log 2>&1 || \
+		(tail -20 $(VENV)/jvm-classes.log; echo "no JVM class archive: the tests' JVMs start without one")
 
 # The main job: the fraud-detection Spark ML pipeline with TorchEstimator on local[2].
 demo: $(STAMP)
@@ -52,10 +54,10 @@ test-main: $(STAMP) $(JVM_CLASSES)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests -m "not petastorm"
 
-suite-spark: $(STAMP) $(JVM_CLASSES)
+suite-spark: $(STAMP)
 	$(PY) -m pytest -q tests/spark -m "not petastorm"
 
-suite-rest: $(STAMP) $(JVM_CLASSES)
+suite-rest: $(STAMP)
 	$(PY) -m pytest -q tests --ignore=tests/spark -m "not petastorm"
 
 suite-petastorm: test-petastorm
