@@ -11,8 +11,8 @@ import numpy as np
 
 from spark_hvd.spark.data.layout import ParquetLayout
 
-__all__ = ["Batch", "Chunk", "CachedRows", "Positions", "Picked", "ShuffleWindow", "Batcher", "ShardCache", "CACHE_MEMORY_SHARE", "cache_fits",
-           "cache_fits_here"]
+__all__ = ["Batch", "Chunk", "CachedRows", "Positions", "Picked", "ShuffleWindow", "Batcher", "ShardCache",
+           "CACHE_MEMORY_SHARE", "cache_fits", "cache_fits_here"]
 
 Batch = Dict[str, np.ndarray]
 """One batch: column name to an array of ``(batch_size, *shape)``."""
@@ -48,6 +48,11 @@ class Positions:
         return {k: np.take(v, picked, axis=0) for k, v in self.base.items()}
 
 
+def _length(rows: Union[Chunk, Positions]) -> int:
+    """Rows in a Chunk or a :class:`Positions`."""
+    return len(rows) if isinstance(rows, Positions) else len(next(iter(rows.values())))
+
+
 Picked = Tuple[Union[None, Chunk, Positions], Optional[np.ndarray]]
 """Rows on their way to batches: columns (None: no rows; or :class:`Positions` of cached rows), and
 the order their rows leave in (None: as stored); ``Batcher.push(*picked)`` takes them."""
@@ -75,7 +80,7 @@ class ShuffleWindow:
         if self.rng is None or self.capacity == 0:
             return chunk, None
         rows = self._joined(chunk)
-        count = len(rows) if isinstance(rows, Positions) else len(next(iter(rows.values())))
+        count = _length(rows)
         surplus = count - self.capacity
         if surplus <= 0:
             self.rows = rows
@@ -101,8 +106,7 @@ class ShuffleWindow:
             return None, None
         if self.rng is None:
             return rows, None
-        count = len(rows) if isinstance(rows, Positions) else len(next(iter(rows.values())))
-        return rows, self.rng.permutation(count)
+        return rows, self.rng.permutation(_length(rows))
 
 
 def _gather(rows: Chunk, order: np.ndarray) -> Chunk:
@@ -112,9 +116,7 @@ def _gather(rows: Chunk, order: np.ndarray) -> Chunk:
 
 def _count(picked: Picked) -> int:
     chunk, order = picked
-    if order is not None:
-        return len(order)
-    return len(chunk) if isinstance(chunk, Positions) else len(next(iter(chunk.values())))
+    return len(order) if order is not None else _length(chunk)
 
 
 class Batcher:
