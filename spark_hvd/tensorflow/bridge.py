@@ -13,6 +13,7 @@ thread on one collective while its peers wait on another.
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import weakref
@@ -318,16 +319,47 @@ def _graph_op(call: _Call, inputs: List[tf.Tensor]) -> List[tf.Tensor]:
     base = _graph_name(graph, call.kind, call.name, inputs)
     call = replace(call, name=base)
 
-    def run(*arrays: np.ndarray) -> List[np.ndarray]:
-        return _execute(call, _next_run(base), arrays)
+    shapes = _static_shapes(call, inputs)
+    dtypes = _out_dtypes(call)
+
+    def run(*arrays: np.ndarray) -> List[Any]:
+        try:
+            return [*_execute(call, _next_run(base), arrays), b""]
+        except tf.errors.FailedPreconditionError as exc:
+            # Handed to _raise_failed_precondition as the last output; the others are placeholders
+            # no op reads.
+            placeholders = [np.zeros([d or 0 for d in s.as_list()] if s.rank is not None else [0],
+                                     t.as_numpy_dtype) for s, t in zip(shapes, dtypes)]
+            return [*placeholders, exc.message.encode("utf-8", "replace")]
 
     with _lock:
         previous = _last_in_graph.get(graph)
     with tf.control_dependencies([previous] if previous is not None else []):
-        outs = tf.numpy_function(run, inputs, _out_dtypes(call), stateful=True,
-                                 name=re.sub("[^a-zA-Z0-9_]", "_", base)[:120])
+        *outs, failure = tf.numpy_function(run, inputs, [*dtypes, tf.string], stateful=True,
+                                           name=re.sub("[^a-zA-Z0-9_]", "_", base)[:120])
+    with tf.control_dependencies([_raise_failed_precondition(failure)]):
+        outs = [tf.identity(out) for out in outs]
     with _lock:
         _last_in_graph[graph] = outs[0].op
-    for out, shape in zip(outs, _static_shapes(call, inputs)):
+    for out, shape in zip(outs, shapes):
         out.set_shape(shape)
     return list(outs)
+
+
+# A Python function op reports every exception by its Python type alone (ValueError and TypeError as
+# InvalidArgumentError, most others as UnknownError), and FailedPreconditionError, what Horovod's
+# graph ops raise when ranks disagree, is none of them. So the op returns that error's message, and
+# an op whose kernel fails with FAILED_PRECONDITION and a message given at run time raises it:
+# opening a path below a file that is not a directory fails with ENOTDIR, which TensorFlow's file
+# system layer maps to FAILED_PRECONDITION with the path in the message.
+_MESSAGE_BYTES = 2048  # well under PATH_MAX: a longer path would fail with another code
+
+
+def _raise_failed_precondition(message: tf.Tensor) -> tf.Tensor:
+    """An op that raises ``FailedPreconditionError(message)`` when ``message`` is not empty."""
+
+    def fail() -> tf.Tensor:
+        path = tf.strings.join([f"{os.devnull}/\nspark-hvd: ", tf.strings.substr(message, 0, _MESSAGE_BYTES), "\n"])
+        return tf.io.read_file(path)
+
+    return tf.cond(tf.strings.length(message) > 0, fail, lambda: tf.constant(b""))

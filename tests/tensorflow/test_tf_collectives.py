@@ -264,7 +264,8 @@ def check_graph_runs_many_times_and_orders_agree(hvd, rank, size):
 
 def check_mismatch_errors(hvd, rank, size):
     """Ranks passing different shapes or dtypes get tf.errors.FailedPreconditionError (also a
-    spark-hvd RankMismatchError), eagerly; the runtime keeps working afterwards."""
+    spark-hvd RankMismatchError), eagerly, inside tf.function and in a TF1 graph run by a Session,
+    naming what differs; the runtime keeps working afterwards."""
     if size == 1:
         return
     tf = _tf()
@@ -277,6 +278,18 @@ def check_mismatch_errors(hvd, rank, size):
         hvd.allreduce(tf.ones([3], dtype=tf.int32 if rank % 2 == 0 else tf.float32))
     with pytest.raises(tf.errors.FailedPreconditionError):
         hvd.broadcast(tf.ones([2]), rank)
+
+    graph_allreduce = tf.function(lambda x: hvd.allreduce(x, name="mismatched") * 2.0)
+    with pytest.raises(tf.errors.FailedPreconditionError, match="shape") as info:
+        graph_allreduce(tf.ones([17 + rank]))
+    assert "mismatched" in str(info.value)
+    with pytest.raises(tf.errors.FailedPreconditionError):
+        tf.function(lambda x: hvd.allgather(x))(tf.ones([2], dtype=tf.int32 if rank % 2 == 0 else tf.float32))
+    close(graph_allreduce(tf.ones([3])), np.full(3, 2.0, np.float32), what="a graph after its error")
+    with tf.Graph().as_default():
+        reduced = hvd.allreduce(tf.ones([5 + rank]))
+        with tf.compat.v1.Session() as session, pytest.raises(tf.errors.FailedPreconditionError):
+            session.run(reduced)
     close(hvd.allreduce(tf.ones([2]), op=hvd.Sum), np.full(2, size, np.float32), what="after the errors")
 
 
