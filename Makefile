@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml constraints/ci.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade "pip>=23"
 	$(PIP) install -q -c constraints/ci.txt -e ".[dev,torch,spark,connect,mlflow,notebook,tensorflow-cpu,mpi,lightning]"
+	# Keras 2 (the keras2 extra) without its dependency on the tensorflow package, which would
+	# install TensorFlow a second time over tensorflow-cpu.
+	$(PIP) install -q -c constraints/ci.txt --no-deps tf-keras
 	touch $(STAMP)
 
 $(PETASTORM_STAMP): pyproject.toml constraints/petastorm.txt

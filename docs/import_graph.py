@@ -50,10 +50,12 @@ FRAMEWORKS = ("torch", "tensorflow", "keras", "pyspark", "pytorch_lightning", "l
 
 ALIASES: Tuple[Tuple[str, str], ...] = (
     ("spark_hvd.tensorflow", "spark_hvd.keras.layers"),
+    ("spark_hvd.tensorflow", "spark_hvd.keras.keras2"),
     ("spark_hvd.tensorflow.keras", "spark_hvd.keras"),
 )
 """(module, package) imports of a higher layer made only for Horovod's module paths
-(``hvd.SyncBatchNormalization`` of ``horovod.tensorflow``, resolved when first used (PEP 562), and
+(``hvd.SyncBatchNormalization`` of ``horovod.tensorflow``, resolved when first used (PEP 562): the
+Keras 3 layer, or Keras 2's when ``tf.keras`` is ``tf_keras``; and
 the ``horovod.tensorflow.keras`` path): outside the layer and cycle rules."""
 
 

@@ -210,7 +210,8 @@ class VariableState(ObjectState):
     def sync(self) -> None:
         """Every rank takes rank 0's variable values and attributes, and commits them."""
         for var in self.variables_to_keep():
-            var.assign(_broadcast_array(np.asarray(var.numpy()), root_rank=0))
+            mine = np.asarray(var.numpy())
+            var.assign(_broadcast_array(mine, root_rank=0).reshape(mine.shape))
         super().sync()
 
 

@@ -12,10 +12,37 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import spark_hvd.runtime as _rt
 
-__all__ = ["backend_name", "binding", "init", "shutdown", "is_initialized", "rank", "size", "local_rank",
+__all__ = ["is_keras2", "layer_list", "backend_name", "binding", "init", "shutdown", "is_initialized", "rank", "size", "local_rank",
            "local_size", "cross_rank", "cross_size", "is_homogeneous", "start_timeline", "stop_timeline"]
 
 _BINDINGS = {"tensorflow": "spark_hvd.tensorflow", "torch": "spark_hvd.torch"}
+
+
+def is_keras2(obj: Any) -> bool:
+    """Whether ``obj`` (an optimizer, model, layer or callback) or its class comes from Keras 2's
+    ``tf_keras`` package (what ``tf.keras`` is with ``TF_USE_LEGACY_KERAS=1``)."""
+    cls = obj if isinstance(obj, type) else type(obj)
+    return any(c.__module__.split(".")[0] == "tf_keras" for c in cls.__mro__)
+
+
+def layer_list(local_layers: Any) -> list:
+    """``local_layers`` (None, a Keras 3 or Keras 2 layer, or a sequence of them) as a list of
+    layers; ValueError naming the first item that is not a layer."""
+    import keras
+
+    def is_layer(obj: Any) -> bool:
+        return isinstance(obj, keras.layers.Layer) or (is_keras2(obj) and hasattr(obj, "trainable_weights"))
+
+    if local_layers is None:
+        return []
+    if is_layer(local_layers):
+        return [local_layers]
+    layers = list(local_layers)
+    bad = [i for i, layer in enumerate(layers) if not is_layer(layer)]
+    if bad:
+        raise ValueError(f"local_layers[{bad[0]}] is a {type(layers[bad[0]]).__name__}; every local layer must be "
+                         "a Keras layer (keras.layers.Layer, or tf_keras's)")
+    return layers
 
 
 def backend_name() -> str:

@@ -7,19 +7,43 @@ compiled step reads when it runs.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import keras
 import numpy as np
 
 import spark_hvd.runtime as _rt
+from spark_hvd.keras.basics import is_keras2
 from spark_hvd.keras.values import allreduce, broadcast_variables
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
            "LearningRateWarmupCallback", "BestModelCheckpoint"]
 
 
-class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+class _Keras2Hooks:
+    """What Keras 2's ``tf_keras`` asks of a callback beyond Keras 3's methods, so the callbacks
+    here also serve ``tf.keras`` models with ``TF_USE_LEGACY_KERAS=1``."""
+
+    _supports_tf_logs = False
+
+    def _implements_train_batch_hooks(self) -> bool:
+        own = ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end")
+        return any(getattr(type(self), name) is not getattr(keras.callbacks.Callback, name) for name in own)
+
+    def _implements_test_batch_hooks(self) -> bool:
+        return False
+
+    def _implements_predict_batch_hooks(self) -> bool:
+        return False
+
+
+def optimizer_variables(optimizer: Any) -> List[Any]:
+    """The variables of a Keras 3 or Keras 2 optimizer (a method of Keras 2's legacy optimizers)."""
+    found = getattr(optimizer, "variables", None)
+    return list((found() if callable(found) and not isinstance(found, list) else found) or [])
+
+
+class BroadcastGlobalVariablesCallback(_Keras2Hooks, keras.callbacks.Callback):
     """At the start of training, give every rank ``root_rank``'s weights and optimizer state.
 
     Afterwards (from the first batch on) all ranks train the same model, whatever their initial
@@ -35,9 +59,10 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     def _broadcast(self) -> None:
         model = self.model
         optimizer = getattr(model, "optimizer", None)
-        if optimizer is not None and not optimizer.built and model.trainable_variables:
+        if optimizer is not None and hasattr(optimizer, "build") and model.trainable_variables \
+                and not getattr(optimizer, "built", getattr(optimizer, "_built", True)):
             optimizer.build(model.trainable_variables)
-        variables = list(model.variables) + (list(optimizer.variables) if optimizer is not None else [])
+        variables = list(model.variables) + (optimizer_variables(optimizer) if optimizer is not None else [])
         broadcast_variables([v for v in variables if id(v) not in self.local_variables], self.root_rank)
         self.broadcast_done = True
 
@@ -50,7 +75,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             self._broadcast()
 
 
-class MetricAverageCallback(keras.callbacks.Callback):
+class MetricAverageCallback(_Keras2Hooks, keras.callbacks.Callback):
     """At the end of each epoch, replace every metric in the logs by its average over the ranks.
 
     Afterwards every rank's logs (and so its History and later callbacks, such as checkpoints
@@ -87,10 +112,11 @@ def _set_lr(optimizer: Any, value: float) -> None:
 
 
 def _get_lr(optimizer: Any) -> float:
-    return float(np.asarray(keras.ops.convert_to_numpy(optimizer.learning_rate)))
+    lr = optimizer.learning_rate
+    return float(np.asarray(lr.numpy() if hasattr(lr, "numpy") else keras.ops.convert_to_numpy(lr)))
 
 
-class LearningRateScheduleCallback(keras.callbacks.Callback):
+class LearningRateScheduleCallback(_Keras2Hooks, keras.callbacks.Callback):
     """Set the learning rate to ``initial_lr * multiplier`` from ``start_epoch`` until ``end_epoch``.
 
     ``multiplier`` is a number or a function of the epoch. With ``staircase=True`` the rate
@@ -170,7 +196,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         super().on_epoch_end(epoch, logs)
 
 
-class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+class BestModelCheckpoint(_Keras2Hooks, keras.callbacks.ModelCheckpoint):
     """Save the model to ``filepath`` whenever ``monitor`` improves, on rank 0 only.
 
     Afterwards ``filepath`` (a ``.keras`` file) holds the best model seen. Other ranks save
@@ -182,6 +208,13 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
         super().__init__(filepath=filepath or "best.keras", monitor=monitor, verbose=verbose, save_best_only=True,
                          save_weights_only=False, mode=mode, save_freq=save_freq)
         self.filepath = filepath
+
+    def set_model(self, model: Any) -> None:
+        if is_keras2(model):
+            raise TypeError(
+                "BestModelCheckpoint saves Keras 3 models, and this model is Keras 2's (tf_keras); use "
+                "tf.keras.callbacks.ModelCheckpoint(filepath, save_best_only=True) on rank 0 only")
+        super().set_model(model)
 
     def on_train_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
         if not self.filepath:

@@ -35,5 +35,6 @@ class KerasState(VariableState):
         super().__init__(**kwargs)
 
     def variables_to_keep(self) -> List[Any]:
-        optimizer_variables = list(getattr(self.optimizer, "variables", None) or [])
-        return list(self.model.variables) + optimizer_variables
+        from spark_hvd.keras.callbacks import optimizer_variables
+
+        return list(self.model.variables) + (optimizer_variables(self.optimizer) if self.optimizer is not None else [])

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import keras
 
 import spark_hvd.runtime as _rt
-from spark_hvd.keras.basics import backend_name
+from spark_hvd.keras.basics import backend_name, is_keras2, layer_list
 from spark_hvd.keras.compression import Compression, Compressor
 from spark_hvd.runtime.ops import Adasum, Average
 
@@ -202,15 +202,17 @@ def _divide(grad: Any, n: float) -> Any:
 _WRAPPED: Dict[tuple, type] = {}
 
 
-def _wrapped_class(base: type, settings: _Settings) -> type:
-    key = (base, settings)
+def _wrapped_class(base: type, settings: _Settings, methods: type = _DistributedOptimizer) -> type:
+    """The subclass of ``base`` with ``methods`` in front (Keras 3's, or Keras 2's of
+    :mod:`spark_hvd.keras.keras2`), carrying ``settings``."""
+    key = (base, settings, methods)
     try:
         return _WRAPPED[key]
     except (KeyError, TypeError):
         pass
     # Same name and module as the wrapped class: a saved model names the plain optimizer, and
     # load_model() below wraps it again.
-    cls = type(base.__name__, (_DistributedOptimizer, base),
+    cls = type(base.__name__, (methods, base),
                {"_hvd": settings, "__module__": base.__module__, "__qualname__": base.__qualname__})
     try:
         _WRAPPED[key] = cls
@@ -235,7 +237,9 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
     Python-function ops) and on the torch backend.
 
     Arguments:
-        optimizer: A keras.optimizers.Optimizer.
+        optimizer: A keras.optimizers.Optimizer, or a Keras 2 optimizer of ``tf_keras``
+            (``tf.keras.optimizers.*`` and ``...legacy.*`` with ``TF_USE_LEGACY_KERAS=1``; see
+            :mod:`spark_hvd.keras.keras2`).
         name: Accepted for Horovod compatibility.
         device_dense, device_sparse: Accepted for Horovod compatibility.
         compression: Compression.none or Compression.fp16 (gradients travel as float16).
@@ -252,10 +256,13 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
         process_set: The ranks that average their gradients (default: all ranks).
         scale_local_gradients: Divide gradients of registered local variables by the number of ranks.
     """
-    backend_name()
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise ValueError(f"optimizer must be a keras.optimizers.Optimizer (Keras 3), got {type(optimizer).__name__}")
-    if isinstance(optimizer, _DistributedOptimizer):
+    keras2 = is_keras2(optimizer)
+    if not keras2:
+        backend_name()
+    if not keras2 and not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise ValueError(f"optimizer must be a Keras optimizer (keras.optimizers.Optimizer, or tf_keras's for Keras 2), "
+                         f"got {type(optimizer).__module__}.{type(optimizer).__name__}")
+    if isinstance(optimizer, _DistributedOptimizer) or getattr(type(optimizer), "_hvd", None) is not None:
         raise ValueError("optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
     if op != Average and gradient_predivide_factor != 1.0:
         raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} is only supported with op=Average")
@@ -271,8 +278,10 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
     if groups is not None and (isinstance(groups, bool) or not isinstance(groups, int) or groups < 0):
         raise ValueError(f"groups={groups!r} is invalid: expected a number of groups >= 0")
     config = optimizer.get_config()
-    accumulate = config.get("gradient_accumulation_steps")
-    if backward_passes_per_step > 1:
+    # Keras 3 accumulates through the optimizer's own gradient_accumulation_steps; Keras 2's
+    # optimizers have none, and spark_hvd.keras.keras2 accumulates itself.
+    accumulate = None if keras2 else config.get("gradient_accumulation_steps")
+    if backward_passes_per_step > 1 and not keras2:
         if accumulate and accumulate != backward_passes_per_step:
             raise ValueError(
                 f"the optimizer accumulates gradients over gradient_accumulation_steps={accumulate}, but "
@@ -287,6 +296,10 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
                          process_set=process_set, backward_passes_per_step=backward_passes_per_step,
                          average_aggregated_gradients=average_aggregated_gradients,
                          scale_local_gradients=scale_local_gradients)
+    if keras2:
+        from spark_hvd.keras.keras2 import Keras2Distributed
+
+        return _wrapped_class(type(optimizer), settings, Keras2Distributed).from_config(config)
     return _wrapped_class(type(optimizer), settings).from_config(config)
 
 
@@ -303,14 +316,7 @@ def PartialDistributedOptimizer(optimizer: Any, name: Optional[str] = None, devi
     rank's own gradients, scaled by 1/size unless ``scale_local_gradients=False``; all other
     gradients are combined as by DistributedOptimizer.
     """
-    if local_layers is None:
-        local_layers = []
-    elif isinstance(local_layers, keras.layers.Layer):
-        local_layers = [local_layers]
-    bad = [i for i, layer in enumerate(local_layers) if not isinstance(layer, keras.layers.Layer)]
-    if bad:
-        raise ValueError(f"local_layers[{bad[0]}] is a {type(local_layers[bad[0]]).__name__}; every local layer "
-                         "must be a keras.layers.Layer")
+    local_layers = layer_list(local_layers)
     wrapped = DistributedOptimizer(optimizer, name=name, compression=compression, sparse_as_dense=sparse_as_dense,
                                    gradient_predivide_factor=gradient_predivide_factor, op=op,
                                    backward_passes_per_step=backward_passes_per_step,

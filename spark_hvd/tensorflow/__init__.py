@@ -101,6 +101,11 @@ def __getattr__(name: str) -> Any:
     # Horovod has hvd.SyncBatchNormalization here; the layer is the Keras binding's (a layer above
     # this one), so it is looked up on first use instead of imported with this package.
     if name == "SyncBatchNormalization":
+        # As tf.keras: Keras 2's layer when TF_USE_LEGACY_KERAS makes tf.keras tf_keras.
+        from spark_hvd.keras.keras2 import legacy_keras_selected, sync_batch_normalization_class
+
+        if legacy_keras_selected():
+            return sync_batch_normalization_class()
         from spark_hvd.keras.layers import SyncBatchNormalization
 
         return SyncBatchNormalization

@@ -281,16 +281,15 @@ def PartialDistributedGradientTape(gradtape: tf.GradientTape, device_dense: str 
     ``scale_local_gradients=False``; every other gradient is combined as by
     DistributedGradientTape. Other arguments as for :func:`DistributedGradientTape`.
     """
-    import keras
-
+    # Any Keras layer, Keras 3's or Keras 2's (tf_keras): what is used of it is its trainable weights.
     if local_layers is None:
         local_layers = []
-    elif isinstance(local_layers, keras.layers.Layer):
+    elif hasattr(local_layers, "trainable_weights"):
         local_layers = [local_layers]
-    bad = [i for i, layer in enumerate(local_layers) if not isinstance(layer, keras.layers.Layer)]
+    bad = [i for i, layer in enumerate(local_layers) if not hasattr(layer, "trainable_weights")]
     if bad:
         raise ValueError(f"local_layers[{bad[0]}] is a {type(local_layers[bad[0]]).__name__}; every local layer "
-                         "must be a keras.layers.Layer")
+                         "must be a Keras layer")
     tape = DistributedGradientTape(gradtape, compression=compression, sparse_as_dense=sparse_as_dense, op=op,
                                    gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
                                    groups=groups, process_set=process_set,
