@@ -2,8 +2,9 @@
 
 A checkpoint is one ``.keras`` file (Keras's own zip format, loadable with
 ``keras.saving.load_model``) that also holds, under ``spark_hvd/``, the run's state as JSON
-(completed epochs, history, fingerprint) and the optimizer's variables in order, so a resumed
-run continues with the same moments and step count. It is written whole through
+(completed epochs, history, fingerprint; within an epoch also the batches done, the epoch's
+running metrics and the shuffle seed) and the optimizer's variables in order, so a resumed run
+continues with the same moments and step count. It is written whole through
 ``Store.write``, which makes it visible atomically.
 """
 
@@ -64,16 +65,25 @@ class KerasCheckpoint:
     """The optimizer's variables in ``optimizer.variables`` order (its learning rate included)."""
     model: bytes = b""
     """The ``.keras`` bytes (the whole checkpoint file)."""
+    batch: int = 0
+    """Batches of epoch ``epoch`` (counted from 0) already trained: a mid-epoch checkpoint; else 0."""
+    partial: Dict[str, float] = field(default_factory=dict)
+    """A mid-epoch checkpoint's running means of that epoch's metrics, averaged over the ranks."""
+    seed: Optional[int] = None
+    """The shuffle seed of the run, so a mid-epoch resume keeps the epoch's batch order."""
 
 
 def checkpoint_bytes(model: Any, epoch: int, history: List[Dict[str, Any]], fingerprint: Dict[str, str],
-                     optimizer_variables: List[np.ndarray]) -> bytes:
-    """The checkpoint file: ``model`` as ``.keras`` with the run's state added to the archive."""
+                     optimizer_variables: List[np.ndarray], batch: int = 0,
+                     partial: Optional[Dict[str, float]] = None, seed: Optional[int] = None) -> bytes:
+    """The checkpoint file: ``model`` as ``.keras`` with the run's state added to the archive
+    (``batch``, ``partial`` and ``seed`` for a checkpoint within epoch ``epoch``)."""
     data = model_bytes(model)
     buf = io.BytesIO(data)
     with zipfile.ZipFile(buf, "a") as archive:
         archive.writestr(_STATE, json.dumps({"format": CHECKPOINT_FORMAT, "epoch": epoch, "history": history,
-                                             "fingerprint": fingerprint}))
+                                             "fingerprint": fingerprint, "batch": batch,
+                                             "partial": dict(partial or {}), "seed": seed}))
         arrays = io.BytesIO()
         np.savez(arrays, *[np.asarray(v) for v in optimizer_variables])
         archive.writestr(_OPTIMIZER, arrays.getvalue())
@@ -93,4 +103,5 @@ def read_checkpoint(data: bytes) -> KerasCheckpoint:
         raise ValueError(f"checkpoint format {state.get('format')} is not {CHECKPOINT_FORMAT}")
     return KerasCheckpoint(epoch=int(state["epoch"]), history=list(state["history"]),
                            fingerprint=dict(state.get("fingerprint") or {}), optimizer_variables=variables,
-                           model=data)
+                           model=data, batch=int(state.get("batch") or 0), partial=dict(state.get("partial") or {}),
+                           seed=state.get("seed"))

@@ -80,8 +80,11 @@ class KerasEstimator(DistributedEstimator[_Keras], KerasEstimatorParams):
        constant learning rate is multiplied by ``num_proc`` (a schedule is used as given);
     4. after each epoch rank 0 writes a checkpoint (``checkpoint.keras`` in the run's directory
        of ``store``: a ``.keras`` file ``keras.saving.load_model`` reads, holding also the
-       optimizer's state, the epoch count and the history). A fit with the ``run_id`` of an
-       earlier one resumes after its last completed epoch (``epochs`` is the run's total);
+       optimizer's state, the epoch count and the history), and with ``checkpoint_every_steps``
+       also every that many optimizer steps within an epoch (with the batches done and the
+       epoch's running metrics). A fit with the ``run_id`` of an earlier one, or a retry after a
+       lost rank, resumes from the last checkpoint, within an epoch at its next batch of the same
+       seeded order (``epochs`` is the run's total);
     5. prints a line per epoch and a progress bar, per ``verbose``, and returns a
        :class:`KerasModel` with the trained (uncompiled) model and ``history``, the epoch logs
        averaged over the ranks.
@@ -121,10 +124,6 @@ class KerasEstimator(DistributedEstimator[_Keras], KerasEstimatorParams):
         if callback is not None and not isinstance(callback, keras.callbacks.ModelCheckpoint):
             raise ValueError(f"checkpoint_callback={callback!r} is not valid: expected a keras.callbacks.ModelCheckpoint, "
                              "e.g. keras.callbacks.ModelCheckpoint('best.keras', save_best_only=True)")
-        if self.getCheckpointEverySteps() is not None:
-            raise ValueError(f"checkpoint_every_steps={self.getCheckpointEverySteps()!r} is not supported by "
-                             "KerasEstimator, which checkpoints after every epoch (a retry resumes from the last one); "
-                             "fix: leave it unset, or use shorter epochs with train_steps_per_epoch")
         checks.check_input_count(own.model, feature_cols)
 
     def _model_dtype(self, own: _Keras) -> str:
@@ -164,7 +163,8 @@ class KerasEstimator(DistributedEstimator[_Keras], KerasEstimatorParams):
 
     def _read_checkpoint(self, data: bytes) -> Checkpoint:
         state = read_checkpoint(data)
-        return Checkpoint(epoch=state.epoch, history=list(state.history), fingerprint=state.fingerprint, state=state)
+        return Checkpoint(epoch=state.epoch, history=list(state.history), fingerprint=state.fingerprint,
+                          batch=state.batch, seed=state.seed, state=state)
 
     def _restore(self, fit: Fit[_Keras], checkpoint: Checkpoint) -> None:
         fit.model.set_weights(load_model_bytes(checkpoint.state.model, self.getCustomObjects()).get_weights())
@@ -181,7 +181,10 @@ class KerasEstimator(DistributedEstimator[_Keras], KerasEstimatorParams):
             output_shapes=own.output_shapes, dtype=fit.dtype,
             optimizer_variables=resume.state.optimizer_variables if resume is not None else None,
             backward_passes_per_step=self.getBackwardPassesPerStep(), scale_lr=self.getScaleLr(),
-            callbacks=list(self.getCallbacks() or []), checkpoint_callback=self.getCheckpointCallback())
+            callbacks=list(self.getCallbacks() or []), checkpoint_callback=self.getCheckpointCallback(),
+            checkpoint_every_steps=self.getCheckpointEverySteps(),
+            start_batch=resume.batch if resume is not None else 0,
+            partial=dict(resume.state.partial) if resume is not None and resume.batch else None)
 
     def _rank_function(self) -> Callable[[Any], Any]:
         return train_on_rank

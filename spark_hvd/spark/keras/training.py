@@ -8,7 +8,10 @@ and runs one ``model.fit`` over all remaining epochs, fed from its reader: every
 same number of steps per epoch, so the gradient allreduces always match. The callbacks are
 ``BroadcastGlobalVariablesCallback(0)`` (rank 0's weights and optimizer state everywhere),
 ``MetricAverageCallback`` (epoch logs averaged over the ranks), the recorder that keeps the
-history, reports progress and makes rank 0 write a checkpoint each epoch, then the user's.
+history, reports progress and makes rank 0 write a checkpoint each epoch (and with
+``checkpoint_every_steps`` within epochs, with the epoch's running metrics; a run resumed within
+an epoch trains the rest of it as a fit of its own, at the next batch of the same seeded order,
+and its epoch logs cover every batch once), then the user's.
 """
 
 from __future__ import annotations
@@ -52,6 +55,12 @@ class KerasTrainingSpec(TrainingSpec):
     scale_lr: bool = True
     checkpoint_callback: Any = None
     """Horovod's ModelCheckpoint for rank 0 (``checkpoint_callback``), or None."""
+    checkpoint_every_steps: Optional[int] = None
+    """Also checkpoint every this many optimizer steps within an epoch."""
+    start_batch: int = 0
+    """Batches of epoch ``start_epoch`` trained before the checkpoint this run resumes from."""
+    partial: Optional[Dict[str, float]] = None
+    """The running means of epoch ``start_epoch``'s metrics at ``start_batch``, averaged over the ranks."""
 
 
 def scaled_optimizer(config: Dict[str, Any], factor: float, custom_objects: Optional[Dict[str, Any]] = None) -> Any:
@@ -135,16 +144,21 @@ class _Trainer:
             return x, y
         return x, y, np.asarray(batch[spec.sample_weight_col]).reshape(-1).astype(spec.dtype, copy=False)
 
-    def _blocks(self, reader: Any, epoch: int) -> Iterator[List[np.ndarray]]:
-        """The reader's blocks of batches of ``epoch``, each batch as Keras takes it and the block's
-        batches stacked: one flat list of ``(batches, batch_size, ...)`` arrays per block."""
+    def _blocks(self, reader: Any, epoch: int, skip: int = 0) -> Iterator[List[np.ndarray]]:
+        """The reader's blocks of batches of ``epoch`` after its first ``skip`` batches, each batch
+        as Keras takes it and the block's batches stacked: one flat list of ``(batches,
+        batch_size, ...)`` arrays per block."""
         import tensorflow as tf
 
         for block in reader.iter_epoch_blocks(epoch):
-            flat = [tf.nest.flatten(self._keras_batch(batch)) for batch in block]
+            if skip >= len(block):
+                skip -= len(block)
+                continue
+            flat = [tf.nest.flatten(self._keras_batch(batch)) for batch in block[skip:]]
+            skip = 0
             yield [np.stack(parts) for parts in zip(*flat)]
 
-    def _dataset(self, reader: Any, per_pass: bool = False) -> Any:
+    def _dataset(self, reader: Any, per_pass: bool = False, epochs: Optional[range] = None, skip: int = 0) -> Any:
         """A tf.data pipeline of the rank's batches: Python hands over whole blocks, tf.data cuts
         them into batches, so a step costs no call into Python (a generator of single batches
         made each step wait for one).
@@ -152,12 +166,15 @@ class _Trainer:
         Training data is one stream over every remaining epoch: given steps_per_epoch, Keras keeps
         one iterator and takes that many batches each epoch. Validation data (``per_pass``) is
         iterated afresh every epoch, and a fresh iterator drops what the last one had read ahead,
-        so each pass over that dataset is the next epoch's data and nothing more."""
+        so each pass over that dataset is the next epoch's data and nothing more. ``epochs``
+        (default: every remaining one) and ``skip`` (batches of the first of them already trained)
+        choose the training batches."""
         import itertools
 
         import tensorflow as tf
 
-        streams = [self._blocks(reader, epoch) for epoch in range(self.spec.start_epoch, self.spec.epochs)]
+        epochs = epochs if epochs is not None else range(self.spec.start_epoch, self.spec.epochs)
+        streams = [self._blocks(reader, epoch, skip if i == 0 else 0) for i, epoch in enumerate(epochs)]
         first = next(streams[0])
         structure = self._keras_batch_structure()
         signature = tuple(tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype)) for a in first)
@@ -185,15 +202,17 @@ class _Trainer:
         return (x, y) if spec.sample_weight_col is None else (x, y, 0)
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def checkpoint(self, completed: int) -> None:
-        """Rank 0: the model, its optimizer's variables and the run's state to the store."""
+    def checkpoint(self, completed: int, batch: int = 0, partial: Optional[Dict[str, float]] = None) -> None:
+        """Rank 0: the model, its optimizer's variables and the run's state to the store (within
+        epoch ``completed`` after ``batch`` batches, with that epoch's running ``partial`` logs)."""
         scaled = self.lr_scale != 1.0 and isinstance(self.base_lr, (int, float))
         if scaled:
             # The store keeps the learning rate as the user gave it; a resume scales it again.
             self.optimizer.learning_rate = float(self.base_lr)
         try:
             data = checkpoint_bytes(self.model, completed, self.history, self.spec.fingerprint,
-                                    [keras.ops.convert_to_numpy(v) for v in self.optimizer.variables])
+                                    [keras.ops.convert_to_numpy(v) for v in self.optimizer.variables],
+                                    batch=batch, partial=partial, seed=self.spec.seed)
         finally:
             if scaled:
                 self.optimizer.learning_rate = float(self.base_lr) * self.lr_scale
@@ -207,12 +226,21 @@ class _Trainer:
         callbacks = [self.hvd.callbacks.BroadcastGlobalVariablesCallback(0),
                      self.hvd.callbacks.MetricAverageCallback(), _recorder(self),
                      *_rank_callbacks(spec, self.rank, files)]
+        validation = self._dataset(val_reader, per_pass=True) if val_reader is not None else None
+        fit = dict(validation_data=validation, validation_steps=spec.val_steps if val_reader is not None else None,
+                   callbacks=callbacks, shuffle=False, verbose=0)  # the reader shuffles
         try:
-            self.model.fit(self._dataset(train_reader), epochs=spec.epochs, initial_epoch=spec.start_epoch,
-                           steps_per_epoch=spec.train_steps,
-                           validation_data=self._dataset(val_reader, per_pass=True) if val_reader is not None else None,
-                           validation_steps=spec.val_steps if val_reader is not None else None,
-                           callbacks=callbacks, shuffle=False, verbose=0)  # the reader shuffles
+            first = spec.start_epoch
+            if spec.start_batch:
+                # The rest of an epoch resumed within: Keras takes one number of steps for every
+                # epoch of a fit, so this epoch is a fit of its own.
+                self.model.fit(self._dataset(train_reader, epochs=range(first, first + 1), skip=spec.start_batch),
+                               epochs=first + 1, initial_epoch=first, steps_per_epoch=spec.train_steps - spec.start_batch,
+                               **fit)
+                first += 1
+            if first < spec.epochs:
+                self.model.fit(self._dataset(train_reader, epochs=range(first, spec.epochs)), epochs=spec.epochs,
+                               initial_epoch=first, steps_per_epoch=spec.train_steps, **fit)
         finally:
             close_readers(self.train_reader, self.val_reader)
         if self.rank != 0:
@@ -273,9 +301,13 @@ def _recorder(trainer: _Trainer) -> Any:
             self.started = 0.0
             self.trained = 0.0
             self.epoch = 0
+            self.skipped = 0
 
         def on_epoch_begin(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+            spec = trainer.spec
             self.epoch = epoch
+            # Batches of this epoch trained before the checkpoint it resumes from.
+            self.skipped = spec.start_batch if epoch == spec.start_epoch else 0
             self.started = time.monotonic()
             self.trained = 0.0
             trainer.profile.start()
@@ -287,9 +319,30 @@ def _recorder(trainer: _Trainer) -> Any:
             trainer.profile.mark("train_step")
             loss = float(np.asarray((logs or {}).get("loss", float("nan"))))
             spec = trainer.spec
-            trainer.reporter.step(self.epoch, batch + 1, loss, force=batch + 1 == spec.train_steps)
+            done = self.skipped + batch + 1
+            trainer.reporter.step(self.epoch, done, loss, force=done == spec.train_steps)
+            every, passes = spec.checkpoint_every_steps, spec.backward_passes_per_step
+            if every and done < spec.train_steps and done % passes == 0 and (done // passes) % every == 0:
+                # Every rank is here after the same batch: the epoch's running means so far,
+                # averaged over the ranks (as MetricAverageCallback does at the epoch's end).
+                running = self._with_earlier(_scalars(logs), batch + 1)
+                names = sorted(running)
+                averaged = trainer.hvd.allreduce(np.array([running[k] for k in names], dtype=np.float64),
+                                                 name=f"spark_hvd.keras.partial.{self.epoch}.{done}")
+                if trainer.rank == 0:
+                    trainer.checkpoint(self.epoch, batch=done, partial=dict(zip(names, averaged.tolist())))
             trainer.profile.mark("bookkeeping")
             trainer.profile.step_done()
+
+        def _with_earlier(self, running: Dict[str, float], batches: int) -> Dict[str, float]:
+            """``running`` (means over this fit's ``batches`` batches of the epoch) as means over
+            every batch of the epoch so far: a resumed epoch adds the means its checkpoint kept,
+            weighted by their batches (exact for means and sums of per-batch values)."""
+            partial = trainer.spec.partial
+            if not self.skipped or not partial:
+                return running
+            return {k: (partial[k] * self.skipped + v * batches) / (self.skipped + batches) if k in partial else v
+                    for k, v in running.items()}
 
         def on_test_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
             if not self.trained:
@@ -299,9 +352,11 @@ def _recorder(trainer: _Trainer) -> Any:
             spec = trainer.spec
             seconds = time.monotonic() - self.started
             trained = self.trained or seconds
-            values = {k: float(np.asarray(v)) for k, v in (logs or {}).items()
-                      if np.ndim(v) == 0 and k != "learning_rate"}
-            record_epoch(trainer.history, epoch, values, rows=spec.train_steps * spec.batch_size * trainer.size,
+            values = self._with_earlier(_scalars(logs), spec.train_steps - self.skipped)
+            if logs is not None:
+                logs.update({k: v for k, v in values.items() if k in logs})  # later callbacks see the whole epoch
+            rows = (spec.train_steps - self.skipped) * spec.batch_size * trainer.size
+            record_epoch(trainer.history, epoch, values, rows=rows,
                          trained_s=trained, seconds=seconds, profile=trainer.profile, hvd=trainer.hvd,
                          size=trainer.size, name=f"spark_hvd.keras.profile.{epoch}")
             if trainer.rank == 0:
@@ -309,6 +364,11 @@ def _recorder(trainer: _Trainer) -> Any:
             trainer.reporter.epoch(epoch, values)
 
     return Recorder()
+
+
+def _scalars(logs: Optional[Dict[str, Any]]) -> Dict[str, float]:
+    """The numbers of Keras's ``logs`` (the learning rate left out)."""
+    return {k: float(np.asarray(v)) for k, v in (logs or {}).items() if np.ndim(v) == 0 and k != "learning_rate"}
 
 
 def train_on_rank(spec: KerasTrainingSpec) -> Optional[Dict[str, Any]]:

@@ -69,7 +69,6 @@ BAD_FITS = [
     ({"model": small_model(units=2), "task": "binary"}, r"task='binary' needs one output value per row, but the "
                                                         r"model returns 2"),
     ({"train_minibatch_fn": lambda *a: None}, r"train_minibatch_fn is not supported by KerasEstimator"),
-    ({"checkpoint_every_steps": 2}, r"checkpoint_every_steps=2 is not supported by KerasEstimator"),
 ]
 
 
@@ -224,6 +223,55 @@ def test_the_same_run_id_resumes_after_the_last_completed_epoch_and_retries_a_ki
     assert complete.getHistory() == resumed.getHistory() and "launch" not in complete.fit_timings
     for a, b in zip(complete.getModel().get_weights(), resumed.getModel().get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+class KillRankAfterBatch(keras.callbacks.Callback):
+    """Rank 1 kills its own process after batch ``batch`` of epoch ``epoch`` (both from 0), once;
+    rank 0 logs its pid and epoch for every batch it trains."""
+
+    def __init__(self, marker, log, epoch, batch):
+        super().__init__()
+        self.marker, self.log, self.epoch, self.batch = str(marker), str(log), epoch, batch
+        self.current = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        import spark_hvd.keras as hvd
+
+        if hvd.rank() == 0:
+            with open(self.log, "a") as f:
+                f.write(f"{os.getpid()} {self.current}\n")
+        if hvd.rank() == 1 and (self.current, batch) == (self.epoch, self.batch) and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_retry_resumes_within_the_epoch_from_a_mid_epoch_checkpoint(frame, tmp_path, capsys):
+    """checkpoint_every_steps=2 (6 steps per epoch): rank 1 dies after the 3rd batch of epoch 2, so
+    the retry resumes from the checkpoint at its step 2, trains that epoch's other 4 batches and
+    the last epoch; each epoch is in the history once, with the losses of an uninterrupted run of
+    the same seed (whose mid-epoch checkpoints do not change its training)."""
+    baseline = make_estimator(tmp_path / "baseline", epochs=3, checkpoint_every_steps=2).fit(frame)
+    log, marker = tmp_path / "batches.log", tmp_path / "rank-killed"
+    resumed = make_estimator(tmp_path / "retried", epochs=3, checkpoint_every_steps=2, verbose=1,
+                             callbacks=[KillRankAfterBatch(marker, log, epoch=1, batch=2)]).fit(frame)
+    printed = capsys.readouterr().out
+    assert marker.exists()
+    assert "retry 1/3 (attempt 2) after the barrier stage failed" in printed, printed[-3000:]
+    assert "resuming from epoch 2, step 2 of 6" in printed, printed[-3000:]
+    history, want = resumed.getHistory(), baseline.getHistory()
+    assert [h["epoch"] for h in history] == [1, 2, 3]
+    for got, expected in zip(history, want):
+        assert got["loss"] == pytest.approx(expected["loss"], rel=1e-4), (history, want)
+    lines = [line.split() for line in log.read_text().splitlines()]
+    attempts = list(dict.fromkeys(pid for pid, _ in lines))
+    assert len(attempts) == 2
+    retried = [int(epoch) for pid, epoch in lines if pid == attempts[1]]
+    assert retried == [1] * 4 + [2] * 6, retried
+    for a, b in zip(resumed.getModel().get_weights(), baseline.getModel().get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_labels_the_loss_cannot_take_are_refused_before_training(frame, tmp_path):
