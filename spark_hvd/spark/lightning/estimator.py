@@ -86,8 +86,10 @@ class LightningEstimator(TorchModuleHooks, DistributedEstimator[_Lightning], Lig
     and fit on their shard. After each epoch what the module logged with ``self.log`` (epoch values,
     ``val_`` metrics included) is averaged over the ranks into ``history`` (with ``loss``, the mean
     of training_step's losses, when the module does not log one) and rank 0 writes a Lightning
-    checkpoint to the store under ``run_id``; a fit with the ``run_id`` of an unfinished run
-    resumes after its last completed epoch, optimizer and schedulers included. The fit is logged
+    checkpoint to the store under ``run_id`` (with ``checkpoint_every_steps`` also every that many
+    optimizer steps within an epoch); a fit with the ``run_id`` of an unfinished run, or a retry
+    after a lost rank, resumes from the last checkpoint, optimizer and schedulers included, within
+    an epoch at its next batch of the same seeded order. The fit is logged
     to MLflow as TorchEstimator's is (``log_to_mlflow``). The driver's module is never modified.
     Saves and loads with Spark ML persistence, also in a Pipeline.
     """
@@ -175,7 +177,8 @@ class LightningEstimator(TorchModuleHooks, DistributedEstimator[_Lightning], Lig
         if not isinstance(record, dict) or record.get("format") != CHECKPOINT_FORMAT:
             raise ValueError("not a LightningEstimator checkpoint")
         return Checkpoint(epoch=int(record["epochs_done"]), history=list(record["history"]),
-                          fingerprint=dict(record.get("fingerprint") or {}), state=checkpoint["state_dict"])
+                          fingerprint=dict(record.get("fingerprint") or {}), batch=int(record.get("batch") or 0),
+                          seed=record.get("seed"), state=checkpoint["state_dict"])
 
     def _restore(self, fit: Fit[_Lightning], checkpoint: Checkpoint) -> None:
         fit.model.load_state_dict(checkpoint.state)
@@ -184,7 +187,8 @@ class LightningEstimator(TorchModuleHooks, DistributedEstimator[_Lightning], Lig
         own = fit.own
         return LightningTrainingSpec.extending(common, model=fit.model, resume=resume is not None,
                                      trainer_args=self._trainer_args(own), callbacks=own.callbacks,
-                                     learning_rate=self.getLearningRate())
+                                     learning_rate=self.getLearningRate(),
+                                     checkpoint_every_steps=self.getCheckpointEverySteps())
 
     def _trainer_args(self, own: _Lightning) -> Dict[str, Any]:
         """``trainer_args`` with what Horovod's Params set: accumulation, logger, logging interval, profiler."""

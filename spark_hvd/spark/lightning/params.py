@@ -26,8 +26,7 @@ class ToTrainerArgs(Converter):
 _REPLACED = ("model", "callbacks", "task")
 """Shared Params whose meaning is Lightning's own here (declared below)."""
 
-_NOT_FOR_LIGHTNING = ("optimizer", "loss", "loss_weights", "metrics", "train_minibatch_fn", "scale_lr",
-                      "checkpoint_every_steps")
+_NOT_FOR_LIGHTNING = ("optimizer", "loss", "loss_weights", "metrics", "train_minibatch_fn", "scale_lr")
 """Shared Params a LightningModule brings itself: configure_optimizers gives the optimizer and its
 learning rate, training_step the loss, self.log the metrics; trainer_args holds the rest
 (val_check_interval). Horovod's Lightning estimator takes some of these names; they are accepted

@@ -56,6 +56,8 @@ class LightningTrainingSpec(TrainingSpec):
     trainer_args: Dict[str, Any] = field(default_factory=dict)
     learning_rate: Optional[float] = None
     """The ``learning_rate`` Param: set on every optimizer configure_optimizers returns, or None."""
+    checkpoint_every_steps: Optional[int] = None
+    """Also checkpoint every this many optimizer steps within an epoch."""
 
 
 def module_batch(batch: Dict[str, np.ndarray], feature_cols: List[str], label_cols: List[str],
@@ -81,7 +83,8 @@ def module_batch(batch: Dict[str, np.ndarray], feature_cols: List[str], label_co
 
 
 class _ShardBatches(torch.utils.data.IterableDataset):
-    """One epoch of this rank's batches per iteration, exactly ``steps_per_epoch`` of them."""
+    """One epoch of this rank's batches per iteration, exactly ``steps_per_epoch`` of them (after
+    a mid-epoch resume, the epoch's batches after those trained before)."""
 
     def __init__(self, reader: Any, convert: Callable[[Dict[str, np.ndarray]], Dict[str, torch.Tensor]],
                  first_epoch: int, prefetch_next: Optional[Callable[[Any, int], None]] = None) -> None:
@@ -91,6 +94,8 @@ class _ShardBatches(torch.utils.data.IterableDataset):
         self.prefetch_next = prefetch_next
         """Called with the reader and the epoch once the epoch's last batch is converted, before it
         is handed over (the training loader's: the next epoch is read while this one validates)."""
+        self.skip = 0
+        """Batches of the next epoch to pass over: trained before the checkpoint resumed from."""
 
     def __len__(self) -> int:
         return int(self.reader.steps_per_epoch)
@@ -98,9 +103,13 @@ class _ShardBatches(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
         # One pass per epoch: the epoch number seeds the shuffle, the same on every rank.
         epoch, self.epoch = self.epoch, self.epoch + 1
+        skip, self.skip = self.skip, 0
         left = int(self.reader.steps_per_epoch)
         for batch in self.reader.iter_epoch(epoch):
             left -= 1
+            if skip:
+                skip -= 1
+                continue
             if left == 0 and self.prefetch_next is not None:
                 converted = self.convert(batch)
                 self.prefetch_next(self.reader, epoch)
@@ -180,6 +189,13 @@ class _EpochEnd(Checkpoint):
         self._loss_sum = 0.0
         self._steps = 0
         self.profile = step_profile(LIGHTNING_PHASES)
+        self.train_loader: Optional[_ResumableLoader] = None
+        self._batch = 0
+        """Batches of the current epoch trained when the next checkpoint is written (0 at an epoch's end)."""
+        self._resumed_epoch = False
+        """The current epoch was resumed within (from a mid-epoch checkpoint)."""
+        self._partial_loss = 0.0
+        """The ranks' mean of the epoch's loss sum at the mid-epoch checkpoint being written."""
 
     @property
     def state_key(self) -> str:
@@ -198,7 +214,8 @@ class _EpochEnd(Checkpoint):
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._started = time.monotonic()
-        self._loss_sum, self._steps = 0.0, 0
+        if not self._resumed_epoch:
+            self._loss_sum, self._steps = 0.0, 0
         self.profile.start()
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -213,6 +230,18 @@ class _EpochEnd(Checkpoint):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.profile.mark("optimizer")
         self._record_batch(trainer, outputs, batch_idx)
+        spec = self.spec
+        every, passes, done = spec.checkpoint_every_steps, max(1, trainer.accumulate_grad_batches), batch_idx + 1
+        if every and done < spec.train_steps and done % passes == 0 and (done // passes) % every == 0:
+            self._batch = done
+            # Every rank resumes from rank 0's checkpoint: it keeps the ranks' mean of the sums.
+            self._partial_loss = self._loss_sum if self.size == 1 else float(self.hvd.allreduce(
+                torch.tensor([self._loss_sum], dtype=torch.float64), name=f"spark_hvd.lightning.partial.{done}",
+                op=self.hvd.Average)[0])
+            try:
+                self._checkpoint(trainer, epoch=trainer.current_epoch, batches=done)
+            finally:
+                self._batch = 0
         self.profile.mark("bookkeeping")
         self.profile.step_done()
 
@@ -236,6 +265,7 @@ class _EpochEnd(Checkpoint):
         record_epoch(self.history, epoch, logs, rows=self.spec.train_steps * self.spec.batch_size * self.size,
                      trained_s=seconds, seconds=seconds, profile=self.profile, hvd=self.hvd, size=self.size,
                      name=f"spark_hvd.lightning.profile.{len(self.history)}")
+        self._resumed_epoch = False
         self._checkpoint(trainer)
         self.reporter.epoch(epoch, logs)
 
@@ -251,10 +281,24 @@ class _EpochEnd(Checkpoint):
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Dict[str, Any]) -> None:
         checkpoint[CHECKPOINT_KEY] = {"format": CHECKPOINT_FORMAT, "epochs_done": len(self.history),
-                                      "history": list(self.history), "fingerprint": dict(self.spec.fingerprint)}
+                                      "history": list(self.history), "fingerprint": dict(self.spec.fingerprint),
+                                      "batch": self._batch, "seed": self.spec.seed,
+                                      "loss_sum": self._partial_loss if self._batch else 0.0,
+                                      "steps": self._steps if self._batch else 0}
 
-    def _checkpoint(self, trainer: Any) -> None:
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Dict[str, Any]) -> None:
+        record = checkpoint.get(CHECKPOINT_KEY) or {}
+        if record.get("batch"):
+            # Resumed within an epoch, whose start Lightning does not announce again: the epoch's
+            # loss goes on from what training_step returned before the checkpoint.
+            self._loss_sum, self._steps = float(record.get("loss_sum") or 0.0), int(record.get("steps") or 0)
+            self._started = time.monotonic()
+            self._resumed_epoch = True
+
+    def _checkpoint(self, trainer: Any, epoch: Optional[int] = None, batches: int = 0) -> None:
         # Every rank calls save_checkpoint (it ends in a barrier); the strategy writes on rank 0 only.
+        if self.train_loader is not None:
+            self.train_loader.trained = (epoch, batches) if batches else (trainer.current_epoch + 1, 0)
         local = os.path.join(self.workdir, "epoch.ckpt")
         trainer.save_checkpoint(local, weights_only=False)
         if self.rank == 0:
@@ -262,9 +306,28 @@ class _EpochEnd(Checkpoint):
                 self.spec.store.write(self.spec.checkpoint_path, f.read())  # atomic: old or new, never partial
 
 
-def _loader(dataset: _ShardBatches) -> torch.utils.data.DataLoader:
+class _ResumableLoader(torch.utils.data.DataLoader):
+    """The training loader, resumable within an epoch the way Lightning asks (``state_dict`` /
+    ``load_state_dict``, saved in its checkpoints): the state is the epoch and the batches of it
+    trained when the checkpoint was written (``trained``, set by :class:`_EpochEnd`; the loader
+    itself may have handed out more, read ahead)."""
+
+    trained = (0, 0)
+    """(epoch, batches trained of it) at the last checkpoint."""
+
+    def state_dict(self) -> Dict[str, int]:
+        epoch, batches = self.trained
+        return {"epoch": epoch, "batches": batches}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        dataset = self.dataset
+        assert isinstance(dataset, _ShardBatches)
+        dataset.epoch, dataset.skip = int(state["epoch"]), int(state["batches"])
+
+
+def _loader(dataset: _ShardBatches, resumable: bool = False) -> torch.utils.data.DataLoader:
     # Batches come whole from the reader: no sampler or collation, and so no DistributedSampler either.
-    return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=0)
+    return (_ResumableLoader if resumable else torch.utils.data.DataLoader)(dataset, batch_size=None, num_workers=0)
 
 
 def default_logger(logs_dir: str) -> Any:
@@ -342,8 +405,10 @@ def fit_on_rank(spec: LightningTrainingSpec) -> Optional[Dict[str, Any]]:
                     with open(ckpt_path, "wb") as f:
                         f.write(spec.store.read(spec.checkpoint_path))
                 val_loader = _loader(_ShardBatches(val_reader, convert, spec.start_epoch)) if val_reader else None
-                trainer.fit(module, train_dataloaders=_loader(_ShardBatches(train_reader, convert, spec.start_epoch,
-                                                                         spec.prefetch_next)),
+                train_loader = _loader(_ShardBatches(train_reader, convert, spec.start_epoch, spec.prefetch_next),
+                                       resumable=True)
+                epoch_end.train_loader = train_loader
+                trainer.fit(module, train_dataloaders=train_loader,
                             val_dataloaders=val_loader, ckpt_path=ckpt_path, weights_only=False if ckpt_path else None)
             finally:
                 close_readers(train_reader, val_reader)

@@ -18,7 +18,7 @@ from pyspark.ml.feature import VectorAssembler
 from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
 from pyspark.sql import functions as F
 
-from spark_helpers import nothing_materialized, spark_jobs
+from spark_helpers import nothing_materialized, resumed_mid_epoch, spark_jobs
 from spark_hvd.spark import Store
 from spark_hvd.spark.keras import KerasEstimator, KerasModel
 from spark_hvd.spark.keras.checkpoint import read_checkpoint
@@ -253,23 +253,10 @@ def test_a_retry_resumes_within_the_epoch_from_a_mid_epoch_checkpoint(frame, tmp
     the retry resumes from the checkpoint at its step 2, trains that epoch's other 4 batches and
     the last epoch; each epoch is in the history once, with the losses of an uninterrupted run of
     the same seed (whose mid-epoch checkpoints do not change its training)."""
-    baseline = make_estimator(tmp_path / "baseline", epochs=3, checkpoint_every_steps=2).fit(frame)
-    log, marker = tmp_path / "batches.log", tmp_path / "rank-killed"
-    resumed = make_estimator(tmp_path / "retried", epochs=3, checkpoint_every_steps=2, verbose=1,
-                             callbacks=[KillRankAfterBatch(marker, log, epoch=1, batch=2)]).fit(frame)
-    printed = capsys.readouterr().out
-    assert marker.exists()
-    assert "retry 1/3 (attempt 2) after the barrier stage failed" in printed, printed[-3000:]
-    assert "resuming from epoch 2, step 2 of 6" in printed, printed[-3000:]
+    resumed, baseline = resumed_mid_epoch(make_estimator, frame, tmp_path, capsys, KillRankAfterBatch, steps=6)
     history, want = resumed.getHistory(), baseline.getHistory()
-    assert [h["epoch"] for h in history] == [1, 2, 3]
     for got, expected in zip(history, want):
         assert got["loss"] == pytest.approx(expected["loss"], rel=1e-4), (history, want)
-    lines = [line.split() for line in log.read_text().splitlines()]
-    attempts = list(dict.fromkeys(pid for pid, _ in lines))
-    assert len(attempts) == 2
-    retried = [int(epoch) for pid, epoch in lines if pid == attempts[1]]
-    assert retried == [1] * 4 + [2] * 6, retried
     for a, b in zip(resumed.getModel().get_weights(), baseline.getModel().get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 

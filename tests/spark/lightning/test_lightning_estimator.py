@@ -23,7 +23,7 @@ from pyspark.sql import functions as F_sql
 from spark_hvd.spark import Store
 from spark_hvd.spark.lightning import LightningEstimator, LightningModel, checks
 from spark_hvd.spark.lightning.training import _ShardBatches, history_entry
-from spark_helpers import nothing_materialized, spark_jobs
+from spark_helpers import nothing_materialized, resumed_mid_epoch, spark_jobs
 
 ROWS = 96
 
@@ -434,3 +434,40 @@ def test_a_killed_rank_is_retried_from_the_last_epoch_checkpoint(frame, tmp_path
     assert "resuming from the end of epoch 1" in printed, printed[-3000:]
     assert [h["epoch"] for h in model.getHistory()] == [1, 2]
     assert est.getStore().list_intermediate() == []
+
+
+class KillRankAfterBatch(pl.Callback):
+    """Rank 1 kills its own process after batch ``batch`` of epoch ``epoch`` (both from 0), once;
+    rank 0 logs its pid and epoch for every batch it trains."""
+
+    def __init__(self, marker, log, epoch, batch):
+        self.marker, self.batch_log, self.epoch, self.batch = str(marker), str(log), epoch, batch
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_rank == 0:
+            with open(self.batch_log, "a") as f:
+                f.write(f"{os.getpid()} {trainer.current_epoch}\n")
+        if (trainer.global_rank == 1 and (trainer.current_epoch, batch_idx) == (self.epoch, self.batch)
+                and not os.path.exists(self.marker)):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.timeout(600)
+def test_a_retry_resumes_within_the_epoch_from_a_mid_epoch_checkpoint(frame, tmp_path, capsys):
+    """checkpoint_every_steps=2: rank 1 dies after the 3rd batch of epoch 2, so the retry resumes
+    Lightning from the checkpoint at that epoch's step 2, trains the epoch's other batches and the
+    last epoch; each epoch is in the history once, with the losses and the very weights of an
+    uninterrupted run of the same seed (whose mid-epoch checkpoints do not change its training)."""
+    resumed, baseline = resumed_mid_epoch(make_estimator, frame, tmp_path, capsys, KillRankAfterBatch,
+                                          steps=ROWS // (2 * 8))
+    history, want = resumed.getHistory(), baseline.getHistory()
+    for got, expected in zip(history, want):
+        # The loss training_step returned, over every batch of each epoch once.
+        assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5), (history, want)
+    # What the module logged with on_epoch=True: Lightning's own running values are not in its
+    # checkpoints, so the resumed epoch's covers the batches after the resume.
+    for got, expected in (history[0], want[0]), (history[2], want[2]):
+        assert got["train_loss"] == pytest.approx(expected["train_loss"], rel=1e-5), (history, want)
+    for a, b in zip(resumed.getModel().parameters(), baseline.getModel().parameters()):
+        assert torch.equal(a, b)
