@@ -12,8 +12,9 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import spark_hvd.runtime as _rt
 
-__all__ = ["is_keras2", "layer_list", "backend_name", "binding", "init", "shutdown", "is_initialized", "rank", "size", "local_rank",
-           "local_size", "cross_rank", "cross_size", "is_homogeneous", "start_timeline", "stop_timeline"]
+__all__ = ["is_keras2", "legacy_keras_selected", "layer_list", "backend_name", "binding", "init", "shutdown",
+           "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "is_homogeneous",
+           "start_timeline", "stop_timeline"]
 
 _BINDINGS = {"tensorflow": "spark_hvd.tensorflow", "torch": "spark_hvd.torch"}
 
@@ -23,6 +24,14 @@ def is_keras2(obj: Any) -> bool:
     ``tf_keras`` package (what ``tf.keras`` is with ``TF_USE_LEGACY_KERAS=1``)."""
     cls = obj if isinstance(obj, type) else type(obj)
     return any(c.__module__.split(".")[0] == "tf_keras" for c in cls.__mro__)
+
+
+def legacy_keras_selected() -> bool:
+    """Whether ``tf.keras`` is Keras 2's ``tf_keras`` in this process (``TF_USE_LEGACY_KERAS``, as
+    TensorFlow reads it)."""
+    import os
+
+    return os.environ.get("TF_USE_LEGACY_KERAS", "").strip().lower() in ("1", "true", "yes")
 
 
 def layer_list(local_layers: Any) -> list:

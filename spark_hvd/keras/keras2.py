@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import tensorflow as tf
 
 import spark_hvd.runtime as _rt
+from spark_hvd.keras.basics import legacy_keras_selected
 
 __all__ = ["Keras2Distributed", "legacy_keras_selected", "sync_batch_normalization_class"]
 
@@ -184,14 +185,6 @@ class Keras2Distributed:
 
         tf.cond(tf.equal(helper.counter, 0), update, count)
         return self.iterations
-
-
-def legacy_keras_selected() -> bool:
-    """Whether ``tf.keras`` is Keras 2's ``tf_keras`` in this process (``TF_USE_LEGACY_KERAS``, as
-    TensorFlow reads it)."""
-    import os
-
-    return os.environ.get("TF_USE_LEGACY_KERAS", "").strip().lower() in ("1", "true", "yes")
 
 
 _SYNC_BATCH_NORM: Optional[type] = None

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import keras
 
 import spark_hvd.runtime as _rt
-from spark_hvd.keras.basics import backend_name, is_keras2, layer_list
+from spark_hvd.keras.basics import backend_name, is_keras2, layer_list, legacy_keras_selected
 from spark_hvd.keras.compression import Compression, Compressor
 from spark_hvd.runtime.ops import Adasum, Average
 
@@ -336,7 +336,10 @@ def load_model(filepath: str, custom_optimizers: Optional[Sequence[type]] = None
     The optimizer is rebuilt as the distributed subclass of its saved class before its saved
     state is loaded into it, so training resumes with the saved slots and iteration count.
     ``custom_optimizers`` lists optimizer classes of your own; ``distributed`` takes further
-    DistributedOptimizer options (op, backward_passes_per_step, ...).
+    DistributedOptimizer options (op, backward_passes_per_step, ...). A model Keras 2 saved
+    (``tf_keras``: an ``.h5`` file, a SavedModel directory or a ``.keras`` file of Keras 2.x), or
+    any file with ``TF_USE_LEGACY_KERAS=1``, is loaded by ``tf_keras`` with its optimizer wrapped
+    the same way.
     """
     settings = _Settings(compression=compression, sparse_as_dense=distributed.pop("sparse_as_dense", False),
                          op=distributed.pop("op", Average),
@@ -348,9 +351,62 @@ def load_model(filepath: str, custom_optimizers: Optional[Sequence[type]] = None
                          scale_local_gradients=bool(distributed.pop("scale_local_gradients", True)))
     if distributed:
         raise ValueError(f"load_model got unknown options {sorted(distributed)}; expected DistributedOptimizer options")
-    classes = [c for c in vars(keras.optimizers).values()
-               if isinstance(c, type) and issubclass(c, keras.optimizers.Optimizer)]
+    keras2 = _saved_by_keras2(filepath)
+    if keras2:
+        import tf_keras
+
+        from spark_hvd.keras.keras2 import Keras2Distributed
+
+        library, base, methods = tf_keras, tf_keras.optimizers.Optimizer, Keras2Distributed
+    else:
+        library, base, methods = keras, keras.optimizers.Optimizer, _DistributedOptimizer
+    classes = [c for c in vars(library.optimizers).values() if isinstance(c, type) and issubclass(c, base)]
     classes += list(custom_optimizers or [])
-    objects = {c.__name__: _wrapped_class(c, settings) for c in classes}
+    objects = {c.__name__: _wrapped_class(c, settings, methods) for c in classes}
     objects.update(custom_objects or {})
-    return keras.models.load_model(filepath, custom_objects=objects)
+    model = library.models.load_model(filepath, custom_objects=objects)
+    optimizer = getattr(model, "optimizer", None)
+    if keras2 and optimizer is not None and getattr(type(optimizer), "_hvd", None) is None:
+        # Keras 2's HDF5 loader builds its own optimizer classes whatever custom_objects say:
+        # the distributed subclass takes over the loaded one's configuration and state.
+        model.optimizer = _rewrapped(optimizer, model, _wrapped_class(type(optimizer), settings, methods))
+    return model
+
+
+def _rewrapped(optimizer: Any, model: Any, cls: type) -> Any:
+    """A ``cls`` optimizer (a Keras 2 distributed subclass) with ``optimizer``'s config and variables."""
+    from spark_hvd.keras.callbacks import optimizer_variables
+
+    values = [v.numpy() for v in optimizer_variables(optimizer)]
+    wrapped = cls.from_config(optimizer.get_config())
+    if values:
+        if hasattr(wrapped, "build"):
+            wrapped.build(model.trainable_variables)
+        else:  # a legacy optimizer creates its slots this way
+            wrapped._create_all_weights(model.trainable_variables)
+        for variable, value in zip(optimizer_variables(wrapped), values):
+            variable.assign(value)
+    return wrapped
+
+
+def _saved_by_keras2(filepath: Any) -> bool:
+    """Whether ``filepath`` is for Keras 2's ``tf_keras`` to load: ``TF_USE_LEGACY_KERAS`` is set, or
+    the file is HDF5, a SavedModel directory, or a ``.keras`` archive Keras 2.x wrote."""
+    import json
+    import os
+    import zipfile
+
+    path = os.fspath(filepath)
+    if legacy_keras_selected():
+        return True
+    if os.path.isdir(path):
+        return os.path.exists(os.path.join(path, "saved_model.pb"))
+    try:
+        with open(path, "rb") as f:
+            if f.read(8) == b"\x89HDF\r\n\x1a\n":
+                return True
+        with zipfile.ZipFile(path) as archive:
+            version = str(json.loads(archive.read("metadata.json")).get("keras_version", ""))
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile):
+        return False
+    return version.startswith("2.")

@@ -158,7 +158,41 @@ def check_keras2_sync_batch_normalization(hvd, rank, size):
     close(layer.moving_variance.numpy(), reference.moving_variance.numpy(), 1e-5, "moving variance")
 
 
-CHECKS = [check_keras2_fit_matches_single_process, check_keras2_local_accumulation, check_keras2_callbacks_and_state,
+def check_keras2_load_model_rewraps_optimizer(hvd, rank, size):
+    """spark_hvd.keras.load_model of a model tf_keras saved (a Keras 2 .keras file and an .h5 file)
+    loads it with tf_keras, its optimizer rebuilt as the distributed subclass with its state; a
+    Keras 3 file still loads as Keras 3."""
+    import os
+    import tempfile
+
+    import keras
+    import tf_keras
+
+    import spark_hvd.keras as khvd
+
+    model = _model(rank)
+    model.compile(optimizer=khvd.DistributedOptimizer(tf_keras.optimizers.Adam(0.01)), loss="mse")
+    x, y = _data(size, 2)
+    model.fit(_my_rows(x, rank, size), _my_rows(y, rank, size), batch_size=BATCH, epochs=1, verbose=0,
+              callbacks=[khvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("model.keras", "model.h5"):
+            path = os.path.join(tmp, name)
+            model.save(path)
+            loaded = khvd.load_model(path)
+            assert isinstance(loaded, tf_keras.Model), name
+            assert isinstance(loaded.optimizer, tf_keras.optimizers.Adam) and hasattr(loaded.optimizer, "_hvd"), name
+            assert int(loaded.optimizer.iterations.numpy()) == 2, name
+            for got, want in zip(loaded.get_weights(), model.get_weights()):
+                close(got, want, 0.0, f"{name} weights")
+        plain = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+        plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        path = os.path.join(tmp, "keras3.keras")
+        plain.save(path)
+        assert isinstance(khvd.load_model(path), keras.Model)
+
+
+CHECKS = [check_keras2_fit_matches_single_process, check_keras2_load_model_rewraps_optimizer, check_keras2_local_accumulation, check_keras2_callbacks_and_state,
           check_keras2_sync_batch_normalization]
 
 
