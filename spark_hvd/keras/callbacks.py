@@ -200,7 +200,8 @@ class BestModelCheckpoint(_Keras2Hooks, keras.callbacks.ModelCheckpoint):
     """Save the model to ``filepath`` whenever ``monitor`` improves, on rank 0 only.
 
     Afterwards ``filepath`` (a ``.keras`` file) holds the best model seen. Other ranks save
-    nothing, so a shared directory is written once.
+    nothing, so a shared directory is written once. A Keras 2 (``tf_keras``) model is saved by
+    ``tf_keras``'s own ModelCheckpoint with the same settings (``.keras`` or ``.h5``).
     """
 
     def __init__(self, monitor: str = "val_loss", verbose: int = 0, mode: str = "auto", save_freq: Any = "epoch",
@@ -208,19 +209,59 @@ class BestModelCheckpoint(_Keras2Hooks, keras.callbacks.ModelCheckpoint):
         super().__init__(filepath=filepath or "best.keras", monitor=monitor, verbose=verbose, save_best_only=True,
                          save_weights_only=False, mode=mode, save_freq=save_freq)
         self.filepath = filepath
+        self._settings = {"monitor": monitor, "verbose": verbose, "mode": mode, "save_freq": save_freq}
+        self._keras2: Any = None
+        """tf_keras's ModelCheckpoint doing the work for a Keras 2 model (rank 0 only)."""
 
     def set_model(self, model: Any) -> None:
         if is_keras2(model):
-            raise TypeError(
-                "BestModelCheckpoint saves Keras 3 models, and this model is Keras 2's (tf_keras); use "
-                "tf.keras.callbacks.ModelCheckpoint(filepath, save_best_only=True) on rank 0 only")
+            import tf_keras
+
+            self._model = model
+            if _rt.rank() == 0 and self._keras2 is None:
+                self._keras2 = tf_keras.callbacks.ModelCheckpoint(filepath=self.filepath or "best.keras",
+                                                                  save_best_only=True, **self._settings)
+            if self._keras2 is not None:
+                self._keras2.set_model(model)
+            return
         super().set_model(model)
+
+    def set_params(self, params: Dict[str, Any]) -> None:
+        super().set_params(params)
+        if self._keras2 is not None:
+            self._keras2.set_params(params)
 
     def on_train_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
         if not self.filepath:
             raise ValueError("BestModelCheckpoint has no filepath; pass filepath='best.keras' or set "
                              "callback.filepath before training")
+        if is_keras2(self.model):
+            if self._keras2 is not None:
+                self._keras2.filepath = self.filepath
+                self._keras2.on_train_begin(logs)
+            return
         super().on_train_begin(logs)
+
+    def on_epoch_begin(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        if is_keras2(self.model):
+            if self._keras2 is not None:
+                self._keras2.on_epoch_begin(epoch, logs)
+            return
+        super().on_epoch_begin(epoch, logs)
+
+    def on_train_batch_end(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        if is_keras2(self.model):
+            if self._keras2 is not None:
+                self._keras2.on_train_batch_end(batch, logs)
+            return
+        super().on_train_batch_end(batch, logs)
+
+    def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        if is_keras2(self.model):
+            if self._keras2 is not None:
+                self._keras2.on_epoch_end(epoch, logs)
+            return
+        super().on_epoch_end(epoch, logs)
 
     def _save_model(self, epoch: int, batch: Optional[int], logs: Optional[Dict[str, Any]]) -> None:
         if _rt.rank() == 0:

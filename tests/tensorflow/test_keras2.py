@@ -192,7 +192,40 @@ def check_keras2_load_model_rewraps_optimizer(hvd, rank, size):
         assert isinstance(khvd.load_model(path), keras.Model)
 
 
-CHECKS = [check_keras2_fit_matches_single_process, check_keras2_load_model_rewraps_optimizer, check_keras2_local_accumulation, check_keras2_callbacks_and_state,
+def check_keras2_best_model_checkpoint(hvd, rank, size):
+    """BestModelCheckpoint with a tf_keras model saves on rank 0 only, the model of the epoch whose
+    val_loss was lowest, as a file tf_keras loads."""
+    import os
+    import tempfile
+
+    import tf_keras
+
+    import spark_hvd.keras as khvd
+
+    seen = []
+
+    class ValLoss(tf_keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append((float(logs["val_loss"]), [w.copy() for w in self.model.get_weights()]))
+
+    model = _model(rank)
+    model.compile(optimizer=khvd.DistributedOptimizer(tf_keras.optimizers.SGD(0.05)), loss="mse")
+    x, y = _data(size, 4)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, f"best-{rank}.keras")
+        model.fit(_my_rows(x, rank, size), _my_rows(y, rank, size), batch_size=BATCH, epochs=4, verbose=0,
+                  validation_data=(x[:8], y[:8]),
+                  callbacks=[khvd.callbacks.BroadcastGlobalVariablesCallback(0), khvd.callbacks.MetricAverageCallback(),
+                             ValLoss(), khvd.callbacks.BestModelCheckpoint(filepath=path, monitor="val_loss")])
+        assert os.path.exists(path) == (rank == 0), (rank, os.listdir(tmp))
+        if rank == 0:
+            best = min(seen, key=lambda entry: entry[0])[1]
+            for got, want in zip(tf_keras.models.load_model(path).get_weights(), best):
+                close(got, want, 0.0, "best epoch's weights")
+
+
+CHECKS = [check_keras2_fit_matches_single_process, check_keras2_load_model_rewraps_optimizer,
+          check_keras2_best_model_checkpoint, check_keras2_local_accumulation, check_keras2_callbacks_and_state,
           check_keras2_sync_batch_normalization]
 
 
