@@ -235,33 +235,30 @@ class BestModelCheckpoint(_Keras2Hooks, keras.callbacks.ModelCheckpoint):
         if not self.filepath:
             raise ValueError("BestModelCheckpoint has no filepath; pass filepath='best.keras' or set "
                              "callback.filepath before training")
-        if is_keras2(self.model):
-            if self._keras2 is not None:
-                self._keras2.filepath = self.filepath
-                self._keras2.on_train_begin(logs)
-            return
-        super().on_train_begin(logs)
+        if self._keras2 is not None:
+            self._keras2.filepath = self.filepath
+        if not self._delegated("on_train_begin", logs):
+            super().on_train_begin(logs)
+
+    def _delegated(self, hook: str, *args: Any) -> bool:
+        """For a Keras 2 model: run ``hook`` on tf_keras's ModelCheckpoint (rank 0) and say True."""
+        if not is_keras2(self.model):
+            return False
+        if self._keras2 is not None:
+            getattr(self._keras2, hook)(*args)
+        return True
 
     def on_epoch_begin(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
-        if is_keras2(self.model):
-            if self._keras2 is not None:
-                self._keras2.on_epoch_begin(epoch, logs)
-            return
-        super().on_epoch_begin(epoch, logs)
+        if not self._delegated("on_epoch_begin", epoch, logs):
+            super().on_epoch_begin(epoch, logs)
 
     def on_train_batch_end(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
-        if is_keras2(self.model):
-            if self._keras2 is not None:
-                self._keras2.on_train_batch_end(batch, logs)
-            return
-        super().on_train_batch_end(batch, logs)
+        if not self._delegated("on_train_batch_end", batch, logs):
+            super().on_train_batch_end(batch, logs)
 
     def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
-        if is_keras2(self.model):
-            if self._keras2 is not None:
-                self._keras2.on_epoch_end(epoch, logs)
-            return
-        super().on_epoch_end(epoch, logs)
+        if not self._delegated("on_epoch_end", epoch, logs):
+            super().on_epoch_end(epoch, logs)
 
     def _save_model(self, epoch: int, batch: Optional[int], logs: Optional[Dict[str, Any]]) -> None:
         if _rt.rank() == 0:
