@@ -24,6 +24,7 @@ import tensorflow as tf
 
 import spark_hvd.runtime as _rt
 from spark_hvd.keras.basics import legacy_keras_selected
+from spark_hvd.keras.combining import GradientCombining
 
 __all__ = ["Keras2Distributed", "legacy_keras_selected", "sync_batch_normalization_class"]
 
@@ -62,11 +63,10 @@ class _Accumulation:
         return tf.group(ops)
 
 
-class Keras2Distributed:
+class Keras2Distributed(GradientCombining):
     """Methods placed in front of a ``tf_keras`` optimizer's class by
-    :func:`spark_hvd.keras.DistributedOptimizer`."""
-
-    _hvd: Any  # spark_hvd.keras.optimizer._Settings
+    :func:`spark_hvd.keras.DistributedOptimizer` (local variables and the combination over the
+    ranks are Keras 3's, :class:`spark_hvd.keras.combining.GradientCombining`)."""
 
     @property
     def _agg_helper(self) -> Optional[_Accumulation]:
@@ -78,45 +78,15 @@ class Keras2Distributed:
             helper = self.__dict__["_hvd_accumulation"] = _Accumulation(passes)
         return helper
 
-    def _hvd_local(self) -> Dict[int, Any]:
-        return self.__dict__.setdefault("_hvd_local_vars", {})
-
-    def register_local_var(self, var: Any) -> None:
-        """Keep ``var``'s gradient on this rank: it is not combined with other ranks' gradients."""
-        self._hvd_local()[id(var)] = var
-
-    def _hvd_combine(self, grads: Sequence[Any], variables: Sequence[Any]) -> List[Any]:
-        """``grads`` over the ranks now (local variables keep theirs, scaled by 1/size)."""
-        from spark_hvd.tensorflow.gradient_tape import GradientReduction
-
-        settings = self._hvd
-        grads = list(grads)
-        ps = settings.process_set
-        if not (ps.included() and ps.size() > 1 if ps is not None else _rt.size() > 1):
-            return grads
-        local = self._hvd_local()
-        shared = [i for i, v in enumerate(variables) if id(v) not in local]
-        reduction = GradientReduction(compression=settings.compression, sparse_as_dense=settings.sparse_as_dense,
-                                      op=settings.op, gradient_predivide_factor=settings.gradient_predivide_factor,
-                                      groups=settings.groups, process_set=ps)
-        out = list(grads)
-        for i, g in zip(shared, reduction.reduce([grads[i] for i in shared], [variables[i] for i in shared])):
-            out[i] = g
-        if local and settings.scale_local_gradients:
-            n = float(ps.size() if ps is not None else _rt.size())
-            for i, v in enumerate(variables):
-                if id(v) in local and out[i] is not None:
-                    g = out[i]
-                    out[i] = tf.IndexedSlices(g.values / n, g.indices, g.dense_shape) \
-                        if isinstance(g, tf.IndexedSlices) else g / n
-        return out
+    def _hvd_on_tensorflow(self) -> bool:
+        return True  # tf_keras runs on TensorFlow only
 
     def _hvd_gradients(self, grads: Sequence[Any], variables: Sequence[Any]) -> List[Any]:
         """The gradients to apply: combined now, or with backward_passes_per_step > 1 the local
         sums, combined (and the sums cleared) on every N-th call."""
         helper = self._agg_helper
         if helper is None:
-            return self._hvd_combine(grads, variables)
+            return self._hvd_reduce(grads, variables)
         sums = helper.add(grads, variables)
         present = [i for i, g in enumerate(sums) if g is not None]
         if not present:
@@ -124,7 +94,7 @@ class Keras2Distributed:
         scale = 1.0 / helper.passes if self._hvd.average_aggregated_gradients else 1.0
 
         def combine() -> List[Any]:
-            combined = self._hvd_combine([sums[i] for i in present], [variables[i] for i in present])
+            combined = self._hvd_reduce([sums[i] for i in present], [variables[i] for i in present])
             with tf.control_dependencies([g for g in combined]):
                 cleared = helper.clear()
             with tf.control_dependencies([cleared]):

@@ -10,137 +10,21 @@ own ``gradient_accumulation_steps``) and reduces only on the step that applies t
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 import keras
 
 import spark_hvd.runtime as _rt
 from spark_hvd.keras.basics import backend_name, is_keras2, layer_list, legacy_keras_selected
+from spark_hvd.keras.combining import GradientCombining, Settings
 from spark_hvd.keras.compression import Compression, Compressor
-from spark_hvd.runtime.ops import Adasum, Average
+from spark_hvd.runtime.ops import Average
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer", "load_model"]
 
 
-@dataclass(frozen=True)
-class _Settings:
-    """The distribution options of one DistributedOptimizer, kept on its class so copies made by
-    ``from_config`` are distributed too."""
-
-    compression: Any
-    sparse_as_dense: bool
-    op: int
-    gradient_predivide_factor: float
-    groups: Any
-    process_set: Any
-    backward_passes_per_step: int
-    average_aggregated_gradients: bool
-    scale_local_gradients: bool
-
-
-def _key(var: Any) -> int:
-    return id(var)
-
-
-def _split(items: List[int], parts: int) -> List[List[int]]:
-    parts = max(1, min(parts, len(items)))
-    base, extra = divmod(len(items), parts)
-    out, start = [], 0
-    for p in range(parts):
-        stop = start + base + (1 if p < extra else 0)
-        out.append(items[start:stop])
-        start = stop
-    return [g for g in out if g]
-
-
-def _reduce_torch(grads: List[Any], settings: _Settings) -> List[Any]:
-    import torch
-
-    import spark_hvd.torch as thvd
-
-    pre, post = _scales(settings)
-    out = list(grads)
-    dense = [i for i, g in enumerate(grads) if g is not None]
-    groups = settings.groups if isinstance(settings.groups, int) and settings.groups > 0 else 1
-    # Adasum combines each gradient on its own: never flattened together.
-    elementwise = settings.compression in (Compression.none, Compression.fp16) and settings.op != Adasum
-    for group in _split(dense, groups):
-        # With an element-wise compression the gradients of each dtype and device travel end to
-        # end in one flat tensor: one request instead of one per gradient (a compressor of the
-        # user's own gets them one by one).
-        parts: Dict[Any, List[int]] = {}
-        for i in group:
-            key = (grads[i].dtype, grads[i].device) if elementwise else i
-            parts.setdefault(key, []).append(i)
-        sent = [torch._utils._flatten_dense_tensors([grads[i] for i in part]) if len(part) > 1 else grads[part[0]]
-                for part in parts.values()]
-        packed = [settings.compression.compress(t) for t in sent]
-        reduced = thvd.grouped_allreduce([p[0] for p in packed], op=settings.op, prescale_factor=pre,
-                                         postscale_factor=post, process_set=settings.process_set)
-        for part, r, (_, ctx) in zip(parts.values(), reduced, packed):
-            result = settings.compression.decompress(r, ctx)
-            if len(part) == 1:
-                out[part[0]] = result
-            else:
-                for i, piece in zip(part, torch._utils._unflatten_dense_tensors(result, [grads[i] for i in part])):
-                    out[i] = piece
-    return out
-
-
-def _scales(settings: _Settings) -> tuple:
-    if settings.op == Average:
-        return 1.0 / settings.gradient_predivide_factor, settings.gradient_predivide_factor
-    return 1.0, 1.0
-
-
-def _active(settings: _Settings) -> bool:
-    ps = settings.process_set
-    return ps.included() and ps.size() > 1 if ps is not None else _rt.size() > 1
-
-
-class _DistributedOptimizer:
-    """Methods placed in front of the wrapped optimizer's class (see :func:`DistributedOptimizer`)."""
-
-    _hvd: _Settings
-
-    def _hvd_local(self) -> Dict[int, Any]:
-        local = self.__dict__.get("_hvd_local_vars")
-        if local is None:
-            local = {}
-            self.__dict__["_hvd_local_vars"] = local
-        return local
-
-    def register_local_var(self, var: Any) -> None:
-        """Keep ``var``'s gradient on this rank: it is not combined with other ranks' gradients."""
-        self._hvd_local()[_key(var)] = var
-
-    def _hvd_reduce(self, grads: Sequence[Any], variables: Sequence[Any]) -> List[Any]:
-        """``grads`` combined over the ranks (local variables keep theirs, scaled by 1/size)."""
-        grads = list(grads)
-        settings = self._hvd
-        if not _active(settings):
-            return grads
-        local = self._hvd_local()
-        shared = [i for i, v in enumerate(variables) if _key(v) not in local]
-        if backend_name() == "tensorflow":
-            from spark_hvd.tensorflow.gradient_tape import GradientReduction
-
-            reduction = GradientReduction(compression=settings.compression, sparse_as_dense=settings.sparse_as_dense,
-                                          op=settings.op, gradient_predivide_factor=settings.gradient_predivide_factor,
-                                          groups=settings.groups, process_set=settings.process_set)
-            reduced = reduction.reduce([grads[i] for i in shared], [variables[i] for i in shared])
-        else:
-            reduced = _reduce_torch([grads[i] for i in shared], settings)
-        out = list(grads)
-        for i, g in zip(shared, reduced):
-            out[i] = g
-        if local and settings.scale_local_gradients:
-            n = float(settings.process_set.size() if settings.process_set is not None else _rt.size())
-            for i, v in enumerate(variables):
-                if _key(v) in local and out[i] is not None:
-                    out[i] = _divide(out[i], n)
-        return out
+class _DistributedOptimizer(GradientCombining):
+    """Methods placed in front of a Keras 3 optimizer's class (see :func:`DistributedOptimizer`)."""
 
     def apply(self, grads: Sequence[Any], trainable_variables: Optional[Sequence[Any]] = None) -> Any:
         """Combine ``grads`` over the ranks, then apply them as the wrapped optimizer does.
@@ -191,18 +75,10 @@ class _DistributedOptimizer:
         return list(zip(grads, var_list))
 
 
-def _divide(grad: Any, n: float) -> Any:
-    if hasattr(grad, "values") and hasattr(grad, "indices") and hasattr(grad, "dense_shape"):
-        import tensorflow as tf
-
-        return tf.IndexedSlices(grad.values / n, grad.indices, grad.dense_shape)
-    return grad / n
-
-
 _WRAPPED: Dict[tuple, type] = {}
 
 
-def _wrapped_class(base: type, settings: _Settings, methods: type = _DistributedOptimizer) -> type:
+def _wrapped_class(base: type, settings: Settings, methods: type = _DistributedOptimizer) -> type:
     """The subclass of ``base`` with ``methods`` in front (Keras 3's, or Keras 2's of
     :mod:`spark_hvd.keras.keras2`), carrying ``settings``."""
     key = (base, settings, methods)
@@ -262,7 +138,7 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
     if not keras2 and not isinstance(optimizer, keras.optimizers.Optimizer):
         raise ValueError(f"optimizer must be a Keras optimizer (keras.optimizers.Optimizer, or tf_keras's for Keras 2), "
                          f"got {type(optimizer).__module__}.{type(optimizer).__name__}")
-    if isinstance(optimizer, _DistributedOptimizer) or getattr(type(optimizer), "_hvd", None) is not None:
+    if isinstance(optimizer, GradientCombining):
         raise ValueError("optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
     if op != Average and gradient_predivide_factor != 1.0:
         raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} is only supported with op=Average")
@@ -291,7 +167,7 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
     elif accumulate:
         backward_passes_per_step = int(accumulate)
         average_aggregated_gradients = True  # Keras's own accumulation means the mean
-    settings = _Settings(compression=compression, sparse_as_dense=sparse_as_dense, op=op,
+    settings = Settings(compression=compression, sparse_as_dense=sparse_as_dense, op=op,
                          gradient_predivide_factor=float(gradient_predivide_factor), groups=groups,
                          process_set=process_set, backward_passes_per_step=backward_passes_per_step,
                          average_aggregated_gradients=average_aggregated_gradients,
@@ -341,7 +217,7 @@ def load_model(filepath: str, custom_optimizers: Optional[Sequence[type]] = None
     any file with ``TF_USE_LEGACY_KERAS=1``, is loaded by ``tf_keras`` with its optimizer wrapped
     the same way.
     """
-    settings = _Settings(compression=compression, sparse_as_dense=distributed.pop("sparse_as_dense", False),
+    settings = Settings(compression=compression, sparse_as_dense=distributed.pop("sparse_as_dense", False),
                          op=distributed.pop("op", Average),
                          gradient_predivide_factor=float(distributed.pop("gradient_predivide_factor", 1.0)),
                          groups=distributed.pop("groups", None),
@@ -366,7 +242,7 @@ def load_model(filepath: str, custom_optimizers: Optional[Sequence[type]] = None
     objects.update(custom_objects or {})
     model = library.models.load_model(filepath, custom_objects=objects)
     optimizer = getattr(model, "optimizer", None)
-    if keras2 and optimizer is not None and getattr(type(optimizer), "_hvd", None) is None:
+    if keras2 and optimizer is not None and not isinstance(optimizer, GradientCombining):
         # Keras 2's HDF5 loader builds its own optimizer classes whatever custom_objects say:
         # the distributed subclass takes over the loaded one's configuration and state.
         model.optimizer = _rewrapped(optimizer, model, _wrapped_class(type(optimizer), settings, methods))
