@@ -1,8 +1,8 @@
 """MLflow logging of a fit (optional): Params, per-epoch metrics with their step, timings, the model.
 
-MLflow is an optional dependency. A fit logs when MLflow is importable and a run is active, or
-when the estimator's ``log_to_mlflow`` Param is True (a run is then started and ended around
-the logging); ``log_to_mlflow=False`` never logs. Framework-neutral: the estimator hands a
+MLflow is an optional dependency. A fit logs when a run is active (MLflow imported and a run
+started in this process), or when the estimator's ``log_to_mlflow`` Param is True (a run is then
+started and ended around the logging); ``log_to_mlflow=False`` never logs. Framework-neutral: the estimator hands a
 function that logs its model flavor.
 
 Fits made for tuning (``CrossValidator``, ``TrainValidationSplit``, ``fitMultiple``) run on
@@ -52,6 +52,10 @@ _INSTALL = 'pip install "mlflow-skinny>=2.10"  (or mlflow)'
 
 
 def _import_mlflow(required: bool) -> Any:
+    if not required and "mlflow" not in sys.modules:
+        # A run can only be active where MLflow was imported: a fit that merely may log does not
+        # pay MLflow's import (about a second) to learn that none is.
+        return None
     try:
         import mlflow
     except ImportError:

@@ -252,3 +252,22 @@ def test_inmemory_cache_all_is_auto_by_default_and_takes_a_bool():
     assert TorchEstimator().setInmemoryCacheAll(True).getInmemoryCacheAll() is True
     with pytest.raises(ValueError, match=r"inmemory_cache_all='always' is not valid: expected True, False or 'auto'"):
         TorchEstimator(inmemory_cache_all="always")
+
+
+def test_a_fit_that_may_log_does_not_import_mlflow_to_learn_no_run_is_active(tmp_path):
+    """log_to_mlflow unset: with MLflow installed but never imported no run can be active, so the
+    fit does not pay MLflow's import; once it is imported without a run, still no logging."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from spark_hvd.spark.estimator.mlflow_log import start_logging\n"
+        "assert start_logging(None) is None\n"
+        "assert start_logging(False) is None\n"
+        "assert 'mlflow' not in sys.modules, 'imported MLflow'\n"
+        "import mlflow\n"
+        "assert start_logging(None) is None\n"
+        "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
