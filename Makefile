@@ -34,6 +34,17 @@ $(JVM_CLASSES): $(STAMP) tests/jvm_classes.py
 	$(PY) tests/jvm_classes.py $@ > $(VENV)/jvm-classes.log 2>&1 || \
 		(tail -20 $(VENV)/jvm-classes.log; echo "no JVM class archive: the tests' JVMs start without one")
 
+# The OpenSSH server the launcher's tests across hosts run in each network-namespace host
+# (tests/cluster/test_launcher_hosts.py), from Debian's packages. A temporary policy-rc.d keeps the
+# package from starting a server on this machine.
+SSHD := /usr/sbin/sshd
+$(SSHD):
+	@policy=/usr/sbin/policy-rc.d; added=; \
+	if [ ! -e $$policy ]; then printf '#!/bin/sh\nexit 101\n' > $$policy && chmod +x $$policy && added=1; fi; \
+	install() { DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends openssh-server > /dev/null; }; \
+	install || { apt-get update -q > /dev/null && install; }; status=$$?; \
+	if [ -n "$$added" ]; then rm -f $$policy; fi; exit $$status
+
 # The main job: the fraud-detection Spark ML pipeline with TorchEstimator on local[2].
 demo: $(STAMP)
 	$(PY) examples/fraud_detection.py
@@ -47,20 +58,20 @@ cluster-demo: $(STAMP)
 # meanwhile): the Spark layer's tests, every other test of the main environment, and the
 # petastorm run once either is done. Each run's output is printed when it ends.
 # The class archive is written while the petastorm environment installs.
-test: $(STAMP)
+test: $(STAMP) $(SSHD)
 	$(MAKE) --no-print-directory -j2 $(PETASTORM_STAMP) $(JVM_CLASSES)
 	$(VENV)/bin/ruff check .
 	$(MAKE) --no-print-directory -j2 --output-sync=target suite-spark suite-rest suite-petastorm
 
 # The main environment's tests in one pytest run, one after another.
-test-main: $(STAMP) $(JVM_CLASSES)
+test-main: $(STAMP) $(JVM_CLASSES) $(SSHD)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests -m "not petastorm"
 
 suite-spark: $(STAMP)
 	$(PY) -m pytest -q tests/spark -m "not petastorm"
 
-suite-rest: $(STAMP)
+suite-rest: $(STAMP) $(SSHD)
 	$(PY) -m pytest -q tests --ignore=tests/spark -m "not petastorm"
 
 suite-petastorm: test-petastorm

@@ -184,6 +184,9 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("nccl_library", "SPARK_HVD_NCCL_LIBRARY", str, None,
             "Path of the libnccl.so.2 to use for CUDA tensors (default: the nvidia-nccl-cu12 wheel's, torch's, "
             "or the system's)."),
+    Setting("ssh_command", "SPARK_HVD_SSH_COMMAND", str, "ssh",
+            "The command spark-hvd-run reaches other hosts with, e.g. 'ssh -F ~/.ssh/cluster_config' (batch mode and "
+            "-p/-i from its flags are added)."),
     Setting("log_level", "SPARK_HVD_LOG_LEVEL", str, "WARNING",
             "Logging level of the spark_hvd loggers (DEBUG, INFO, WARNING, ERROR).", ("HOROVOD_LOG_LEVEL",)),
 )
@@ -263,6 +266,7 @@ class RuntimeConfig:
     profile_steps: bool = _default("profile_steps")
     chunk_bytes: int = _default("chunk_bytes")
     nccl_library: Optional[str] = _default("nccl_library")
+    ssh_command: str = _default("ssh_command")
     log_level: str = _default("log_level")
 
     def __post_init__(self) -> None:

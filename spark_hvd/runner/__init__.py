@@ -1,4 +1,4 @@
-"""Launchers for jobs on this machine: the ``spark-hvd-run`` command and ``run(fn, ...)``."""
+"""Launchers: the ``spark-hvd-run`` command (this machine, or hosts over SSH) and ``run(fn, ...)``."""
 
 from .api import run
 from .errors import RankFailedError

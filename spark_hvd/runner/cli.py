@@ -1,4 +1,4 @@
-"""The ``spark-hvd-run`` command: start ``-np`` ranks of a command on this machine, like horovodrun."""
+"""The ``spark-hvd-run`` command: ``-np`` ranks of a command here or on hosts over SSH, like horovodrun."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ from spark_hvd.runtime import config
 
 from .elastic import DEFAULT_ELASTIC_TIMEOUT, ElasticJob, ElasticOptions
 from .follow import OutputFollower
+from .hosts import HostSlots, UnreachableHostsError, is_this_machine, parse_hosts, place_ranks, read_hostfile, ssh_argv
 from .local import LocalJob
+from .multihost import HostsJob
 from .processes import TERMINATE_GRACE_SECONDS, RankExit, RankProcesses, rank_output_path
 
 __all__ = ["main", "launch", "parse_options", "LaunchOptions", "UsageError", "check_hosts"]
@@ -53,21 +55,40 @@ class LaunchOptions:
     """Set for elastic jobs."""
     mpiexec: Optional[str] = None
     """The mpiexec that starts the ranks (--mpi)."""
+    hosts: Optional[List[HostSlots]] = None
+    """The hosts of -H or --hostfile, in order (None: this machine)."""
+    ssh: Optional[List[str]] = None
+    """The SSH client's command line up to the host, when a host is not this machine."""
+    address: Optional[str] = None
+    """The address ranks call back to (--network-interface's), when a host is not this machine."""
+
+    @property
+    def remote(self) -> bool:
+        """Whether some rank runs on another host."""
+        return self.ssh is not None
 
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         allow_abbrev=False,
-        description="Run COMMAND as -np ranks of one spark-hvd job on this machine. Remote hosts "
-        "are reached through Spark: spark_hvd.spark.run().",
+        description="Run COMMAND as -np ranks of one spark-hvd job on this machine, or on several hosts "
+        "(-H, --hostfile) reached over SSH. Every host needs this Python environment at the same path and the "
+        "working directory; on a Spark cluster, spark_hvd.spark.run() needs neither.",
         epilog="Each output line of rank r is printed as [r]<stdout>:... or [r]<stderr>:... . When run "
         "from a virtual environment, `python` in COMMAND is that environment's interpreter.",
     )
     parser.add_argument("-np", "-p", "--num-proc", dest="num_proc", type=int, metavar="N",
                         help="number of ranks to start (required)")
     parser.add_argument("-H", "--hosts", dest="hosts", metavar="HOST:SLOTS[,...]",
-                        help="only this machine (localhost, 127.0.0.1 or its hostname); slots must add up to -np")
+                        help="hosts and their slots, e.g. -H worker1:2,worker2:2; ranks fill them in order; hosts "
+                             "other than this machine are reached over SSH (default: -np ranks on this machine)")
+    parser.add_argument("-hostfile", "--hostfile", dest="hostfile", metavar="FILE",
+                        help="a file of hosts, one per line as HOST slots=N (or HOST:N), instead of -H")
+    parser.add_argument("--ssh-port", dest="ssh_port", type=int, metavar="PORT",
+                        help="the SSH port of every host (default: SSH's own, usually 22)")
+    parser.add_argument("-i", "--ssh-identity-file", dest="ssh_identity_file", metavar="FILE",
+                        help="the SSH private key to log in with (default: SSH's own)")
     parser.add_argument("--timeline-filename", metavar="FILE",
                         help="write a Chrome-trace timeline of rank 0's collectives to FILE")
     parser.add_argument("--fusion-threshold-mb", type=float, metavar="MB",
@@ -119,31 +140,47 @@ def _local_names() -> set:
     return {"localhost", "127.0.0.1", hostname, hostname.split(".")[0]}
 
 
-def check_hosts(hosts: str, num_proc: int) -> None:
-    """Accept ``-H`` only for this machine, with slot counts that add up to ``num_proc``."""
-    local = _local_names()
-    total = 0
-    entries = [entry.strip() for entry in hosts.split(",") if entry.strip()]
-    if not entries:
-        raise UsageError(f"-H {hosts!r} names no host; expected e.g. -H localhost:{num_proc}")
-    for entry in entries:
-        name, sep, slots = entry.rpartition(":")
-        if not sep:
-            name, slots = entry, "1"
-        if not slots.isdigit() or int(slots) < 1:
-            raise UsageError(f"-H entry {entry!r} has slot count {slots!r}; expected HOST:SLOTS with SLOTS >= 1")
-        if name.lower() not in local:
-            raise UsageError(
-                f"-H names host {name!r}, which is not this machine: {PROG} starts ranks only on this "
-                f"machine (localhost, 127.0.0.1, {socket.gethostname()}). Remote hosts are reached "
-                "through Spark: use spark_hvd.spark.run(fn, num_proc=...) on a Spark cluster."
-            )
-        total += int(slots)
-    if total != num_proc:
-        raise UsageError(
-            f"-H {hosts} gives {total} slot(s) but -np is {num_proc}; expected the slot counts to add up "
-            f"to -np: fix -np or the counts in -H"
-        )
+def check_hosts(hosts: str, num_proc: int) -> List[HostSlots]:
+    """The hosts of ``-H`` in order, when their slots hold ``num_proc`` ranks; UsageError otherwise."""
+    try:
+        parsed = parse_hosts(hosts)
+        place_ranks(parsed, num_proc)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return parsed
+
+
+def _hosts(args: argparse.Namespace) -> Optional[List[HostSlots]]:
+    if args.hosts is not None and args.hostfile is not None:
+        raise UsageError("-H and --hostfile both name hosts; expected one of them")
+    if args.hostfile is not None:
+        try:
+            parsed = read_hostfile(args.hostfile)
+            place_ranks(parsed, args.num_proc)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        return parsed
+    return None if args.hosts is None else check_hosts(args.hosts, args.num_proc)
+
+
+def _ssh(args: argparse.Namespace, hosts: Optional[List[HostSlots]], environ: Dict[str, str]) -> Optional[List[str]]:
+    """The SSH command line when a host that gets a rank is not this machine; None otherwise."""
+    if hosts is None:
+        return None
+    used = {name for name, _ in place_ranks(hosts, args.num_proc)}
+    if all(is_this_machine(name) for name in used):
+        return None
+    if args.ssh_port is not None and not 0 < args.ssh_port < 65536:
+        raise UsageError(f"--ssh-port {args.ssh_port} is invalid: expected a port from 1 to 65535")
+    identity = args.ssh_identity_file
+    if identity is not None and not os.access(os.path.expanduser(identity), os.R_OK):
+        raise UsageError(f"--ssh-identity-file {identity!r} cannot be read; expected the path of an SSH private key")
+    command = config.read_setting("ssh_command", environ)
+    argv = ssh_argv(command, args.ssh_port, None if identity is None else os.path.expanduser(identity))
+    if shutil.which(argv[0]) is None:
+        raise UsageError(f"the SSH client {argv[0]!r} (SPARK_HVD_SSH_COMMAND={command!r}) was not found; expected "
+                         "an ssh on PATH (Debian/Ubuntu: apt-get install openssh-client)")
+    return argv
 
 
 def _check_writable_file(flag: str, filename: str) -> str:
@@ -218,8 +255,7 @@ def parse_options(argv: Sequence[str], environ: Optional[Dict[str, str]] = None)
         raise UsageError(f"-np is required; expected e.g. {PROG} -np 2 python train.py")
     if args.num_proc < 1:
         raise UsageError(f"-np {args.num_proc} is invalid: expected at least 1 process")
-    if args.hosts is not None:
-        check_hosts(args.hosts, args.num_proc)
+    hosts = _hosts(args)
     _check_number("--fusion-threshold-mb", args.fusion_threshold_mb,
                   args.fusion_threshold_mb is not None and args.fusion_threshold_mb >= 0, "MiB >= 0")
     _check_number("--cycle-time-ms", args.cycle_time_ms,
@@ -254,7 +290,13 @@ def parse_options(argv: Sequence[str], environ: Optional[Dict[str, str]] = None)
     }
     elastic = _elastic_options(args)
     env = _child_path(environ)
+    ssh = _ssh(args, hosts, environ)
     mpiexec = _mpiexec(args, env, environ) if args.mpi else None
+    address = None
+    if ssh is not None and settings["iface"] is not None:
+        from spark_hvd.runtime.net import interface_address
+
+        address = interface_address(settings["iface"].split(","))
     _check_command(command, env, environ)
     output_dir = None if args.output_filename is None else _prepare_output_dir(args.output_filename)
     return LaunchOptions(
@@ -266,12 +308,15 @@ def parse_options(argv: Sequence[str], environ: Optional[Dict[str, str]] = None)
         verbose=args.verbose,
         elastic=elastic,
         mpiexec=mpiexec,
+        hosts=hosts,
+        ssh=ssh,
+        address=address,
     )
 
 
 def _mpiexec(args: argparse.Namespace, env: Dict[str, str], environ: Dict[str, str]) -> str:
-    if args.hosts is not None or _elastic_options(args) is not None:
-        raise UsageError("--mpi cannot be combined with -H or elastic options")
+    if _elastic_options(args) is not None:
+        raise UsageError("--mpi cannot be combined with elastic options")
     path = env.get("PATH", environ.get("PATH", os.defpath))
     found = shutil.which("mpiexec", path=os.pathsep.join([os.path.dirname(sys.executable), path]))
     if found is None:
@@ -284,8 +329,8 @@ def _elastic_options(args: argparse.Namespace) -> Optional[ElasticOptions]:
     given = [args.min_np, args.max_np, args.host_discovery_script, args.reset_limit, args.elastic_timeout]
     if all(value is None for value in given):
         return None
-    if args.hosts is not None:
-        raise UsageError("-H cannot be combined with elastic options; the slots come from --host-discovery-script "
+    if args.hosts is not None or args.hostfile is not None:
+        raise UsageError("-H and --hostfile cannot be combined with elastic options; the slots come from --host-discovery-script "
                          "(or -np when there is none)")
     script = args.host_discovery_script
     if script is not None and shutil.which(shlex.split(script)[0]) is None and not os.access(
@@ -349,7 +394,7 @@ def _report_failure(failure: RankExit, processes: RankProcesses) -> None:
     sys.stderr.flush()
 
 
-def _forward_only(job: LocalJob, signums: Sequence[int]) -> None:
+def _forward_only(job: Any, signums: Sequence[int]) -> None:
     # Once stopping has begun, a further signal is passed on but must not abandon the cleanup.
     for signum in signums:
         signal.signal(signum, lambda n, f: job.processes.send_signal(n))
@@ -409,15 +454,25 @@ def _launch_mpi(options: LaunchOptions) -> int:
             shutil.rmtree(directory, ignore_errors=True)
 
 
+def _job(options: LaunchOptions) -> Any:
+    log = _say if options.verbose else None
+    if options.remote:
+        assert options.hosts is not None and options.ssh is not None
+        check_timeout = options.settings.get("start_timeout", config.read_setting("start_timeout"))
+        return HostsJob(options.hosts, options.num_proc, ssh=options.ssh, address=options.address,
+                        check_timeout=check_timeout, settings=options.settings, env=options.env,
+                        output_dir=options.output_dir, log=log)
+    return LocalJob(options.num_proc, settings=options.settings, env=options.env, output_dir=options.output_dir,
+                    log=log)
+
+
 def launch(options: LaunchOptions) -> int:
     """Run a validated job to its end; return the exit status for the command line."""
     if options.elastic is not None:
         return _launch_elastic(options)
     if options.mpiexec is not None:
         return _launch_mpi(options)
-    log = _say if options.verbose else None
-    job = LocalJob(options.num_proc, settings=options.settings, env=options.env,
-                   output_dir=options.output_dir, log=log)
+    job = _job(options)
     # Signal handlers can only be installed from the main thread; elsewhere the caller owns signals.
     in_main_thread = threading.current_thread() is threading.main_thread()
     forwarded = (signal.SIGINT, signal.SIGTERM) if in_main_thread else ()
@@ -425,6 +480,9 @@ def launch(options: LaunchOptions) -> int:
     try:
         processes = job.start(options.command)
         failure = processes.wait()
+    except UnreachableHostsError as exc:
+        _say(f"error: {exc}")
+        return 1
     except _Interrupted as interrupt:
         _forward_only(job, forwarded)
         name = signal.Signals(interrupt.signum).name

@@ -219,11 +219,12 @@ class RankProcesses:
         self._pumps: List[threading.Thread] = []
         self._supervised = supervise.available()
         self._warm: Set[int] = set()  # ranks forked from a warm process (no supervisor)
+        self._control: Dict[int, IO[bytes]] = {}  # standard input of ranks on other hosts (see spawn)
 
     # -- starting -------------------------------------------------------------------------------
 
     def spawn(self, rank: int, argv: Sequence[str], env: Mapping[str, str], cwd: Optional[str] = None,
-              starter: Optional["WarmStarter"] = None) -> int:
+              starter: Optional["WarmStarter"] = None, control: Optional[bytes] = None) -> int:
         """Start ``argv`` as ``rank`` with exactly ``env``; return the pid of the process started.
 
         The rank runs in its own session, so signals reach its whole process group. On Linux it
@@ -235,6 +236,11 @@ class RankProcesses:
         worker's command line (``[python, "-m", "spark_hvd.runner.worker", DIR]``) and the rank is
         forked from that warm process instead, which plays the supervisor's part; when the warm
         process cannot fork it, the rank starts as a fresh interpreter (said on stderr).
+
+        With ``control`` (a rank on another host: ``argv`` is the SSH command that runs
+        :mod:`spark_hvd.runner.remote` there), ``control`` is written to the process's standard
+        input, which stays open: signals for the rank travel on it as ``signal N`` lines, and
+        closing it (or this process ending) stops the rank over there.
         """
         if rank in self._procs:
             raise ValueError(f"rank {rank} was already started; expected each rank to be spawned once")
@@ -255,7 +261,7 @@ class RankProcesses:
                     command,
                     env=dict(env),
                     cwd=cwd,
-                    stdin=subprocess.DEVNULL,
+                    stdin=subprocess.DEVNULL if control is None else subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     start_new_session=True,
@@ -265,6 +271,9 @@ class RankProcesses:
                 if file is not None:
                     file.close()
             raise
+        if control is not None:
+            self._control[rank] = proc.stdin
+            self._write_control(rank, control)
         with self._lock:
             self._procs[rank] = proc
             self._exited[rank] = threading.Event()
@@ -469,8 +478,20 @@ class RankProcesses:
                     self._exited[rank].wait(_KILL_WAIT_SECONDS)
         return running
 
+    def _write_control(self, rank: int, data: bytes) -> bool:
+        pipe = self._control[rank]
+        try:
+            pipe.write(data)
+            pipe.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            return False
+        return True
+
     def _signal(self, rank: int, signum: int) -> None:
         proc = self._procs[rank]
+        if rank in self._control and signum != signal.SIGKILL and \
+                self._write_control(rank, f"signal {int(signum)}\n".encode()):
+            return  # the rank's host passes it on; SIGKILL ends the connection, which stops the rank there
         if rank in self._warm:
             proc.send_signal(signum)  # to the rank's process group
             return
@@ -502,6 +523,11 @@ class RankProcesses:
     def close(self, grace: float = TERMINATE_GRACE_SECONDS) -> None:
         """Stop what still runs and finish streaming output; nothing outlives this call."""
         self.terminate(grace=grace)
+        for pipe in self._control.values():
+            try:
+                pipe.close()
+            except OSError:
+                pass
         self._join_pumps()
 
     def __enter__(self) -> "RankProcesses":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Iterator
 
 import pytest
@@ -27,6 +28,8 @@ from cluster_spark import SparkCluster  # noqa: E402
 PEER_TIMEOUT_S = 4.0
 """SPARK_HVD_PEER_TIMEOUT of every process of the cluster: a cut link breaks connections in use after
 about this long (the default, 10 s, would make each network-fault test wait out 15 s cuts)."""
+LEFTOVER_DEVICES_WAIT_S = 10.0
+"""How long a closed cluster's network devices may take to vanish."""
 LEFTOVER_WAIT_S = 60.0
 """How long a finished test's rank processes may take to exit (a task Spark killed ends its rank)."""
 
@@ -36,6 +39,11 @@ def hosts() -> Iterator[Hosts]:
     with Hosts(2) as made:
         made.shape("1gbit")
         yield made
+    # The kernel removes a namespace's devices after its last process, asynchronously (a namespace
+    # that held many TCP connections takes a moment longer).
+    deadline = time.monotonic() + LEFTOVER_DEVICES_WAIT_S
+    while made.leftovers() and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert made.leftovers() == {}, f"the cluster left network devices behind: {made.leftovers()}"
 
 

@@ -121,7 +121,7 @@ def test_elastic_options_are_validated_before_anything_starts():
         ElasticOptions(num_proc=2, min_np=3, max_np=4)
     with pytest.raises(UsageError, match="not an executable program"):
         parse_options(["-np", "2", "--host-discovery-script", "/nonexistent/discover", sys.executable, "x.py"])
-    with pytest.raises(UsageError, match="-H cannot be combined"):
+    with pytest.raises(UsageError, match="-H and --hostfile cannot be combined"):
         parse_options(["-np", "2", "-H", "localhost:2", "--min-np", "1", sys.executable, "x.py"])
     options = parse_options(["-np", "2", "--max-np", "4", sys.executable, "x.py"])
     assert options.elastic == ElasticOptions(num_proc=2, min_np=2, max_np=4)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 
@@ -16,29 +17,76 @@ def _error_of(argv, capsys) -> str:
     return capsys.readouterr().err
 
 
-def test_remote_host_is_rejected_with_a_pointer_to_spark(capsys):
-    """-H with another machine's name fails, naming the host and spark_hvd.spark.run."""
-    err = _error_of(["-np", "2", "-H", "node7.example.com:2", sys.executable, "train.py"], capsys)
-    assert err.startswith("spark-hvd-run: error: ")
-    assert "'node7.example.com'" in err
-    assert "spark_hvd.spark.run" in err
+def test_a_host_that_ssh_cannot_reach_is_named_before_any_rank_starts(capsys, tmp_path):
+    """-H with a host no resolver knows: the options are valid (another host, reached over SSH), and
+    the run exits 1 after the SSH check, naming the host, SSH's reason and the fix, with no rank
+    started (a rank would have written its file)."""
+    marker = tmp_path / "started"
+    argv = ["-np", "2", "-H", "node7.invalid:2", sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+    options = parse_options(argv)
+    assert options.remote and options.ssh[:1] == ["ssh"] and "BatchMode=yes" in options.ssh
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "1 of 1 host(s) did not answer over SSH (node7.invalid: exit code 255" in err
+    assert "ssh-copy-id" in err and "SPARK_HVD_SSH_COMMAND" in err
+    assert not marker.exists()
 
 
-@pytest.mark.parametrize("hosts", ["localhost:2", "127.0.0.1:1,localhost:1", f"{socket.gethostname()}:2"])
+def test_ssh_flags_and_command_reach_the_ssh_command_line(tmp_path):
+    """--ssh-port, --ssh-identity-file and SPARK_HVD_SSH_COMMAND make up the SSH command line; a
+    job on this machine only needs no SSH."""
+    key = tmp_path / "key"
+    key.write_text("not a real key")
+    environ = dict(os.environ, SPARK_HVD_SSH_COMMAND="ssh -F /dev/null")
+    options = parse_options(["-np", "3", "-H", "localhost:1,node7.invalid:2", "--ssh-port", "2222",
+                             "--ssh-identity-file", str(key), sys.executable, "t.py"], environ)
+    assert options.ssh == ["ssh", "-F", "/dev/null", "-o", "BatchMode=yes", "-T", "-p", "2222", "-i", str(key)]
+    assert [(h.name, h.slots) for h in options.hosts] == [("localhost", 1), ("node7.invalid", 2)]
+    assert parse_options(["-np", "2", "-H", "localhost:2", sys.executable, "t.py"]).ssh is None
+    with pytest.raises(UsageError, match="--ssh-port 0 is invalid"):
+        parse_options(["-np", "2", "-H", "node7.invalid:2", "--ssh-port", "0", sys.executable, "t.py"])
+    with pytest.raises(UsageError, match="--ssh-identity-file '/no/such/key' cannot be read"):
+        parse_options(["-np", "2", "-H", "node7.invalid:2", "-i", "/no/such/key", sys.executable, "t.py"])
+    with pytest.raises(UsageError, match="SSH client 'no-such-ssh'"):
+        parse_options(["-np", "2", "-H", "node7.invalid:2", sys.executable, "t.py"],
+                      dict(os.environ, SPARK_HVD_SSH_COMMAND="no-such-ssh -v"))
+
+
+def test_a_hostfile_lists_hosts_in_either_form(tmp_path):
+    """--hostfile takes HOST slots=N and HOST:N lines (comments and blank lines ignored); its
+    mistakes name the file and line; -H and --hostfile together are refused."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# the job's hosts\nlocalhost slots=2\n\n127.0.0.1:1  # this machine too\n")
+    options = parse_options(["-np", "3", "--hostfile", str(hostfile), sys.executable, "t.py"])
+    assert [(h.name, h.slots) for h in options.hosts] == [("localhost", 2), ("127.0.0.1", 1)]
+    assert options.ssh is None
+    hostfile.write_text("localhost slots=2\nlocalhost max_slots=3\n")
+    with pytest.raises(UsageError, match="line 2 is 'localhost max_slots=3'; expected HOST slots=N"):
+        parse_options(["-np", "2", "--hostfile", str(hostfile), sys.executable, "t.py"])
+    hostfile.write_text("localhost:1\nlocalhost:1\n")
+    with pytest.raises(UsageError, match="names host 'localhost' twice"):
+        parse_options(["-np", "2", "--hostfile", str(hostfile), sys.executable, "t.py"])
+    with pytest.raises(UsageError, match="cannot be read"):
+        parse_options(["-np", "2", "--hostfile", str(tmp_path / "missing"), sys.executable, "t.py"])
+    with pytest.raises(UsageError, match="-H and --hostfile both name hosts"):
+        parse_options(["-np", "2", "-H", "localhost:2", "--hostfile", str(hostfile), sys.executable, "t.py"])
+
+
+@pytest.mark.parametrize("hosts", ["localhost:2", "127.0.0.1:1,localhost:1", f"{socket.gethostname()}:2", "localhost:3"])
 def test_local_hosts_are_accepted(hosts):
-    """-H naming only this machine, with slots adding up to -np, is accepted."""
+    """-H naming only this machine, with slots for -np ranks (more are fine, as in horovodrun), is accepted."""
     options = parse_options(["-np", "2", "-H", hosts, sys.executable, "train.py"])
     assert options.num_proc == 2
 
 
 @pytest.mark.parametrize("hosts, expected", [
-    ("localhost:1", "gives 1 slot(s) but -np is 2"),
-    ("localhost:3", "gives 3 slot(s) but -np is 2"),
+    ("localhost:1", "have 1 slot(s) but -np is 2"),
+    ("localhost:1,127.0.0.1:0", "slot count '0'"),
     ("localhost:0", "slot count '0'"),
     ("localhost:x", "slot count 'x'"),
 ])
-def test_host_slots_must_add_up_to_np(hosts, expected):
-    """Slot counts in -H that are invalid or do not add up to -np are rejected with the numbers."""
+def test_host_slots_must_hold_np_ranks(hosts, expected):
+    """Slot counts in -H that are invalid or fewer than -np are rejected with the numbers."""
     with pytest.raises(UsageError) as info:
         parse_options(["-np", "2", "-H", hosts, sys.executable, "train.py"])
     assert expected in str(info.value)

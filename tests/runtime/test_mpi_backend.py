@@ -59,7 +59,7 @@ def test_pytorch_example_trains_under_mpi(tmp_path):
 
 
 def test_mpi_flag_is_checked():
-    """--mpi refuses -H and elastic options with a message saying so."""
+    """--mpi refuses elastic options with a message saying so."""
     with pytest.raises(UsageError, match="--mpi cannot be combined"):
         parse_options(["-np", "2", "--mpi", "--min-np", "1", sys.executable, "x.py"])
     assert parse_options(["-np", "2", "--mpi", sys.executable, "x.py"]).mpiexec.endswith("mpiexec")

@@ -30,11 +30,12 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 from spark_hvd.runner.errors import RankFailedError
 from spark_hvd.runner.payload import FUNCTION_FILE, read_sealed, result_file, write_sealed
 from spark_hvd.runner import warm
+from spark_hvd.runner.hosts import Placement, assign_ranks
 from spark_hvd.runner.processes import RankExit, RankProcesses, print_prefixed, rank_environment
 
 from spark_hvd.spark.launch.log_stream import LogSender
@@ -43,7 +44,7 @@ from spark_hvd.runtime.rendezvous import RendezvousClient, RendezvousServer
 from spark_hvd.runtime.seal import seal, unseal
 from spark_hvd.spark.launch.store_log import STORE_CONTEXT, StoreLogSender
 
-__all__ = ["TaskSpec", "Placement", "assign_ranks", "failure_summary", "run_task", "rank_address", "name_hosts",
+__all__ = ["TaskSpec", "failure_summary", "run_task", "rank_address", "name_hosts",
            "RESULT_SCHEMA", "result_name", "remove_stale_workdirs", "WORKDIR_PREFIX", "TASK_GPUS_VARIABLE", "task_gpus"]
 
 RESULT_SCHEMA = "rank long, result binary, streamed boolean"
@@ -113,44 +114,6 @@ class TaskSpec:
 def result_name(rank: int) -> str:
     """The name a rank's outcome is sealed under in its result row."""
     return f"result.{rank}"
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where one partition's rank sits in the job."""
-
-    rank: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
-
-
-def assign_ranks(hosts: Sequence[str]) -> List[Placement]:
-    """Placements of partitions ``0..n-1`` running on ``hosts[i]``, ranks grouped host by host.
-
-    Hosts are ordered by their first partition, so partition 0 is rank 0. ``cross_rank`` and
-    ``cross_size`` follow Horovod: the index among, and the number of, ranks with the same
-    ``local_rank``.
-    """
-    order: Dict[str, List[int]] = {}
-    for partition, host in enumerate(hosts):
-        order.setdefault(host, []).append(partition)
-    rank_of: Dict[int, int] = {}
-    local: Dict[int, Tuple[int, int]] = {}
-    for partitions in order.values():
-        for local_rank, partition in enumerate(partitions):
-            rank_of[partition] = len(rank_of)
-            local[partition] = (local_rank, len(partitions))
-    placements = []
-    for partition in range(len(hosts)):
-        local_rank, local_size = local[partition]
-        same_local = sorted(rank_of[p] for p in range(len(hosts)) if local[p][0] == local_rank)
-        placements.append(Placement(
-            rank=rank_of[partition], local_rank=local_rank, local_size=local_size,
-            cross_rank=same_local.index(rank_of[partition]), cross_size=len(same_local),
-        ))
-    return placements
 
 
 def _host_of(address: str) -> str:
