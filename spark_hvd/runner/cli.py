@@ -442,16 +442,50 @@ def _launch_mpi(options: LaunchOptions) -> int:
     follower.prepare()
     command = [options.mpiexec, "-n", str(options.num_proc),
                "-outfile-pattern", str(rank_output_path(directory, "%r", "stdout")),
-               "-errfile-pattern", str(rank_output_path(directory, "%r", "stderr")), *options.command]
+               "-errfile-pattern", str(rank_output_path(directory, "%r", "stderr"))]
+    scratch = Path(tempfile.mkdtemp(prefix="spark-hvd-mpi-"))
+    try:
+        command += _mpi_hosts(options, scratch)
+    except UnreachableHostsError as exc:
+        _say(f"error: {exc}")
+        shutil.rmtree(scratch, ignore_errors=True)
+        return 1
+    command += options.command
     if options.verbose:
         _say("running " + " ".join(command))
     follower.start()
     try:
         return subprocess.call(command, env=env)
     finally:
+        shutil.rmtree(scratch, ignore_errors=True)
         follower.stop()
         if options.output_dir is None:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+def _mpi_hosts(options: LaunchOptions, scratch: Path) -> List[str]:
+    """mpiexec's (MPICH Hydra's) arguments for -H or --hostfile: the host list, and for hosts other
+    than this machine, the same SSH command and check as without --mpi, and the address their
+    proxies call back to."""
+    if options.hosts is None:
+        return []
+    arguments = ["-hosts", ",".join(f"{h.name}:{h.slots}" for h in options.hosts)]
+    if not options.remote:
+        return arguments
+    assert options.ssh is not None
+    job = HostsJob(options.hosts, options.num_proc, ssh=options.ssh, address=options.address,
+                   check_timeout=options.settings.get("start_timeout", config.read_setting("start_timeout")))
+    answers = job.check()
+    seen = [answers[h].get("launcher") for h in job.remote_hosts if answers[h].get("launcher")]
+    address = options.address or (seen[0] if seen else None)
+    # Hydra starts its proxies with one executable and its own arguments: a script that adds ours.
+    launcher = scratch / "ssh"
+    launcher.write_text("#!/bin/sh\nexec " + shlex.join(options.ssh) + ' "$@"\n')
+    launcher.chmod(0o700)
+    arguments += ["-launcher", "ssh", "-launcher-exec", str(launcher)]
+    if address is not None:
+        arguments += ["-localhost", address]
+    return arguments
 
 
 def _job(options: LaunchOptions) -> Any:

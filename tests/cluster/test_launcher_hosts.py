@@ -260,3 +260,23 @@ def test_a_launcher_killed_with_sigkill_leaves_nothing_on_the_hosts(hosts, ssh_h
         launcher.kill()
         launcher.wait(30)
     wait_for(lambda: _ranks_on(hosts) == {}, 30.0, "the ranks on the hosts ending after the launcher's death")
+
+
+def test_mpi_gets_the_host_list_and_the_same_ssh(hosts, ssh_hosts, tmp_path):
+    """--mpi -H h1:2,h2:2: the hosts are checked as without --mpi, then MPICH's mpiexec starts the
+    ranks there through the same SSH command; they reduce over MPI, labelled as usual."""
+    first, second = hosts.hosts
+    done = subprocess.run([LAUNCHER, "--mpi", "--verbose", "-np", "4", "-H", f"{first.address}:2,{second.address}:2",
+                           sys.executable, _script(tmp_path), "ok"], env=ssh_hosts, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"-hosts {first.address}:2,{second.address}:2 -launcher ssh" in done.stderr
+    records = _records(done.stdout)
+    assert [records[r]["host"] for r in range(4)] == [first.name, first.name, second.name, second.name]
+    assert {records[r]["sum"] for r in range(4)} == {10.0}
+    assert {records[r]["forwarded"] for r in range(4)} == {"from the launcher"}
+    bad = subprocess.run([LAUNCHER, "--mpi", "-np", "2", "-H", f"{first.address}:1,no-such-host.invalid:1",
+                          sys.executable, _script(tmp_path), "ok"], env=ssh_hosts, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 1 and "no-such-host.invalid: exit code 255" in bad.stderr, bad.stderr
+    wait_for(lambda: _ranks_on(hosts) == {}, 30.0, "the ranks ending")
