@@ -43,9 +43,11 @@ def model_bytes(model: Any) -> bytes:
 
 
 def load_model_bytes(data: bytes, custom_objects: Optional[Dict[str, Any]] = None, compile: bool = False) -> Any:
-    """The model saved in ``data`` (``.keras`` bytes); uncompiled unless ``compile``."""
-    import keras
+    """The model saved in ``data`` (``.keras`` bytes) by the Keras that saved it (Keras 3, or
+    Keras 2's ``tf_keras``); uncompiled unless ``compile``."""
+    from spark_hvd.spark.keras.flavor import saved_keras
 
+    keras = saved_keras(data)
     with tempfile.TemporaryDirectory(prefix="spark-hvd-keras-") as tmp:
         path = os.path.join(tmp, "model.keras")
         with open(path, "wb") as f:

@@ -9,11 +9,11 @@ from __future__ import annotations
 import traceback
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-import keras
 import numpy as np
 
 from spark_hvd.spark.estimator.checks import check_loss_weights, per_label, require, resolve_shape, user_frame
 from spark_hvd.spark.estimator.outputs import check_task
+from spark_hvd.spark.keras.flavor import is_model, is_optimizer, keras_of, to_numpy
 
 __all__ = [
     "check_model",
@@ -36,33 +36,36 @@ __all__ = [
 
 
 def check_model(model: Any, param: str = "model") -> None:
-    """ValueError unless ``model`` is a Keras 3 model."""
-    if not isinstance(model, keras.Model):
-        raise ValueError(f"{param}={model!r} is not valid: expected a Keras 3 model (keras.Model); pass e.g. "
-                         f"{param}=keras.Sequential([keras.Input((30,)), keras.layers.Dense(1)])")
+    """ValueError unless ``model`` is a Keras 3 model (``keras.Model``) or a Keras 2 one (``tf_keras.Model``)."""
+    if not is_model(model):
+        raise ValueError(f"{param}={model!r} is not valid: expected a Keras model (keras.Model, or Keras 2's "
+                         f"tf_keras.Model); pass e.g. {param}=keras.Sequential([keras.Input((30,)), "
+                         "keras.layers.Dense(1)])")
 
 
 def compiled_settings(model: Any) -> Dict[str, Any]:
     """The optimizer, loss, loss_weights and metrics a compiled ``model`` was compiled with
     (fresh objects from its compile config); empty for a model that was not compiled."""
-    config = model.get_compile_config() if getattr(model, "compiled", False) else None
+    compiled = getattr(model, "compiled", getattr(model, "_is_compiled", False))  # Keras 3; Keras 2
+    config = model.get_compile_config() if compiled else None
     if not config:
         return {}
+    keras = keras_of(model)
     settings: Dict[str, Any] = {}
     if config.get("optimizer") is not None:
         settings["optimizer"] = keras.optimizers.deserialize(config["optimizer"])
+
+    def deserialize_loss(loss: Any) -> Any:
+        return loss if isinstance(loss, str) else keras.losses.deserialize(loss)
+
     if config.get("loss") is not None:
         loss = config["loss"]
-        settings["loss"] = [_deserialize_loss(x) for x in loss] if isinstance(loss, list) else _deserialize_loss(loss)
+        settings["loss"] = [deserialize_loss(x) for x in loss] if isinstance(loss, list) else deserialize_loss(loss)
     if config.get("loss_weights") is not None:
         settings["loss_weights"] = config["loss_weights"]
     if config.get("metrics") is not None:
         settings["metrics"] = [m if isinstance(m, str) else keras.metrics.deserialize(m) for m in config["metrics"]]
     return settings
-
-
-def _deserialize_loss(loss: Any) -> Any:
-    return loss if isinstance(loss, str) else keras.losses.deserialize(loss)
 
 
 def with_learning_rate(optimizer: Any, lr: Optional[float]) -> Any:
@@ -73,28 +76,39 @@ def with_learning_rate(optimizer: Any, lr: Optional[float]) -> Any:
     return type(optimizer).from_config({**optimizer.get_config(), "learning_rate": float(lr)})
 
 
-def check_optimizer(optimizer: Any) -> Any:
-    """A Keras optimizer from the ``optimizer`` Param (an optimizer, or its name such as 'adam')."""
+def check_optimizer(optimizer: Any, model: Any = None) -> Any:
+    """A Keras optimizer from the ``optimizer`` Param (an optimizer, or its name such as 'adam'), of
+    the Keras of ``model`` (when given)."""
     require("optimizer", optimizer, "a Keras optimizer (or a compiled model, whose optimizer is used)",
             "keras.optimizers.Adam(learning_rate=1e-3)")
+    keras = keras_of(model) if model is not None else keras_of(optimizer)
     if isinstance(optimizer, str):
         try:
             optimizer = keras.optimizers.get(optimizer)
         except ValueError:
             raise ValueError(f"optimizer={optimizer!r} is not a Keras optimizer name: expected e.g. 'adam' or "
                              "keras.optimizers.Adam(learning_rate=1e-3)") from None
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise ValueError(f"optimizer={optimizer!r} is not valid: expected a Keras 3 optimizer such as "
+    if not is_optimizer(optimizer):
+        raise ValueError(f"optimizer={optimizer!r} is not valid: expected a Keras optimizer such as "
                          "keras.optimizers.Adam(learning_rate=1e-3)")
+    if model is not None and keras_of(optimizer) is not keras:
+        raise ValueError(f"optimizer={optimizer!r} is {_which(optimizer)}'s but the model is {_which(model)}'s: "
+                         f"expected one Keras for both; fix: create the optimizer from {keras.__name__}.optimizers")
     return optimizer
 
 
-def check_losses(loss: Any, loss_weights: Optional[Sequence[float]],
-                 label_cols: Sequence[str]) -> Tuple[List[Any], Optional[List[float]]]:
-    """One loss per label column (Keras loss objects, functions or names) and the weights."""
+def _which(obj: Any) -> str:
+    return "Keras 2 (tf_keras)" if keras_of(obj).__name__ == "tf_keras" else "Keras 3"
+
+
+def check_losses(loss: Any, loss_weights: Optional[Sequence[float]], label_cols: Sequence[str],
+                 model: Any = None) -> Tuple[List[Any], Optional[List[float]]]:
+    """One loss per label column (Keras loss objects, functions or names, of the Keras of
+    ``model``) and the weights."""
     require("loss", loss, "a Keras loss, a loss name or a function (or one per label column)",
             "keras.losses.BinaryCrossentropy(from_logits=True)")
     losses = per_label(loss, label_cols)
+    keras = keras_of(model) if model is not None else keras_of(losses[0])
     resolved = []
     for i, fn in enumerate(losses):
         if isinstance(fn, str):
@@ -123,9 +137,9 @@ def check_metrics(metrics: Optional[Sequence[Any]]) -> List[Any]:
 def loss_name(loss: Any) -> Tuple[str, bool]:
     """(name, from_logits) of a loss: the Keras function or class name it stands for."""
     if isinstance(loss, str):
-        fn = keras.losses.get(loss)
+        fn = keras_of(loss).losses.get(loss)  # the names are Keras 3's and Keras 2's alike
         return getattr(fn, "__name__", loss), False
-    if isinstance(loss, keras.losses.Loss):
+    if isinstance(loss, keras_of(loss).losses.Loss):
         config = loss.get_config() if hasattr(loss, "get_config") else {}
         inner = getattr(loss, "fn", None)
         name = type(loss).__name__ if type(loss).__name__ != "LossFunctionWrapper" else getattr(inner, "__name__", "")
@@ -258,7 +272,7 @@ def call_model(model: Any, inputs: List[np.ndarray]) -> List[np.ndarray]:
                          f"called with inputs of shapes {described}; this is an error in the model, not in the data; "
                          "fix the model and fit again") from exc
     outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-    return [keras.ops.convert_to_numpy(o) for o in outputs]
+    return [to_numpy(o) for o in outputs]
 
 
 def dry_run(model: Any, shapes: Sequence[Tuple[int, ...]], num_labels: Optional[int],
@@ -306,9 +320,9 @@ def dry_run_batch(model: Any, losses: Sequence[Any], batch: Mapping[str, np.ndar
                              f"to have the output's shape, else Keras broadcasts them silently; fix: make the model "
                              f"return {label_width} value(s) per row for {col!r}, or give a label column with "
                              f"{out_width} value(s) per row")
-        loss = keras.losses.get(fn) if isinstance(fn, str) else fn
+        loss = keras_of(model).losses.get(fn) if isinstance(fn, str) else fn
         try:
-            value = keras.ops.convert_to_numpy(loss(lab, out))
+            value = to_numpy(loss(lab, out))
         except Exception as exc:
             frame = user_frame(exc, ("keras", "tensorflow", "torch", "jax", "numpy"))
             if frame is not None:

@@ -1,4 +1,4 @@
-"""KerasEstimator: data-parallel training of a Keras 3 model on a DataFrame, as a Spark ML Estimator."""
+"""KerasEstimator: data-parallel training of a Keras model on a DataFrame, as a Spark ML Estimator."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import keras
-
+from spark_hvd.keras.basics import is_keras2
 from spark_hvd.spark.data.store import Store
 from spark_hvd.spark.estimator.base import Checkpoint, DistributedEstimator, Fit
 from spark_hvd.spark.estimator.training import TrainingSpec
@@ -17,6 +16,7 @@ from spark_hvd.spark.keras import checks
 from spark_hvd.spark.keras.checkpoint import CHECKPOINT_NAME, load_model_bytes, model_bytes, read_checkpoint
 from spark_hvd.spark.keras.environment import RANK_ENVIRONMENT
 from spark_hvd.spark.keras.fingerprint import run_fingerprint
+from spark_hvd.spark.keras.flavor import keras_of
 from spark_hvd.spark.keras.model import WORKER_MODULES, KerasModel
 from spark_hvd.spark.keras.params import KerasEstimatorParams
 from spark_hvd.spark.keras.training import KerasTrainingSpec, train_on_rank
@@ -58,13 +58,15 @@ def _copy_model(model: Any, custom_objects: Optional[Dict[str, Any]]) -> Any:
 
 
 class KerasEstimator(DistributedEstimator[_Keras], KerasEstimatorParams):
-    """Trains a Keras 3 model on a Spark DataFrame with data-parallel ranks on barrier tasks.
+    """Trains a Keras model on a Spark DataFrame with data-parallel ranks on barrier tasks.
 
     Construct with keyword arguments (``KerasEstimator(model=..., optimizer=..., loss=...,
     feature_cols=[...], label_cols=[...], num_proc=2, ...)``) or the generated setters; every
     Param is listed by ``explainParams()``. Horovod's KerasEstimator names and meanings apply.
     A compiled model brings its optimizer, loss, loss weights and metrics; the Params override
-    them.
+    them. The model is a Keras 3 one (``keras``) or a Keras 2 one (``tf_keras``, what ``tf.keras``
+    is with ``TF_USE_LEGACY_KERAS=1``); its optimizer, losses and callbacks come from the same
+    Keras, which the ranks, checkpoints and the fitted model use throughout.
 
     ``fit(df)`` works as TorchEstimator's:
 
@@ -106,7 +108,7 @@ class KerasEstimator(DistributedEstimator[_Keras], KerasEstimatorParams):
         checks.check_model(model)
         compiled = checks.compiled_settings(model)
         optimizer = checks.check_optimizer(self.getOptimizer() if self.getOptimizer() is not None
-                                           else compiled.get("optimizer"))
+                                           else compiled.get("optimizer"), model)
         optimizer = checks.with_learning_rate(optimizer, self.getLearningRate())
         return _Keras(model, optimizer, compiled)
 
@@ -114,16 +116,18 @@ class KerasEstimator(DistributedEstimator[_Keras], KerasEstimatorParams):
         compiled = own.compiled
         loss = self.getLoss() if self.getLoss() is not None else compiled.get("loss")
         weights = self.getLossWeights() if self.getLossWeights() is not None else compiled.get("loss_weights")
-        own.losses, own.loss_weights = checks.check_losses(loss, weights, label_cols)
+        own.losses, own.loss_weights = checks.check_losses(loss, weights, label_cols, own.model)
         own.metrics = checks.check_metrics(self.getMetrics() if self.getMetrics() is not None
                                            else compiled.get("metrics"))
         if self.getTrainMinibatchFn() is not None:
             raise ValueError("train_minibatch_fn is not supported by KerasEstimator: Keras runs its own train_step; "
                              "fix: override train_step in a keras.Model subclass, or use TorchEstimator")
         callback = self.getCheckpointCallback()
+        keras = keras_of(own.model)
         if callback is not None and not isinstance(callback, keras.callbacks.ModelCheckpoint):
-            raise ValueError(f"checkpoint_callback={callback!r} is not valid: expected a keras.callbacks.ModelCheckpoint, "
-                             "e.g. keras.callbacks.ModelCheckpoint('best.keras', save_best_only=True)")
+            raise ValueError(f"checkpoint_callback={callback!r} is not valid: expected a "
+                             f"{keras.__name__}.callbacks.ModelCheckpoint (the model's Keras), e.g. "
+                             f"{keras.__name__}.callbacks.ModelCheckpoint('best.keras', save_best_only=True)")
         checks.check_input_count(own.model, feature_cols)
 
     def _model_dtype(self, own: _Keras) -> str:
@@ -176,7 +180,8 @@ class KerasEstimator(DistributedEstimator[_Keras], KerasEstimatorParams):
             warnings.simplefilter("ignore")
             data = model_bytes(fit.model)  # holds any resumed weights
         return KerasTrainingSpec.extending(
-            common, model=data, optimizer=keras.optimizers.serialize(own.optimizer), losses=own.losses,
+            common, model=data, optimizer=keras_of(own.optimizer).optimizers.serialize(own.optimizer),
+            keras2=is_keras2(fit.model), losses=own.losses,
             loss_weights=own.loss_weights, metrics=own.metrics, custom_objects=self.getCustomObjects(),
             output_shapes=own.output_shapes, dtype=fit.dtype,
             optimizer_variables=resume.state.optimizer_variables if resume is not None else None,

@@ -62,7 +62,7 @@ def _model_key(model: Any) -> str:
 class KerasModel(FittedModel, KerasModelParams):
     """A fitted Keras model; ``transform(df)`` adds Spark ML's prediction columns.
 
-    Params (keyword-only constructor, ``getX``/``setX`` accessors): ``model`` (a Keras 3 model),
+    Params (keyword-only constructor, ``getX``/``setX`` accessors): ``model`` (a Keras 3 or Keras 2 model),
     ``feature_cols``, ``label_cols``, ``task``, ``prediction_col``, ``probability_col``,
     ``raw_prediction_col``, ``output_cols`` (raw outputs when ``task`` is 'none', default
     ``<label>__output``), ``input_shapes``, ``inference_batch_size`` (rows per batch, default

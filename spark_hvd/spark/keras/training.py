@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-import keras
 import numpy as np
 
 from spark_hvd.spark.keras import checks
+from spark_hvd.spark.keras.flavor import keras_named, optimizer_values
 from spark_hvd.spark.keras.checkpoint import checkpoint_bytes, load_model_bytes
 from spark_hvd.spark.estimator.progress import ProgressReporter
 from spark_hvd.spark.estimator.step_profile import KERAS_PHASES, step_profile
@@ -42,6 +42,8 @@ class KerasTrainingSpec(TrainingSpec):
     """The model as ``.keras`` bytes, holding any resumed weights."""
     optimizer: Dict[str, Any]
     """The optimizer, serialized (``keras.optimizers.serialize``): each rank builds its own."""
+    keras2: bool = False
+    """Whether the model is Keras 2's (``tf_keras``), which then builds the optimizer and callbacks."""
     losses: List[Any]
     loss_weights: Optional[List[float]]
     metrics: List[Any]
@@ -63,18 +65,20 @@ class KerasTrainingSpec(TrainingSpec):
     """The running means of epoch ``start_epoch``'s metrics at ``start_batch``, averaged over the ranks."""
 
 
-def scaled_optimizer(config: Dict[str, Any], factor: float, custom_objects: Optional[Dict[str, Any]] = None) -> Any:
-    """The optimizer of ``config`` with its learning rate times ``factor``; a learning-rate
-    schedule is kept as it is (scale it in the schedule itself)."""
+def scaled_optimizer(config: Dict[str, Any], factor: float, custom_objects: Optional[Dict[str, Any]] = None,
+                     keras2: bool = False) -> Any:
+    """The optimizer of ``config`` (Keras 2's with ``keras2``) with its learning rate times
+    ``factor``; a learning-rate schedule is kept as it is (scale it in the schedule itself)."""
     config = copy.deepcopy(config)
     inner = config.get("config", {})
     if factor != 1.0 and isinstance(inner.get("learning_rate"), (int, float)):
         inner["learning_rate"] = float(inner["learning_rate"]) * factor
-    return keras.optimizers.deserialize(config, custom_objects=custom_objects)
+    return keras_named(keras2).optimizers.deserialize(config, custom_objects=custom_objects)
 
 
 def _is_learning_rate(variable: Any) -> bool:
-    return str(getattr(variable, "path", getattr(variable, "name", ""))).endswith("learning_rate")
+    name = str(getattr(variable, "path", getattr(variable, "name", "")))
+    return name.split(":")[0].endswith("learning_rate")  # Keras 2 names end in ":0"
 
 
 class _Trainer:
@@ -105,11 +109,11 @@ class _Trainer:
         if not spec.use_gpu:
             tf.config.set_visible_devices([], "GPU")
         if spec.random_seed is not None:
-            keras.utils.set_random_seed(spec.random_seed)
+            keras_named(spec.keras2).utils.set_random_seed(spec.random_seed)
         self.model = load_model_bytes(spec.model, spec.custom_objects)
         self.lr_scale = float(self.size) if spec.scale_lr else 1.0
         self.base_lr = spec.optimizer.get("config", {}).get("learning_rate")
-        optimizer = scaled_optimizer(spec.optimizer, self.lr_scale, spec.custom_objects)
+        optimizer = scaled_optimizer(spec.optimizer, self.lr_scale, spec.custom_objects, spec.keras2)
         kwargs: Dict[str, Any] = {"backward_passes_per_step": spec.backward_passes_per_step}
         if spec.compression is not None:
             kwargs["compression"] = spec.compression
@@ -122,8 +126,13 @@ class _Trainer:
         self.history: List[Dict[str, Any]] = list(spec.history)
 
     def _restore_optimizer(self, values: List[np.ndarray]) -> None:
-        self.optimizer.build(self.model.trainable_variables)
-        variables = list(self.optimizer.variables)
+        from spark_hvd.keras.callbacks import optimizer_variables
+
+        if hasattr(self.optimizer, "build"):
+            self.optimizer.build(self.model.trainable_variables)
+        else:  # Keras 2's legacy optimizers make their slots on demand
+            self.optimizer._create_all_weights(self.model.trainable_variables)
+        variables = optimizer_variables(self.optimizer)
         if len(variables) != len(values) or any(tuple(v.shape) != tuple(np.shape(x)) for v, x in zip(variables, values)):
             raise ValueError(f"the checkpoint holds {len(values)} optimizer variables that do not fit this optimizer's "
                              f"{len(variables)}: expected the optimizer the run was started with")
@@ -211,7 +220,7 @@ class _Trainer:
             self.optimizer.learning_rate = float(self.base_lr)
         try:
             data = checkpoint_bytes(self.model, completed, self.history, self.spec.fingerprint,
-                                    [keras.ops.convert_to_numpy(v) for v in self.optimizer.variables],
+                                    optimizer_values(self.optimizer),
                                     batch=batch, partial=partial, seed=self.spec.seed)
         finally:
             if scaled:
@@ -295,7 +304,7 @@ def _recorder(trainer: _Trainer) -> Any:
     """The callback that keeps the history, reports progress and checkpoints (after the logs
     were averaged over the ranks)."""
 
-    class Recorder(keras.callbacks.Callback):
+    class Recorder(keras_named(trainer.spec.keras2).callbacks.Callback):  # type: ignore[misc,name-defined]
         def __init__(self) -> None:
             super().__init__()
             self.started = 0.0

@@ -64,7 +64,7 @@ BAD_FITS = [
     ({"feature_cols": ["features", "x1"]}, r"gives 2 input\(s\) but the model has 1 input\(s\).*VectorAssembler"),
     ({"label_cols": ["y", "x1"]}, r"returned 1 output\(s\) for 2 label column"),
     ({"optimizer": None}, r"optimizer=None is not valid.*keras.optimizers.Adam"),
-    ({"model": "model.keras"}, r"model='model.keras' is not valid: expected a Keras 3 model"),
+    ({"model": "model.keras"}, r"model='model.keras' is not valid: expected a Keras model \(keras.Model, or Keras 2"),
     ({"num_proc": 3}, r"num_proc=3 but the cluster has 2 task slots"),
     ({"model": small_model(units=2), "task": "binary"}, r"task='binary' needs one output value per row, but the "
                                                         r"model returns 2"),
@@ -291,3 +291,69 @@ def test_cross_validator_fits_per_fold_and_picks_the_best(frame, tmp_path):
     assert not all(np.array_equal(a, b) for a, b in zip(initial, best.getModel().get_weights()))
     out = best.transform(frame)
     assert out.count() == ROWS and 0.5 < BinaryClassificationEvaluator(labelCol="y").evaluate(out) <= 1.0
+
+
+# -- Keras 2 (tf_keras) models -------------------------------------------------------------------
+
+def keras2_model():
+    import tf_keras
+
+    tf_keras.utils.set_random_seed(0)
+    model = tf_keras.Sequential([tf_keras.Input((3,)), tf_keras.layers.Dense(8, activation="tanh"),
+                                 tf_keras.layers.Dense(1)])
+    model.compile(optimizer=tf_keras.optimizers.legacy.Adam(0.05),
+                  loss=tf_keras.losses.BinaryCrossentropy(from_logits=True), metrics=["accuracy"])
+    return model
+
+
+def test_a_keras2_model_fits_resumes_scores_and_saves(frame, tmp_path):
+    """A compiled tf_keras model (Keras 2's legacy Adam, from_logits cross-entropy): two ranks
+    train it with its own compile settings; the fitted model is a tf_keras model whose Spark ML
+    columns match its local predictions; a fit with the same run_id resumes from the checkpoint
+    (the optimizer's slots and step count restored) and trains one more epoch; the fitted model
+    saves and loads in a Pipeline."""
+    import tf_keras
+
+    model = keras2_model()
+    store = Store.create(str(tmp_path / "store"))
+    est = KerasEstimator(num_proc=2, model=model, feature_cols=["features"], label_cols=["y"], batch_size=8,
+                         epochs=2, validation=0.25, store=store, run_id="keras2", random_seed=3, verbose=0)
+    fitted = est.fit(frame)
+    net = fitted.getModel()
+    assert isinstance(net, tf_keras.Model) and fitted.getTask() == "binary"
+    history = fitted.getHistory()
+    assert [h["epoch"] for h in history] == [1, 2] and {"loss", "accuracy", "val_loss"} <= set(history[0])
+    assert history[1]["loss"] < history[0]["loss"]
+    checkpoint = read_checkpoint(store.read(os.path.join(store.get_run_path("keras2"), "checkpoint.keras")))
+    assert checkpoint.epoch == 2 and len(checkpoint.optimizer_variables) == 1 + 2 * len(net.weights)
+
+    rows = fitted.transform(frame).orderBy("x1").collect()
+    logits = net.predict(np.stack([r["features"].toArray() for r in rows]), verbose=0).reshape(-1)
+    np.testing.assert_allclose([r["probability"][1] for r in rows], 1 / (1 + np.exp(-logits)), rtol=1e-4, atol=1e-5)
+    assert [r["prediction"] for r in rows] == [float(v > 0) for v in logits]
+
+    resumed = est.copy({est.epochs: 3}).fit(frame)
+    assert [h["epoch"] for h in resumed.getHistory()] == [1, 2, 3]
+    assert resumed.getHistory()[:2] == history
+    after = read_checkpoint(store.read(os.path.join(store.get_run_path("keras2"), "checkpoint.keras")))
+    # The legacy Adam's step count went on from the checkpoint's: the third epoch's steps were added.
+    assert int(after.optimizer_variables[0]) > int(checkpoint.optimizer_variables[0]) > 0
+
+    PipelineModel(stages=[resumed]).write().overwrite().save(str(tmp_path / "pipeline"))
+    loaded = PipelineModel.load(str(tmp_path / "pipeline")).stages[-1]
+    assert isinstance(loaded.getModel(), tf_keras.Model)
+    again = loaded.transform(frame).orderBy("x1").collect()
+    expected = resumed.transform(frame).orderBy("x1").collect()
+    assert [r["probability"] for r in again] == [r["probability"] for r in expected]
+
+
+def test_keras2_and_keras3_objects_are_not_mixed(frame, tmp_path):
+    """A tf_keras model with a Keras 3 optimizer, or a Keras 3 ModelCheckpoint, is refused before
+    any Spark job, naming both Keras and the fix."""
+    model = keras2_model()
+    with pytest.raises(ValueError, match=r"is Keras 3's but the model is Keras 2 \(tf_keras\)'s.*tf_keras.optimizers"):
+        make_estimator(tmp_path, model=model, optimizer=keras.optimizers.Adam(0.05)).fit(frame)
+    with pytest.raises(ValueError, match=r"expected a tf_keras.callbacks.ModelCheckpoint \(the model's Keras\)"):
+        make_estimator(tmp_path, model=model, optimizer=None, loss=None,
+                       checkpoint_callback=keras.callbacks.ModelCheckpoint("best.keras")).fit(frame)
+    assert nothing_materialized(make_estimator(tmp_path))
