@@ -78,14 +78,14 @@ def _build_parser() -> argparse.ArgumentParser:
         epilog="Each output line of rank r is printed as [r]<stdout>:... or [r]<stderr>:... . When run "
         "from a virtual environment, `python` in COMMAND is that environment's interpreter.",
     )
-    parser.add_argument("-np", "-p", "--num-proc", dest="num_proc", type=int, metavar="N",
+    parser.add_argument("-np", "--num-proc", dest="num_proc", type=int, metavar="N",
                         help="number of ranks to start (required)")
     parser.add_argument("-H", "--hosts", dest="hosts", metavar="HOST:SLOTS[,...]",
                         help="hosts and their slots, e.g. -H worker1:2,worker2:2; ranks fill them in order; hosts "
                              "other than this machine are reached over SSH (default: -np ranks on this machine)")
     parser.add_argument("-hostfile", "--hostfile", dest="hostfile", metavar="FILE",
                         help="a file of hosts, one per line as HOST slots=N (or HOST:N), instead of -H")
-    parser.add_argument("--ssh-port", dest="ssh_port", type=int, metavar="PORT",
+    parser.add_argument("-p", "--ssh-port", dest="ssh_port", type=int, metavar="PORT",
                         help="the SSH port of every host (default: SSH's own, usually 22)")
     parser.add_argument("-i", "--ssh-identity-file", dest="ssh_identity_file", metavar="FILE",
                         help="the SSH private key to log in with (default: SSH's own)")
@@ -105,6 +105,16 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="training steps measured under each autotune setting (default 10)")
     parser.add_argument("--autotune-bayes-opt-max-samples", type=int, metavar="K",
                         help="autotune trials at most before the best setting is kept (default 20)")
+    parser.add_argument("--disable-cache", action="store_true",
+                        help="remember no request signatures (as --cache-capacity 0)")
+    parser.add_argument("--hierarchical-allreduce", action="store_true",
+                        help="reduce within each host first, then across hosts (SPARK_HVD_HIERARCHICAL_ALLREDUCE)")
+    parser.add_argument("--timeline-mark-cycles", action="store_true",
+                        help="also mark each negotiation cycle in the timeline")
+    parser.add_argument("--log-level", choices=("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"),
+                        help="level of the ranks' spark_hvd loggers (TRACE is DEBUG, FATAL is ERROR)")
+    parser.add_argument("--gloo", action="store_true",
+                        help="Horovod's flag for its own TCP backend: spark-hvd's built-in backend, the default")
     parser.add_argument("--cache-capacity", type=int, metavar="K",
                         help="request signatures to cache (0 disables the cache)")
     parser.add_argument("--start-timeout", type=float, metavar="S",
@@ -281,7 +291,11 @@ def parse_options(argv: Sequence[str], environ: Optional[Dict[str, str]] = None)
         "fusion_threshold": None if args.fusion_threshold_mb is None
         else int(args.fusion_threshold_mb * _MIB),
         "cycle_time_ms": args.cycle_time_ms,
-        "cache_capacity": args.cache_capacity,
+        "cache_capacity": 0 if args.disable_cache else args.cache_capacity,
+        "hierarchical_allreduce": True if args.hierarchical_allreduce else None,
+        "timeline_mark_cycles": True if args.timeline_mark_cycles else None,
+        "log_level": None if args.log_level is None else {"TRACE": "DEBUG", "FATAL": "ERROR"}.get(args.log_level,
+                                                                                                args.log_level),
         "start_timeout": args.start_timeout,
         "bind_cpus": True if args.bind_cpus else None,
         "iface": None if args.network_interface is None else _check_interfaces(args.network_interface),
@@ -315,6 +329,8 @@ def parse_options(argv: Sequence[str], environ: Optional[Dict[str, str]] = None)
 
 
 def _mpiexec(args: argparse.Namespace, env: Dict[str, str], environ: Dict[str, str]) -> str:
+    if args.gloo:
+        raise UsageError("--mpi and --gloo choose different backends; expected one of them")
     if _elastic_options(args) is not None:
         raise UsageError("--mpi cannot be combined with elastic options")
     path = env.get("PATH", environ.get("PATH", os.defpath))

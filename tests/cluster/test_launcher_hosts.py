@@ -153,7 +153,9 @@ def test_ranks_fill_the_hosts_in_order_and_reduce_together(hosts, ssh_hosts, tmp
     first, second = hosts.hosts
     hostfile = tmp_path / "hostfile"
     hostfile.write_text(f"# two hosts\n{first.address} slots=2\n{second.address}:2\n")
-    for placement in (["-H", f"{first.address}:2,{second.address}:2"], ["--hostfile", str(hostfile)]):
+    # The first as horovodrun is usually called (-p: the SSH port), only the program renamed.
+    for placement in (["-H", f"{first.address}:2,{second.address}:2", "-p", "22", "--gloo"],
+                      ["--hostfile", str(hostfile)]):
         done = subprocess.run([LAUNCHER, "-np", "4", *placement, sys.executable, _script(tmp_path), "ok"],
                               env=ssh_hosts, cwd=tmp_path, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -1,6 +1,6 @@
 """Run one of Horovod's own test suites against spark-hvd and print what it reports.
 
-    python tests/compat/run_horovod_suite.py HOROVOD_SRC [--suite torch|tensorflow|tensorflow2_keras]
+    python tests/compat/run_horovod_suite.py HOROVOD_SRC [--suite torch|tensorflow|tensorflow2_keras|keras|tensorflow_keras]
         [--np 2 3] [-k EXPR]
 
 HOROVOD_SRC is a Horovod checkout or a bare git directory of one (its HEAD is read). The suite
@@ -59,11 +59,19 @@ SUITES: Dict[str, Dict[str, str]] = {
         "import horovod.keras as hvd_keras": "import spark_hvd.keras as hvd_keras",
         "from horovod.common.util import is_version_greater_equal_than": _VERSION_HELPER,
     },
+    # TensorFlow 1 suites: on TensorFlow 2 every test of theirs is skipped by their own marks.
+    "keras": {"import horovod.keras as hvd": "import spark_hvd.keras as hvd"},
+    "tensorflow_keras": {
+        "import horovod.tensorflow.keras as hvd": "import spark_hvd.tensorflow.keras as hvd",
+        "from horovod.common.util  import is_version_greater_equal_than": _VERSION_HELPER,
+    },
 }
 # Packages a suite imports that spark-hvd's own dependencies do not bring.
 NEEDS: Dict[str, Tuple[str, ...]] = {
     "tensorflow": ("tensorflow",),
     "tensorflow2_keras": ("tensorflow", "parameterized"),
+    "keras": ("tensorflow",),
+    "tensorflow_keras": ("tensorflow",),
 }
 
 # Helper modules a suite imports besides test/utils/common.py, with their own swaps.

@@ -52,6 +52,22 @@ def test_ssh_flags_and_command_reach_the_ssh_command_line(tmp_path):
                       dict(os.environ, SPARK_HVD_SSH_COMMAND="no-such-ssh -v"))
 
 
+def test_a_horovodrun_command_line_parses_with_only_the_program_renamed(tmp_path):
+    """horovodrun's flags mean what they mean there: -p is the SSH port, -i the key, --gloo the
+    built-in backend, --disable-cache, --hierarchical-allreduce, --timeline-mark-cycles and
+    --log-level reach the ranks' settings."""
+    key = tmp_path / "key"
+    key.write_text("not a real key")
+    options = parse_options(["-np", "4", "-H", "localhost:2,node7.invalid:2", "-p", "2200", "-i", str(key), "--gloo",
+                             "--disable-cache", "--hierarchical-allreduce", "--timeline-mark-cycles", "--log-level",
+                             "TRACE", "--start-timeout", "30", "--verbose", sys.executable, "train.py"])
+    assert options.num_proc == 4 and options.ssh[-4:] == ["-p", "2200", "-i", str(key)]
+    assert options.settings == {"cache_capacity": 0, "hierarchical_allreduce": True, "timeline_mark_cycles": True,
+                                "log_level": "DEBUG", "start_timeout": 30.0}
+    with pytest.raises(UsageError, match="--mpi and --gloo"):
+        parse_options(["-np", "2", "--mpi", "--gloo", sys.executable, "train.py"])
+
+
 def test_a_hostfile_lists_hosts_in_either_form(tmp_path):
     """--hostfile takes HOST slots=N and HOST:N lines (comments and blank lines ignored); its
     mistakes name the file and line; -H and --hostfile together are refused."""
