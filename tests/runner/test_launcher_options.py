@@ -144,9 +144,9 @@ def test_unwritable_paths_are_rejected(tmp_path, capsys):
     assert "is not a directory" in err
 
 
-@pytest.mark.parametrize("flag", ["-np", "-p", "--num-proc"])
+@pytest.mark.parametrize("flag", ["-np", "--num-proc"])
 def test_np_synonyms_and_command_arguments_pass_through(flag):
-    """-np/-p/--num-proc are synonyms; after the command (or --) every argument belongs to it."""
+    """-np/--num-proc are synonyms (-p is the SSH port, as in horovodrun); after the command (or --) every argument belongs to it."""
     options = parse_options([flag, "3", "--", sys.executable, "train.py", "-np", "5", "--verbose"])
     assert options.num_proc == 3
     assert options.command == [sys.executable, "train.py", "-np", "5", "--verbose"]
