@@ -35,7 +35,7 @@ from typing import Callable, Dict, List, Sequence
 import numpy as np
 
 from .errors import RankMismatchError
-from .ops import ReduceOp, average_inplace, reduce_into, scale_inplace
+from .ops import ReduceOp, average_inplace, combine_into, reduce_into, scale_inplace
 from .shm import ShmRing
 
 __all__ = ["Lockstep", "mailbox_tag", "MAILBOX_HEADER", "SLOTS"]
@@ -124,9 +124,16 @@ class Lockstep:
                 return False
             self._step = step
             parts = [self._part(r, step, flat, header, name) for r in range(self.size)]
-            np.copyto(flat, parts[0])
+            if prescale == 1.0 and self.rank < 2:
+                # Its own part, still in ``flat`` and in this core's cache: the first combination
+                # writes ``flat`` only after reading both operands, element by element.
+                parts[self.rank] = flat
             reduce_op = ReduceOp(op)
-            for part in parts[1:]:
+            if self.size == 1:
+                np.copyto(flat, parts[0])
+            else:
+                combine_into(flat, parts[0], parts[1], reduce_op, wire)  # every rank: the same order
+            for part in parts[2:]:
                 reduce_into(flat, part, reduce_op, wire)
             if reduce_op == ReduceOp.Average:
                 average_inplace(flat, self.size, wire)

@@ -145,6 +145,20 @@ def reduce_into(acc: np.ndarray, other: np.ndarray, op: ReduceOp, wire: str) -> 
         _reduce(acc, other, op, wire)
 
 
+def combine_into(out: np.ndarray, first: np.ndarray, second: np.ndarray, op: ReduceOp, wire: str) -> None:
+    """out = op(first, second), elementwise, in one pass where numpy can (``out`` may be either
+    operand); all hold ``wire`` storage."""
+    if out.size == 0:
+        return
+    if wire in ("bfloat16", "bool"):
+        if out is not first:
+            np.copyto(out, first)
+        reduce_into(out, second, op, wire)
+        return
+    with np.errstate(over="ignore", invalid="ignore"):
+        _REDUCERS[op](first, second, out=out)
+
+
 def _reduce(acc: np.ndarray, other: np.ndarray, op: ReduceOp, wire: str) -> None:
     if wire == "bfloat16":
         result = _REDUCERS[op](_bf16_to_f32(acc), _bf16_to_f32(other))
