@@ -282,3 +282,19 @@ def test_mpi_gets_the_host_list_and_the_same_ssh(hosts, ssh_hosts, tmp_path):
                          text=True, timeout=120)
     assert bad.returncode == 1 and "no-such-host.invalid: exit code 255" in bad.stderr, bad.stderr
     wait_for(lambda: _ranks_on(hosts) == {}, 30.0, "the ranks ending")
+
+
+def test_this_machine_and_other_hosts_in_one_job(hosts, ssh_hosts, tmp_path):
+    """-H localhost:1,h1:1,h2:1: rank 0 starts here without SSH, ranks 1 and 2 over SSH; the three
+    reduce together (this machine's rank listens on its address on the hosts' network)."""
+    import socket
+
+    first, second = hosts.hosts
+    done = subprocess.run([LAUNCHER, "-np", "3", "-H", f"localhost:1,{first.address}:1,{second.address}:1",
+                           sys.executable, _script(tmp_path), "ok"], env=ssh_hosts, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    records = _records(done.stdout)
+    assert [records[r]["host"] for r in range(3)] == [socket.gethostname(), first.name, second.name]
+    assert {records[r]["sum"] for r in range(3)} == {6.0}
+    assert [records[r]["cross_rank"] for r in range(3)] == [0, 1, 2]
