@@ -16,6 +16,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .control import BYE
 from .dataplane import RingDataPlane
 from .ops import ReduceOp
 from .transport import Op, Sink, Transport
@@ -24,6 +25,9 @@ __all__ = ["import_mpi", "mpi_world", "MpiLink", "MpiChannel", "MpiDataPlane"]
 
 _CONTROL = 11
 _DATA = 12
+_GOODBYE_WAIT = 1.0
+"""Seconds a closing control link waits for its peer's goodbye."""
+_GOODBYE_POLL = 1e-4
 
 
 _MPI: Any = None
@@ -58,6 +62,7 @@ class MpiLink:
         self._status = import_mpi().Status()
         # Sends still in flight, with their frames kept alive until MPI is done with them.
         self._sending: Deque[Tuple[Any, bytes]] = deque()
+        self._goodbye_received = False
 
     def pump(self) -> None:
         MPI = import_mpi()
@@ -66,7 +71,9 @@ class MpiLink:
         while self.comm.Iprobe(source=self.peer, tag=_CONTROL, status=self._status):
             buf = bytearray(self._status.Get_count(MPI.BYTE))
             self.comm.Recv([buf, MPI.BYTE], source=self.peer, tag=_CONTROL)
-            self.frames.append(bytes(buf))
+            frame = bytes(buf)
+            self._goodbye_received = self._goodbye_received or frame[:1] == BYE
+            self.frames.append(frame)
 
     def fileno(self) -> Optional[int]:
         return None
@@ -92,6 +99,15 @@ class MpiLink:
             self.pump()
 
     def close(self) -> None:
+        """Closed once the peer's goodbye is in (waiting for it at most :data:`_GOODBYE_WAIT`
+        seconds): a message nobody receives would be left in MPI's queue of unexpected messages,
+        which some transports (UCX) report when MPI finalizes."""
+        import time
+
+        deadline = time.monotonic() + _GOODBYE_WAIT
+        while not self._goodbye_received and time.monotonic() < deadline:
+            self.pump()
+            time.sleep(_GOODBYE_POLL)
         self.closed = True
 
 
