@@ -7,7 +7,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,7 +19,8 @@ from spark_hvd.runtime import config
 
 from .elastic import DEFAULT_ELASTIC_TIMEOUT, ElasticJob, ElasticOptions
 from .follow import OutputFollower
-from .hosts import HostSlots, UnreachableHostsError, is_this_machine, parse_hosts, place_ranks, read_hostfile, ssh_argv
+from .hosts import (HostSlots, UnreachableHostsError, is_this_machine, local_names, parse_hosts, place_ranks,
+                    read_hostfile, ssh_argv)
 from .local import LocalJob
 from .multihost import HostsJob
 from .processes import TERMINATE_GRACE_SECONDS, RankExit, RankProcesses, rank_output_path
@@ -145,15 +145,11 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _local_names() -> set:
-    hostname = socket.gethostname().lower()
-    return {"localhost", "127.0.0.1", hostname, hostname.split(".")[0]}
-
-
-def check_hosts(hosts: str, num_proc: int) -> List[HostSlots]:
-    """The hosts of ``-H`` in order, when their slots hold ``num_proc`` ranks; UsageError otherwise."""
+def check_hosts(hosts: str, num_proc: int, hostfile: bool = False) -> List[HostSlots]:
+    """The hosts of ``-H`` (or of the ``hostfile`` at path ``hosts``) in order, when their slots
+    hold ``num_proc`` ranks; UsageError otherwise."""
     try:
-        parsed = parse_hosts(hosts)
+        parsed = read_hostfile(hosts) if hostfile else parse_hosts(hosts)
         place_ranks(parsed, num_proc)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -164,12 +160,7 @@ def _hosts(args: argparse.Namespace) -> Optional[List[HostSlots]]:
     if args.hosts is not None and args.hostfile is not None:
         raise UsageError("-H and --hostfile both name hosts; expected one of them")
     if args.hostfile is not None:
-        try:
-            parsed = read_hostfile(args.hostfile)
-            place_ranks(parsed, args.num_proc)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
-        return parsed
+        return check_hosts(args.hostfile, args.num_proc, hostfile=True)
     return None if args.hosts is None else check_hosts(args.hosts, args.num_proc)
 
 
@@ -419,7 +410,7 @@ def _forward_only(job: Any, signums: Sequence[int]) -> None:
 def _launch_elastic(options: LaunchOptions) -> int:
     assert options.elastic is not None
     log = _say if options.verbose else None
-    job = ElasticJob(options.elastic, options.command, local_names=sorted(_local_names()), settings=options.settings,
+    job = ElasticJob(options.elastic, options.command, local_names=sorted(local_names()), settings=options.settings,
                      env=options.env, output_dir=options.output_dir, say=_say, log=log)
     in_main_thread = threading.current_thread() is threading.main_thread()
     forwarded = (signal.SIGINT, signal.SIGTERM) if in_main_thread else ()
@@ -489,19 +480,14 @@ def _mpi_hosts(options: LaunchOptions, scratch: Path) -> List[str]:
     if not options.remote:
         return arguments
     assert options.ssh is not None
-    job = HostsJob(options.hosts, options.num_proc, ssh=options.ssh, address=options.address,
-                   check_timeout=options.settings.get("start_timeout", config.read_setting("start_timeout")))
-    answers = job.check()
-    seen = [answers[h].get("launcher") for h in job.remote_hosts if answers[h].get("launcher")]
-    address = options.address or (seen[0] if seen else None)
+    job = _job(options)  # checks the hosts as a job without --mpi would, and starts nothing
+    address = options.address or job.callback_address(job.check())
     # Hydra starts its proxies with one executable and its own arguments: a script that adds ours.
     launcher = scratch / "ssh"
     launcher.write_text("#!/bin/sh\nexec " + shlex.join(options.ssh) + ' "$@"\n')
     launcher.chmod(0o700)
     arguments += ["-launcher", "ssh", "-launcher-exec", str(launcher)]
-    if address is not None:
-        arguments += ["-localhost", address]
-    return arguments
+    return arguments + ["-localhost", address]
 
 
 def _job(options: LaunchOptions) -> Any:

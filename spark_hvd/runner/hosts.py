@@ -28,6 +28,7 @@ __all__ = [
     "place_ranks",
     "assign_ranks",
     "is_this_machine",
+    "local_names",
     "ssh_argv",
     "check_reachable",
     "address_towards",
@@ -163,10 +164,15 @@ def _addresses(name: str) -> List[str]:
         return []
 
 
+def local_names() -> set:
+    """The names this machine goes by without a lookup: localhost, 127.0.0.1 and its host name."""
+    hostname = socket.gethostname().lower()
+    return {"localhost", "127.0.0.1", hostname, hostname.split(".")[0]}
+
+
 def is_this_machine(name: str) -> bool:
     """Whether ``name`` is this machine: one of its names, or an address it can listen on."""
-    hostname = socket.gethostname().lower()
-    if name.lower() in {"localhost", hostname, hostname.split(".")[0]}:
+    if name.lower() in local_names():
         return True
     for address in _addresses(name):
         family = socket.AF_INET6 if ":" in address else socket.AF_INET

@@ -96,7 +96,7 @@ class HostsJob(LocalJob):
         if self._server is not None:
             raise RuntimeError("this HostsJob was already started; create a new one per job")
         answers = self.check()
-        address = self._address or self._callback_address(answers)
+        address = self._address or self.callback_address(answers)
         self._server = RendezvousServer(address, self.secret)
         if self._log:
             self._log(f"rendezvous server listening on {self._server.address}; hosts: " + ", ".join(
@@ -122,7 +122,9 @@ class HostsJob(LocalJob):
                                  control=job.encode())
         return self.processes
 
-    def _callback_address(self, answers: Dict[str, Dict[str, Any]]) -> str:
+    def callback_address(self, answers: Dict[str, Dict[str, Any]]) -> str:
+        """This machine's address as the first other host saw it in ``answers`` (of :meth:`check`),
+        else the address of the route to the hosts."""
         for host in self.remote_hosts:
             seen = answers.get(host, {}).get("launcher")
             if seen:

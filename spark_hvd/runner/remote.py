@@ -76,7 +76,6 @@ def _command(argv: List[str]) -> List[str]:
 class _Rank:
     def __init__(self, proc: "subprocess.Popen[bytes]") -> None:
         self.proc = proc
-        self.stopping = False
 
     def signal(self, signum: int) -> None:
         try:
@@ -86,7 +85,6 @@ class _Rank:
 
     def stop(self) -> None:
         """The launcher is gone: SIGTERM, a grace period, then SIGKILL."""
-        self.stopping = True
         self.signal(signal.SIGTERM)
         try:
             self.proc.wait(STOP_GRACE_SECONDS)
