@@ -3,8 +3,8 @@
     python benchmarks/training_sources.py [--rows 4M] [--batch 1024] [--repeats 1] [--json PATH] [--quick]
 
 The data is the estimator benchmark's shape (``estimator_scale.py``): 30 float32 features stored as
-a ``list<float>`` column and a 0/1 label, written with pyarrow into 8 Parquet files of 250k-row
-groups (as ``prepare_data`` stores a Vector column). Two ranks start through
+one binary value of raw float32 per row and a 0/1 label, written with pyarrow into 8 Parquet files
+of 250k-row groups (as ``prepare_data`` stores a Vector column). Two ranks start through
 ``spark_hvd.runner.run`` with one torch thread each and train the 30-64-64-1 MLP with Adam and a
 logistic loss for one epoch of their shard, in these modes:
 
@@ -12,6 +12,9 @@ logistic loss for one epoch of their shard, in these modes:
   stored order (views, no copy, no shuffle): the floor ``estimator_scale.py`` compares against;
 - ``bare, shuffled rows``: the same matrix, each batch gathered from it by a seeded permutation of
   its rows (``np.take``), which is what shuffling every epoch costs on its own;
+- ``bare, read then loop``: each rank reads its files (half of them) with pyarrow into one matrix,
+  then runs the plain loop over it in stored order, the read timed too: the floor of a fit's first
+  epoch;
 - ``bare, memory``: plain torch over in-memory batches (the builtin reader's batches, read first);
 - ``bare, reader``: plain torch fed by the builtin reader as it reads (``make_reader``, shuffled);
 - ``hvd, memory``: ``DistributedOptimizer`` over in-memory batches;
@@ -19,8 +22,10 @@ logistic loss for one epoch of their shard, in these modes:
   (``cache_all=True``; a first epoch fills it, untimed; each rank keeps its row groups, so the timed
   epoch reads no file), which is what ``TorchEstimator.fit`` runs per step once every row group
   it reads is cached;
-- ``hvd, reader``: ``DistributedOptimizer`` fed by the reader as it reads, which is what the fit
-  runs in its first epoch.
+- ``hvd, reader``: ``DistributedOptimizer`` fed by the reader as it reads, without the cache (what
+  the fit runs when its shard does not fit in memory);
+- ``hvd, first epoch``: the same with the cache on (``cache_all=True``), the epoch that fills it
+  timed: what the fit runs in its first epoch.
 
 Each row gives the rows per second of both ranks together, the ratios to ``bare, memory`` and to
 ``bare, slices`` of the same run, and for the ``hvd`` modes the allreduce wait (``synchronize()``)
@@ -41,8 +46,8 @@ from typing import Any, Dict, List, Optional
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_JSON = HERE / "results" / "training_sources.json"
-MODES = ("bare, slices", "bare, shuffled rows", "bare, memory", "bare, reader", "hvd, memory", "hvd, cache",
-         "hvd, reader")
+MODES = ("bare, slices", "bare, shuffled rows", "bare, read then loop", "bare, memory", "bare, reader", "hvd, memory", "hvd, cache",
+         "hvd, reader", "hvd, first epoch")
 FEATURES = 30
 FILES = 8
 
@@ -64,10 +69,17 @@ def write_data(directory: str, rows: int) -> List[str]:
     per_file = max(1, rows // FILES)
     for i in range(FILES):
         x = rng.standard_normal((per_file, FEATURES), dtype=np.float32)
-        features = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), FEATURES).cast(pa.list_(pa.float32()))
+        offsets = np.arange(per_file + 1, dtype=np.int32) * (FEATURES * 4)
+        features = pa.Array.from_buffers(pa.binary(), per_file, [None, pa.py_buffer(offsets), pa.py_buffer(x)])
         label = pa.array((rng.random(per_file) < 0.5).astype(np.float32))
         path = os.path.join(directory, f"part-{i}.parquet")
-        pq.write_table(pa.table({"features": features, "label": label}), path, row_group_size=250_000)
+        # The Spark schema prepare_data's files carry, which marks the column as raw float32 rows.
+        spark_schema = json.dumps({"type": "struct", "fields": [
+            {"name": "features", "type": "binary", "nullable": True, "metadata": {"spark_hvd_row_bytes": "float32"}},
+            {"name": "label", "type": "float", "nullable": True, "metadata": {}}]})
+        table = pa.table({"features": features, "label": label}).replace_schema_metadata(
+            {"org.apache.spark.sql.parquet.row.metadata": spark_schema})
+        pq.write_table(table, path, row_group_size=250_000)
         paths.append(path)
     return paths
 
@@ -91,7 +103,7 @@ def rank_loop(mode: str, paths: List[str], batch: int) -> Dict[str, Any]:
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     reader = make_reader("builtin", paths, rank=hvd.rank(), size=hvd.size(), batch_size=batch,
                          feature_cols=["features"], label_cols=["label"], shapes={"features": [FEATURES]},
-                         cache_all=mode.endswith("cache"), reshuffle=not mode.endswith("cache"))
+                         cache_all=mode.endswith(("cache", "first epoch")), reshuffle=not mode.endswith("cache"))
     batches: Any
     if mode.endswith("memory"):
         batches = list(reader.iter_epoch(0))
@@ -99,6 +111,8 @@ def rank_loop(mode: str, paths: List[str], batch: int) -> Dict[str, Any]:
         for _ in reader.iter_epoch(0):  # fills the cache
             pass
         batches = reader.iter_epoch(1)
+    elif mode == "bare, read then loop":
+        batches = None  # read in the timed part
     elif mode.startswith("bare, s"):
         read = list(reader.iter_epoch(0))
         matrix = np.concatenate([b["features"] for b in read]).reshape(-1, FEATURES)
@@ -111,6 +125,9 @@ def rank_loop(mode: str, paths: List[str], batch: int) -> Dict[str, Any]:
     waits: List[float] = []
     rows = 0
     started = time.perf_counter()
+    if mode == "bare, read then loop":
+        matrix, labels = _read_matrix(paths[hvd.rank()::hvd.size()])
+        batches = _matrix_batches(matrix, labels, batch, None)
     for b in batches:
         x = torch.from_numpy(np.asarray(b["features"])).reshape(-1, FEATURES)
         y = torch.from_numpy(np.asarray(b["label"])).reshape(-1, 1)
@@ -128,6 +145,25 @@ def rank_loop(mode: str, paths: List[str], batch: int) -> Dict[str, Any]:
     elapsed = time.perf_counter() - started
     reader.close()
     return {"rows_per_s": rows / elapsed, "waits_s": waits}
+
+
+def _read_matrix(paths: List[str]) -> Any:
+    """The features of ``paths`` as one float32 matrix and their labels, read with pyarrow alone: the
+    raw rows of each chunk viewed in place, then copied once into the matrix."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    tables = [pq.read_table(p, use_threads=False) for p in paths]
+    parts = []
+    for table in tables:
+        for chunk in table.column("features").chunks:
+            # Each binary value holds one row's float32 values back to back.
+            start = int(np.frombuffer(chunk.buffers()[1], np.int32)[chunk.offset])
+            parts.append(np.frombuffer(chunk.buffers()[2], dtype=np.float32, count=len(chunk) * FEATURES,
+                                       offset=start))
+    matrix = np.concatenate(parts).reshape(-1, FEATURES)
+    labels = np.concatenate([t.column("label").to_numpy() for t in tables])
+    return matrix, labels
 
 
 def _matrix_batches(matrix: Any, labels: Any, batch: int, order: Any) -> Any:
@@ -164,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=1, help="runs per mode, interleaved; the median counts")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), metavar="MODE",
+                        help="the modes to run (default: all); 'bare, memory' and 'bare, slices' always run")
     parser.add_argument("--quick", action="store_true", help="tiny data through every mode (a smoke test)")
     return parser
 
@@ -174,11 +212,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if rows < FILES * args.batch * 2:
         raise SystemExit(f"--rows {rows} is too few for --batch {args.batch}: expected at least "
                          f"{FILES * args.batch * 2} (two ranks, {FILES} files)")
-    runs: Dict[str, List[Dict[str, Any]]] = {mode: [] for mode in MODES}
+    modes = [m for m in MODES if m in args.modes or m in ("bare, memory", "bare, slices")]
+    runs: Dict[str, List[Dict[str, Any]]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory(prefix="spark-hvd-sources-") as scratch:
         paths = write_data(scratch, rows)
         for repeat in range(args.repeats):
-            for mode in MODES:
+            for mode in modes:
                 record = run_mode(mode, paths, args.batch, args.timeout)
                 runs[mode].append(record)
                 print(f"run {repeat + 1}/{args.repeats} {mode}: {record['rows_per_s']:,.0f} rows/s", flush=True)
@@ -189,7 +228,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print("| mode | rows/s | vs bare, memory | vs bare, slices | allreduce wait per step, ms: mean / median / p99 "
           "per rank |")
     print("|---|---|---|---|---|")
-    for mode in MODES:
+    for mode in modes:
         best = min(runs[mode], key=lambda r: abs(r["rows_per_s"] - medians[mode]))
         waits = "; ".join(f"{r['mean_ms']:.2f} / {r['median_ms']:.2f} / {r['p99_ms']:.2f}"
                           for r in best["ranks"] if r) or "-"

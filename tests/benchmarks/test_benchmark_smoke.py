@@ -96,13 +96,13 @@ def test_training_sources_runs_every_mode_and_times_the_allreduce(tmp_path):
                            "--json", str(out)], capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     record = json.loads(out.read_text())
-    for mode in ("bare, slices", "bare, shuffled rows", "bare, memory", "bare, reader", "hvd, memory", "hvd, cache",
-                 "hvd, reader"):
+    for mode in ("bare, slices", "bare, shuffled rows", "bare, read then loop", "bare, memory", "bare, reader",
+                 "hvd, memory", "hvd, cache", "hvd, reader", "hvd, first epoch"):
         assert f"| {mode} |" in proc.stdout
         (run,) = record["runs"][mode]
         assert run["rows_per_s"] > 0 and len(run["ranks"]) == 2
         assert all(bool(rank) == mode.startswith("hvd") for rank in run["ranks"])
-    for mode in ("hvd, cache", "hvd, reader"):
+    for mode in ("hvd, cache", "hvd, reader", "hvd, first epoch"):
         assert all(rank["median_ms"] > 0 for rank in record["runs"][mode][0]["ranks"])
 
 
