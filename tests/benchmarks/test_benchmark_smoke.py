@@ -75,7 +75,8 @@ def test_estimator_scale_benchmark_quick_run_prints_every_floor(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for fragment in ("Spark's parquet write", "bare loops", "| rank | wait |", "pyarrow reads", "constant pandas UDF",
-                     "TorchDistributor + DDP (gloo)", "| target |"):
+                     "TorchDistributor + DDP (gloo)", "first epoch vs reading with pyarrow then the bare loops",
+                     "| target |"):
         assert fragment in proc.stdout, fragment
     record = json.loads(out.read_text())
     fit = record["results"][0]["fits"][0]
@@ -83,7 +84,9 @@ def test_estimator_scale_benchmark_quick_run_prints_every_floor(tmp_path):
     assert all(rank["step"] > 0 and rank["peak_rss_mib"] > 0 for rank in fit["profile"])
     assert fit["bare"]["rows_per_s"] > 0 and record["results"][0]["transform"]["floor_rows_per_s"] > 0
     assert set(record["ratios"]) >= {"torch training vs bare loops, batch 1024", "transform vs the constant pandas UDF",
-                                     "torch training vs TorchDistributor + DDP"}
+                                     "torch training vs TorchDistributor + DDP",
+                                     "torch first epoch vs reading then bare loops, batch 1024"}
+    assert fit["ratio_vs_read_then_bare"] > 0
     peer = fit["torch_distributor"]
     assert peer["rows_per_s"] > 0 and peer["total_s"] > 0
 
