@@ -142,6 +142,10 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("lockstep_bytes", "SPARK_HVD_LOCKSTEP_BYTES", int, 1 << 20,
             "Gradient buffers up to this many bytes, of a world whose ranks share one host, are reduced through "
             "shared-memory mailboxes in program order, without negotiation (0 disables)."),
+    Setting("lockstep_link_bytes", "SPARK_HVD_LOCKSTEP_LINK_BYTES", int, 1 << 20,
+            "Gradient buffers of a world across hosts (of at most 16 ranks) whose size times the other ranks is "
+            "at most this many bytes are sent straight to every rank over TCP links of their own and reduced "
+            "in program order, without negotiation (0 disables; SPARK_HVD_LOCKSTEP_BYTES=0 too)."),
     Setting("cache_capacity", "SPARK_HVD_CACHE_CAPACITY", int, 1024,
             "Request signatures remembered so steady-state negotiation sends ids, not metadata (0 disables).",
             ("HOROVOD_CACHE_CAPACITY",)),
@@ -250,6 +254,7 @@ class RuntimeConfig:
     hierarchical_allreduce: bool = _default("hierarchical_allreduce")
     eager_threshold: int = _default("eager_threshold")
     lockstep_bytes: int = _default("lockstep_bytes")
+    lockstep_link_bytes: int = _default("lockstep_link_bytes")
     cache_capacity: int = _default("cache_capacity")
     timeline: Optional[str] = _default("timeline")
     timeline_mark_cycles: bool = _default("timeline_mark_cycles")
@@ -279,6 +284,7 @@ class RuntimeConfig:
             ("cache_capacity", self.cache_capacity >= 0, "a count >= 0"),
             ("eager_threshold", self.eager_threshold >= 0, "a byte count >= 0"),
             ("lockstep_bytes", self.lockstep_bytes >= 0, "a byte count >= 0"),
+            ("lockstep_link_bytes", self.lockstep_link_bytes >= 0, "a byte count >= 0"),
             ("stall_check_seconds", self.stall_check_seconds >= 0, "seconds >= 0"),
             ("stall_shutdown_seconds", self.stall_shutdown_seconds >= 0, "seconds >= 0"),
             ("start_timeout", self.start_timeout > 0, "seconds > 0"),

@@ -1,9 +1,13 @@
-"""Allreduces that ranks of one host run in the same order every step, without negotiation.
+"""Allreduces that ranks run in the same order every step, without negotiation (program order).
 
 A training step of a small model reduces its gradients in one buffer, the same buffer at every
 step and in every rank's program order. Negotiating each of them (announce it to the coordinator,
 wait for the answer) costs a round trip through every layer of the engine, several times what
-moving the bytes does. When every rank of the world is on one host, each rank also owns a mailbox
+moving the bytes does. Two ways carry such a step: shared-memory mailboxes when every rank shares
+one host (:class:`Lockstep`, below), and TCP links of their own between the ranks of a world across
+hosts (:class:`LinkLockstep`), where each rank sends its buffer to every other rank in one message.
+
+When every rank of the world is on one host, each rank also owns a mailbox
 in shared memory: two slots (steps alternate between them) of a header and the data, and a counter
 of the steps it has published. Step ``k`` of a rank writes its slot ``k % 2``, publishes ``k``,
 waits until every other rank has published ``k``, and sums all slots in rank order, so every rank
@@ -28,17 +32,20 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import select
+import socket
+import struct
 import threading
 import time
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .errors import RankMismatchError
+from .errors import CollectiveError, RankMismatchError
 from .ops import ReduceOp, average_inplace, combine_into, reduce_into, scale_inplace
 from .shm import ShmRing
 
-__all__ = ["Lockstep", "mailbox_tag", "MAILBOX_HEADER", "SLOTS"]
+__all__ = ["Lockstep", "LinkLockstep", "combine_parts", "mailbox_tag", "MAILBOX_HEADER", "SLOTS"]
 
 MAILBOX_HEADER = 64
 """Bytes before a slot's data: request hash, byte count, dtype code and op (int64 each)."""
@@ -57,6 +64,22 @@ def mailbox_tag(key: bytes, generation: int, rank: int) -> bytes:
 
 def _name_hash(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def combine_parts(flat: np.ndarray, parts: Sequence[np.ndarray], op: int, wire: str, postscale: float) -> None:
+    """``flat`` = ``op`` over ``parts`` (one per rank) in rank order, so that every rank computes the
+    same bits; averaged over the ranks for Average, then scaled by ``postscale``. ``flat`` may be
+    one of the first two parts (combined element by element, both read before ``flat`` is written)."""
+    reduce_op = ReduceOp(op)
+    if len(parts) == 1:
+        np.copyto(flat, parts[0])
+    else:
+        combine_into(flat, parts[0], parts[1], reduce_op, wire)
+    for part in parts[2:]:
+        reduce_into(flat, part, reduce_op, wire)
+    if reduce_op == ReduceOp.Average:
+        average_inplace(flat, len(parts), wire)
+    scale_inplace(flat, postscale, wire)
 
 
 class Lockstep:
@@ -128,16 +151,7 @@ class Lockstep:
                 # Its own part, still in ``flat`` and in this core's cache: the first combination
                 # writes ``flat`` only after reading both operands, element by element.
                 parts[self.rank] = flat
-            reduce_op = ReduceOp(op)
-            if self.size == 1:
-                np.copyto(flat, parts[0])
-            else:
-                combine_into(flat, parts[0], parts[1], reduce_op, wire)  # every rank: the same order
-            for part in parts[2:]:
-                reduce_into(flat, part, reduce_op, wire)
-            if reduce_op == ReduceOp.Average:
-                average_inplace(flat, self.size, wire)
-            scale_inplace(flat, postscale, wire)
+            combine_parts(flat, parts, op, wire, postscale)
             return True
 
     def _header(self, name: str, flat: np.ndarray, wire: str, op: int) -> List[int]:
@@ -190,3 +204,180 @@ class Lockstep:
                 pause = min(max(pause * 2, 20e-6), 0.001)
                 time.sleep(pause)
 
+
+
+_LINK_HEADER = struct.Struct("<qqqq")
+"""A message's header on a program-order link: request hash, byte count, dtype code and op."""
+_LEFT_OP = -1
+"""The op of the header a rank sends when it joins: it sends no more steps."""
+
+
+class LinkLockstep:
+    """This rank's side of the program-order path of a world across hosts: a TCP link to every
+    other rank (authenticated at start-up like every connection of the world), and at each step the
+    same exchange as the mailboxes': every rank sends its buffer with its header to every other rank
+    and sums all of them in rank order, so every rank computes the same bits. Only small buffers take
+    it (``capacity`` bytes times the other ranks): each rank sends its whole buffer to each other
+    rank, one message and one latency, where a ring would cost two per rank.
+
+    A header that differs from this rank's raises :class:`RankMismatchError` naming both requests,
+    on every rank (each sees the others' headers); a rank that joins sends a header saying so, and
+    the others take the negotiated path from that step on, as with the mailboxes. A link that breaks
+    ends the step with :class:`CollectiveError` naming the rank; waiting follows the engine's rules
+    (aborts, stalls) through ``check``.
+    """
+
+    def __init__(self, rank: int, size: int, links: Dict[int, socket.socket], capacity: int,
+                 check: Callable[[Sequence[int], float, str], None], where: Callable[[int], str]) -> None:
+        self.rank = rank
+        self.size = size
+        self.links = dict(links)
+        self.capacity = capacity
+        self._check = check
+        self._where = where
+        self._peers = [r for r in range(size) if r != rank]
+        for sock in self.links.values():
+            sock.setblocking(False)
+        largest = capacity // max(1, size - 1)  # the largest buffer eligible()
+        self._inbox = {r: bytearray(_LINK_HEADER.size + largest) for r in self._peers}
+        self._outbox = bytearray(_LINK_HEADER.size + largest)
+        self._step = 0
+        self._off = False
+        self._lock = threading.Lock()
+        self._hashes: Dict[str, int] = {}
+        self._dtype_codes = {wire: i + 1 for i, wire in enumerate(_WIRES)}
+
+    @property
+    def active(self) -> bool:
+        return not self._off
+
+    def eligible(self, array: np.ndarray, wire: str, op: int) -> bool:
+        return (not self._off and wire in self._dtype_codes and array.nbytes * (self.size - 1) <= self.capacity
+                and op in (ReduceOp.Sum, ReduceOp.Average, ReduceOp.Min, ReduceOp.Max))
+
+    def leave(self) -> None:
+        """This rank joins: it tells every other rank that it sends no more steps."""
+        with self._lock:
+            if self._off:
+                return
+            self._off = True
+            sends = {r: memoryview(_LINK_HEADER.pack(0, 0, 0, _LEFT_OP)) for r in self._peers}
+            try:
+                self._move(sends, {}, "join", 0, deadline=time.monotonic() + 5.0)
+            except (OSError, CollectiveError):
+                pass  # a peer that is gone needs no word
+
+    def allreduce(self, array: np.ndarray, name: str, wire: str, op: int, prescale: float,
+                  postscale: float) -> bool:
+        """Reduce ``array`` (C-contiguous, ``wire`` storage) in place over all ranks; False, with
+        ``array`` untouched, when this step must take the negotiated path instead (a rank joined)."""
+        with self._lock:
+            if self._off:
+                return False
+            step = self._step + 1
+            flat = array.reshape(-1)
+            hashed = self._hashes.get(name)
+            if hashed is None:
+                hashed = self._hashes[name] = _name_hash(name)
+            header = (hashed, flat.nbytes, self._dtype_codes[wire], int(op))
+            out = self._outbox
+            _LINK_HEADER.pack_into(out, 0, *header)
+            mine = np.frombuffer(out, dtype=flat.dtype, count=flat.size, offset=_LINK_HEADER.size)
+            np.copyto(mine, flat)
+            if prescale != 1.0:
+                scale_inplace(mine, prescale, wire)
+            message = memoryview(out)[:_LINK_HEADER.size + flat.nbytes]
+            try:
+                left = self._move({r: message for r in self._peers}, {r: header for r in self._peers}, name, step)
+            except BaseException:
+                self._off = True
+                raise
+            if left:
+                self._off = True  # everyone falls back at this same step, and stays there
+                return False
+            self._step = step
+            parts = [mine if r == self.rank else
+                     np.frombuffer(self._inbox[r], dtype=flat.dtype, count=flat.size, offset=_LINK_HEADER.size)
+                     for r in range(self.size)]
+            combine_parts(flat, parts, op, wire, postscale)
+            return True
+
+    def _move(self, sends: Dict[int, memoryview], expect: Dict[int, tuple], name: str, step: int,
+              deadline: Optional[float] = None) -> bool:
+        """Send each of ``sends`` and receive a message from each rank in ``expect`` (its header
+        must equal the one given), all at once without blocking; True when a rank has joined."""
+        links = self.links
+        sent = {r: 0 for r in sends}
+        got = {r: 0 for r in expect}
+        # A message is its header and the bytes it names; one read asks for all of it, and the header
+        # is checked once it is in (a peer whose message differs sends no more than its own).
+        need = {r: _LINK_HEADER.size + header[1] for r, header in expect.items()}
+        checked = set()
+        left = False
+        start = time.perf_counter()
+        next_check = start + _CHECK_EVERY
+        while sent or got:
+            moved = False
+            for r in list(sent):
+                view = sends[r]
+                try:
+                    n = links[r].send(view[sent[r]:])
+                except BlockingIOError:
+                    continue
+                except OSError as exc:
+                    raise self._broken(r, name, step, exc) from None
+                moved = moved or n > 0
+                sent[r] += n
+                if sent[r] == len(view):
+                    del sent[r]
+            for r in list(got):
+                box = self._inbox[r]
+                try:
+                    n = links[r].recv_into(memoryview(box)[got[r]:need[r]])
+                except BlockingIOError:
+                    continue
+                except OSError as exc:
+                    raise self._broken(r, name, step, exc) from None
+                if n == 0:
+                    raise self._broken(r, name, step, None)
+                moved = True
+                got[r] += n
+                if r not in checked and got[r] >= _LINK_HEADER.size:
+                    checked.add(r)
+                    theirs = _LINK_HEADER.unpack_from(box, 0)
+                    if theirs[3] == _LEFT_OP:
+                        # It sends and reads nothing more; the others' messages are exchanged all the same,
+                        # so every rank leaves this path at this same step.
+                        left = True
+                        del got[r]
+                        sent.pop(r, None)
+                        continue
+                    if theirs != expect[r]:
+                        self._off = True
+                        raise RankMismatchError(
+                            f"rank {self.rank} reduced gradients {name!r} ({expect[r][1]} bytes) at step {step} of "
+                            f"the program-order path while rank {r} reduced a different request ({theirs[1]} "
+                            "bytes): the ranks run different models or steps; run the same model and loop on "
+                            "every rank, or set SPARK_HVD_LOCKSTEP_BYTES=0 to negotiate every reduction")
+                if got[r] == need[r]:
+                    del got[r]
+            if moved or not (sent or got):
+                continue
+            now = time.perf_counter()
+            if deadline is not None and time.monotonic() > deadline:
+                raise CollectiveError(f"rank {self.rank} could not tell ranks {sorted(sent)} that it joined")
+            if now >= next_check:
+                next_check = now + _CHECK_EVERY
+                if deadline is None:
+                    self._check(sorted(set(sent) | set(got)), now - start,
+                                f"program-order allreduce {name!r} (step {step})")
+            select.select([links[r] for r in got], [links[r] for r in sent], [], _CHECK_EVERY)
+        return left
+
+    def _broken(self, peer: int, name: str, step: int, exc: Optional[OSError]) -> CollectiveError:
+        self._off = True
+        how = f"its connection failed ({exc})" if exc is not None else "it closed its connection"
+        return CollectiveError(
+            f"rank {self.rank} lost {self._where(peer)} during program-order allreduce {name!r} (step {step}): "
+            f"{how}; its process ended or its host or network went down (see that rank's own error)",
+            lost_rank=peer)

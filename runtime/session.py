@@ -8,12 +8,12 @@ Process sets appear here by id; :class:`spark_hvd.runtime.api.ProcessSet` object
 from __future__ import annotations
 
 import itertools
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from .engine import build_engine, usable_cpus
-from .lockstep import Lockstep
+from .lockstep import LinkLockstep, Lockstep
 from .handles import Entry, Handle, Then
 from .messages import Meta
 from .ops import ReduceOp, adasum, check_op, scale_inplace, storage_dtype, wire_dtype
@@ -65,11 +65,18 @@ class Session:
         self.config = config
         self.engine = build_engine(world, config)
         self._counters: Dict[Tuple[str, int], itertools.count] = {}
-        self.lockstep: Optional[Lockstep] = None
+        self.lockstep: Optional[Union[Lockstep, LinkLockstep]] = None
         boxes = getattr(world, "mailboxes", None)
+        links = getattr(world, "order_links", None)
         if boxes:
             spin = _LOCKSTEP_SPIN if world.local_size <= usable_cpus() else 0.0
             self.lockstep = Lockstep(world.rank, boxes, config.lockstep_bytes, spin, self.engine.look_while_waiting)
+        elif links:
+            names = world.peer_names
+            self.lockstep = LinkLockstep(world.rank, world.size, links,
+                                         min(config.lockstep_bytes * (world.size - 1), config.lockstep_link_bytes),
+                                         self.engine.look_while_waiting,
+                                         lambda r: names[r] if r < len(names) else f"rank {r}")
 
     @property
     def rank(self) -> int:

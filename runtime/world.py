@@ -35,6 +35,8 @@ __all__ = ["World", "PeerLink", "connect_world", "single_world"]
 log = logging.getLogger("spark_hvd.world")
 
 _SHM_SLOTS = 8
+_ORDER_MAX_RANKS = 16
+"""The largest world across hosts that gets program-order links (one socket per pair of ranks)."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,11 @@ class World:
     mailboxes: Optional[List[ShmRing]] = None
     """Every rank's shared-memory mailbox, in rank order, when all ranks share this host (see
     :mod:`~spark_hvd.runtime.lockstep`); None otherwise."""
+    order_links: Optional[Dict[int, socket.socket]] = None
+    """A TCP connection to every other rank for the program-order path of a world across hosts (see
+    :class:`~spark_hvd.runtime.lockstep.LinkLockstep`); None otherwise."""
+    peer_names: List[str] = field(default_factory=list)
+    """Each rank as messages name it (``rank 1 on host h2 (10.0.0.2)``), in rank order."""
 
     def links(self) -> List[PeerLink]:
         """How data reaches every other rank, in rank order."""
@@ -99,6 +106,8 @@ class World:
         self.transport.close()
         for box in self.mailboxes or ():
             box.close()
+        for sock in (self.order_links or {}).values():
+            sock.close()
         if self.on_close is not None:
             self.on_close()
 
@@ -163,20 +172,26 @@ def connect_world(cfg: RuntimeConfig, generation: int = 1) -> World:
     boxes: Dict[int, ShmRing] = {}
     channels: Dict[int, Channel] = {}
     control: Dict[int, socket.socket] = {}
+    orders: Dict[int, socket.socket] = {}
     client = RendezvousClient(cfg.rendezvous_addr, cfg.secret, cfg.start_timeout)  # type: ignore[arg-type]
     try:
         host_key = cfg.host_key or socket.gethostname()
         me = {"host": address, "port": listener.getsockname()[1], "host_key": host_key, "unix": unix_name,
-              **_local_identity()}
+              "order": cfg.lockstep_bytes > 0 and cfg.lockstep_link_bytes > 0, **_local_identity()}
         peers = _announce(client, gen, generation, rank, size, me, deadline)
         local = _map_shared_memory(client, cfg, gen, key, generation, me, peers, rings, boxes, channels,
                                    deadline)
-        _dial(cfg, key, peers, local, host_key, control, channels, deadline)
+        # Every rank sees the same announcements, so all of them make these links or none does.
+        order = (size <= _ORDER_MAX_RANKS and len({p["host_key"] for p in peers}) > 1
+                 and all(p.get("order") for p in peers))
+        _dial(cfg, key, peers, local, host_key, control, channels, deadline, orders if order else None)
         expected = {(p, "data") for p in range(rank + 1, size) if p not in local}
+        if order:
+            expected |= {(p, "order") for p in range(rank + 1, size)}
         if rank == 0:
             expected |= {(p, "control") for p in range(1, size)}
         listeners = [listener] + ([unix_listener] if unix_listener is not None else [])
-        rejected = _accept(listeners, key, expected, control, channels, cfg, peers, deadline)
+        rejected = _accept(listeners, key, expected, control, channels, cfg, peers, deadline, orders)
         _meet_connected(client, gen, rank, size, [*rings.values(), *boxes.values()], deadline)
         per_host: Dict[str, int] = {}
         for peer in peers:
@@ -185,20 +200,22 @@ def connect_world(cfg: RuntimeConfig, generation: int = 1) -> World:
         world = World(rank, size, cfg.local_rank, cfg.local_size, cfg.cross_rank, cfg.cross_size,  # type: ignore[arg-type]
                       Transport(rank, size, channels), links, rejected, len(set(per_host.values())) == 1,
                       hosts=[peer["host_key"] for peer in peers],
-                      mailboxes=[boxes[r] for r in range(size)] if len(boxes) == size else None)
+                      mailboxes=[boxes[r] for r in range(size)] if len(boxes) == size else None,
+                      order_links=dict(orders) if order else None,
+                      peer_names=[_where(p, peers[p]) for p in range(size)])
         if log.isEnabledFor(logging.INFO):
             log.info("rank %d on %s (%s): %s", rank, host_key, address, ", ".join(
                 f"rank {p.rank} {p.transport}" + (f" {p.address}" if p.address else "") for p in world.links()))
         return world
     except OSError as exc:
-        _close_all(control, channels, [*rings.values(), *boxes.values()])
+        _close_all([*control.values(), *orders.values()], channels, [*rings.values(), *boxes.values()])
         if isinstance(exc, SparkHvdError) or not is_network_error(exc):
             raise
         # Whatever start-up step it broke, a network error is the host's or the path's, not the job's.
         raise PeerUnreachableError(f"rank {rank} on host {cfg.host_key or socket.gethostname()} ({address}) lost a "
                                    f"connection during start-up: {describe_broken(exc, 'a peer')}") from None
     except BaseException:
-        _close_all(control, channels, [*rings.values(), *boxes.values()])
+        _close_all([*control.values(), *orders.values()], channels, [*rings.values(), *boxes.values()])
         raise
     finally:
         client.close()
@@ -207,8 +224,8 @@ def connect_world(cfg: RuntimeConfig, generation: int = 1) -> World:
             unix_listener.close()
 
 
-def _close_all(control: Dict[int, socket.socket], channels: Dict[int, Channel], rings: List[ShmRing]) -> None:
-    for sock in control.values():
+def _close_all(sockets: List[socket.socket], channels: Dict[int, Channel], rings: List[ShmRing]) -> None:
+    for sock in sockets:
         sock.close()
     for channel in channels.values():
         channel.close()
@@ -288,12 +305,16 @@ def _mailbox_bytes(lockstep_bytes: int) -> int:
 
 
 def _dial(cfg: RuntimeConfig, key: bytes, peers: List[Dict[str, Any]], local: List[int], host_key: str,
-          control: Dict[int, socket.socket], channels: Dict[int, Channel], deadline: float) -> None:
-    """Workers dial rank 0 for control; the higher rank of a TCP pair dials the lower."""
+          control: Dict[int, socket.socket], channels: Dict[int, Channel], deadline: float,
+          orders: Optional[Dict[int, socket.socket]] = None) -> None:
+    """Workers dial rank 0 for control; the higher rank of a TCP pair dials the lower (data, and
+    the program-order links when ``orders`` is given)."""
     rank = cfg.rank
     assert rank is not None
     dials = [(0, "control")] if rank != 0 else []
     dials += [(p, "data") for p in range(rank) if p not in local]
+    if orders is not None:
+        dials += [(p, "order") for p in range(rank)]
     for peer, purpose in dials:
         same_host = peers[peer]["host_key"] == host_key
         if purpose == "control" and same_host and peers[peer].get("unix"):
@@ -311,6 +332,8 @@ def _dial(cfg: RuntimeConfig, key: bytes, peers: List[Dict[str, Any]], local: Li
                                        f"{describe_broken(exc, where)}", host=peers[peer]["host"]) from None
         if purpose == "control":
             control[peer] = sock
+        elif purpose == "order":
+            orders[peer] = sock  # type: ignore[index]
         else:
             channels[peer] = TcpChannel(peer, sock, cfg.chunk_bytes, where)
 
@@ -361,7 +384,8 @@ def _unix_listener(secret: str, generation: int):
 
 
 def _accept(listeners: List[socket.socket], key: bytes, expected: set, control: Dict[int, socket.socket],
-            channels: Dict[int, Channel], cfg: RuntimeConfig, peers: List[Dict[str, Any]], deadline: float) -> int:
+            channels: Dict[int, Channel], cfg: RuntimeConfig, peers: List[Dict[str, Any]], deadline: float,
+            orders: Dict[int, socket.socket]) -> int:
     # Handshakes run concurrently with a short deadline each, so idle strangers on the listening
     # ports cannot hold up the ranks that are expected.
     acceptor = Acceptor(listeners, key, hello_limit=SMALL_FRAME_LIMIT, what=f"rank {cfg.rank}")
@@ -395,6 +419,8 @@ def _accept(listeners: List[socket.socket], key: bytes, expected: set, control: 
                 tune_socket(sock, cfg.peer_timeout)
                 if purpose == "control":
                     control[peer] = sock
+                elif purpose == "order":
+                    orders[peer] = sock
                 else:
                     channels[peer] = TcpChannel(peer, sock, cfg.chunk_bytes, _where(peer, peers[peer]))
     finally:

@@ -28,3 +28,18 @@ def test_a_cluster_benchmark_world_runs_on_the_hosts(hosts, tmp_path, framework,
     combined = collectives.combine(ranks, 2 * per_host)
     assert combined["status"] == "ok" and set(combined["sizes"]) == {"4", "65536"}
     assert all(size["median_s"] > 0 for size in combined["sizes"].values())
+
+
+def test_the_training_benchmark_world_trains_on_both_hosts_over_the_links(hosts, tmp_path):
+    """`benchmarks/training_cluster.py`'s world: both ranks train both loops and time the 4-byte
+    allreduce three ways, the program-order one included (the links between the hosts)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    import training_cluster
+
+    plan = {"batch": 64, "steps": 20, "repeats": 1, "warmup": 5, "latency_iters": 20,
+            "peer_address": hosts.hosts[0].address}
+    summary = training_cluster.summarize(training_cluster.run_world(hosts, plan, {}, tmp_path))
+    assert set(summary["steps_per_s"]) == {"no communication", "spark-hvd"}
+    assert all(rate > 0 for rate in summary["steps_per_s"].values())
+    assert set(summary["latency_us"]) == {"negotiated", "program order", "tcp floor"}

@@ -1,10 +1,13 @@
-"""The one-host fast path (``allreduce_lockstep``): the same results as the negotiated allreduce,
-a mismatch fails every rank, a joined rank sends the others back to the negotiated path, and a
-lost or stalled peer ends the wait with CollectiveError."""
+"""The program-order path (``allreduce_lockstep``), over one host's shared-memory mailboxes and
+over TCP links between hosts: the same results as the negotiated allreduce, a mismatch fails every
+rank, a joined rank sends the others back to the negotiated path, and a lost or stalled peer ends
+the wait with CollectiveError."""
 
 import json
+import os
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -183,3 +186,75 @@ def test_a_lost_or_stalled_peer_ends_the_wait(tmp_path, mode):
         print(f"rank {rank} ({mode}): {failed_at - at:.2f} s: {message}")
         assert "rank 1" in message or lost == 1, message
         assert failed_at - at < (10.0 if mode == "kill" else 12.0)
+
+
+# -- across hosts: the same checks over the TCP links, each rank its own (simulated) host ----------------
+ACROSS_HOSTS = textwrap.dedent(
+    """
+    import json, os, sys
+    sys.path[:0] = [sys.argv[3], os.path.dirname(sys.argv[3])]
+    import test_lockstep
+    from harness import run_checks
+
+    out_dir, names = sys.argv[1], sys.argv[2].split(",")
+    outcomes = run_checks([getattr(test_lockstep, n) for n in names])
+    with open(os.path.join(out_dir, f"rank{os.environ['SPARK_HVD_RANK']}.json"), "w") as f:
+        json.dump(outcomes, f)
+    """
+)
+
+
+def _across_hosts(tmp_path, checks, size, settings=None):
+    """Run ``checks`` in a world of ``size`` ranks, each on a host of its own (its own host key: TCP
+    between every pair); each rank's outcomes."""
+    script = tmp_path / "job.py"
+    script.write_text(ACROSS_HOSTS)
+
+    def host(rank):
+        return dict(local_rank=0, local_size=1, cross_rank=rank, cross_size=size, host_key=f"host{rank}")
+
+    command = [sys.executable, str(script), str(tmp_path), ",".join(c.__name__ for c in checks),
+               str(Path(__file__).parent)]
+    with rank_processes(size, command, settings, rank_options=host) as procs:
+        for proc in procs:
+            assert proc.wait(timeout=180) == 0
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(size)]
+
+
+def over_the_links(hvd, rank, size):
+    """The session's program-order path is the TCP links' (no mailboxes: the ranks share no host)."""
+    from spark_hvd.runtime.api import _session
+
+    lockstep = _session().lockstep
+    return type(lockstep).__name__ if lockstep is not None else None
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_across_hosts_the_links_give_the_negotiated_results(tmp_path, np_):
+    """Ranks on different hosts reduce through the program-order links: bit-equal to the negotiated
+    allreduce for every dtype, op and scale, a thousand steps in a row, and the same limits."""
+    checks = [over_the_links, matches_the_negotiated_allreduce, many_steps_in_a_row, what_takes_the_negotiated_path]
+    results = _across_hosts(tmp_path, checks, np_)
+    assert assert_passed(results, over_the_links) == ["LinkLockstep"] * np_
+    assert assert_passed(results, matches_the_negotiated_allreduce) == [24] * np_
+    assert assert_passed(results, many_steps_in_a_row) == [1000] * np_
+    assert_passed(results, what_takes_the_negotiated_path)
+
+
+def test_across_hosts_a_mismatch_or_a_join_leaves_the_links(tmp_path):
+    """Over the links too: a mismatch raises on every rank naming the other request and the runtime
+    goes on negotiated; in a fresh world a rank that joins sends the others to the negotiated path."""
+    messages = assert_passed(_across_hosts(tmp_path, [mismatch_fails_every_rank], 3), mismatch_fails_every_rank)
+    for message in messages:
+        assert "different request" in message and "program-order path" in message, message
+    os.makedirs(tmp_path / "join")
+    results = _across_hosts(tmp_path / "join", [join_falls_back_everywhere], 3)
+    assert assert_passed(results, join_falls_back_everywhere) == [True] * 3
+
+
+def test_across_hosts_no_links_when_disabled(tmp_path):
+    """SPARK_HVD_LOCKSTEP_LINK_BYTES=0: no links, every request negotiated."""
+    results = _across_hosts(tmp_path, [over_the_links, off_when_disabled_or_across_hosts], 2,
+                            {"lockstep_link_bytes": 0})
+    assert assert_passed(results, over_the_links) == [None, None]
+    assert assert_passed(results, off_when_disabled_or_across_hosts) == [True, True]
