@@ -169,14 +169,21 @@ VICTIM = textwrap.dedent(
 )
 
 
+@pytest.mark.parametrize("layout", ["one host", "three hosts"])
 @pytest.mark.parametrize("mode", ["kill", "stall"])
-def test_a_lost_or_stalled_peer_ends_the_wait(tmp_path, mode):
+def test_a_lost_or_stalled_peer_ends_the_wait(tmp_path, mode, layout):
     """Rank 1 of 3 is killed (or stops taking part, with a stall shutdown time of 2 s) while the
-    others wait for its step: they raise CollectiveError naming rank 1 in bounded time."""
+    others wait for its step, over the mailboxes or over the links between (simulated) hosts: they
+    raise CollectiveError naming rank 1 in bounded time."""
     script = tmp_path / "victim.py"
     script.write_text(VICTIM)
     settings = {"stall_shutdown_seconds": 2.0} if mode == "stall" else {}
-    with rank_processes(3, [sys.executable, str(script), str(tmp_path), "1", mode], settings) as procs:
+
+    def host(rank):
+        return dict(local_rank=0, local_size=1, cross_rank=rank, cross_size=3, host_key=f"host{rank}")
+
+    with rank_processes(3, [sys.executable, str(script), str(tmp_path), "1", mode], settings,
+                        rank_options=host if layout == "three hosts" else None) as procs:
         for rank in (0, 2):
             procs[rank].wait(timeout=60)
     at = float((tmp_path / "at").read_text())
