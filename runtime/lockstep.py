@@ -44,6 +44,7 @@ import numpy as np
 from .errors import CollectiveError, RankMismatchError
 from .ops import ReduceOp, average_inplace, combine_into, reduce_into, scale_inplace
 from .shm import ShmRing
+from .wire import describe_broken
 
 __all__ = ["Lockstep", "LinkLockstep", "combine_parts", "mailbox_tag", "MAILBOX_HEADER", "SLOTS"]
 
@@ -376,8 +377,8 @@ class LinkLockstep:
 
     def _broken(self, peer: int, name: str, step: int, exc: Optional[OSError]) -> CollectiveError:
         self._off = True
-        how = f"its connection failed ({exc})" if exc is not None else "it closed its connection"
-        return CollectiveError(
-            f"rank {self.rank} lost {self._where(peer)} during program-order allreduce {name!r} (step {step}): "
-            f"{how}; its process ended or its host or network went down (see that rank's own error)",
-            lost_rank=peer)
+        where = self._where(peer)
+        how = describe_broken(exc, where) if exc is not None else \
+            f"{where} closed its connection (the process exited or was killed)"
+        return CollectiveError(f"rank {self.rank}: program-order allreduce {name!r} (step {step}) failed: {how}",
+                               lost_rank=peer)
