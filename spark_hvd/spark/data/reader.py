@@ -46,6 +46,20 @@ _PIECE_ROWS = 16_384
 """Rows per piece where the footer gives no size."""
 
 
+_LOCAL_READ = {"pre_buffer": False, "buffer_size": 1 << 20}
+"""How the builtin reader opens local files: page by page through a 1 MiB buffer. pyarrow's default
+(``pre_buffer``) first reads each row group's column chunks whole, which saves round trips to object
+stores (kept for them) but on a local disk only holds a row group's bytes in memory at once: a
+rank's peak memory over one epoch of 2M rows of 30 floats (a fit, 4M rows, two ranks) was 768-817
+MiB with it and 590-608 MiB without, at the same speed."""
+
+
+def _is_local(fs: Any) -> bool:
+    """Whether an fsspec file system is this machine's own files."""
+    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return bool({"file", "local"} & set(protocol))
+
+
 def _piece_rows(group: RowGroup) -> int:
     """Rows the builtin reader decodes at a time from ``group``: about :data:`_PIECE_BYTES` of it."""
     if group.byte_size <= 0 or group.num_rows <= 0:
@@ -302,6 +316,7 @@ def _builtin_source(layout: ParquetLayout, rank: int, size: int, columns: Sequen
         if shuffle:
             order = list(np.random.default_rng([seed, epoch, rank, pass_index, 1]).permutation(len(shard)))
         fs, _ = open_filesystem(url, storage_options)
+        read_options = _LOCAL_READ if _is_local(fs) else {}
         opened: Dict[str, Tuple[Any, Any]] = {}  # file -> (handle, ParquetFile); footers parsed once
 
         def pieces(rg: RowGroup) -> Iterator[Chunk]:
@@ -309,7 +324,7 @@ def _builtin_source(layout: ParquetLayout, rank: int, size: int, columns: Sequen
             # the ranks of the host), each handed on before the next is decoded.
             if rg.file not in opened:
                 handle = fs.open(rg.file, "rb")
-                opened[rg.file] = (handle, pq.ParquetFile(handle))
+                opened[rg.file] = (handle, pq.ParquetFile(handle, **read_options))
             for table in opened[rg.file][1].iter_batches(batch_size=_piece_rows(rg), row_groups=[rg.index],
                                                          columns=list(columns), use_threads=False):
                 yield {c: arrow_to_numpy(table.column(c), shapes.get(c), c, layout.row_bytes.get(c))

@@ -451,3 +451,26 @@ def test_a_cold_cache_gives_the_batches_of_a_warm_one(tmp_path):
             assert [b["id"].tolist() for b in cold.iter_epoch(2)] == expected
         with make_reader("builtin", str(tmp_path / "d"), rank=rank, **{**options, "cache_all": False}) as plain:
             assert [b["id"].tolist() for b in plain.iter_epoch(2)] == expected
+
+
+def test_local_and_object_store_files_give_the_same_batches(tmp_path):
+    """Local files are read page by page, files of other file systems with pyarrow's pre-buffering:
+    the same rows either way (an fsspec in-memory file system stands in for an object store)."""
+    import fsspec
+
+    from spark_hvd.spark.data.reader import _is_local
+
+    write_dataset(tmp_path / "d", files=2, groups_per_file=2, rows_per_group=7)
+    memory = fsspec.filesystem("memory")
+    assert _is_local(fsspec.filesystem("file")) and not _is_local(memory)
+    for path in sorted((tmp_path / "d").iterdir()):
+        memory.pipe(f"/reader-test/d/{path.name}", path.read_bytes())
+    try:
+        for cache_all in (False, True):
+            local = read_epoch(tmp_path / "d", "builtin", 2, shuffle=True, cache_all=cache_all)
+            remote = read_epoch("memory://reader-test/d", "builtin", 2, shuffle=True, cache_all=cache_all)
+            assert [[b["id"].tolist() for b in rank] for rank in local] == \
+                [[b["id"].tolist() for b in rank] for rank in remote]
+            assert {int(i) for rank in local for b in rank for i in b["id"]} == set(range(28))
+    finally:
+        memory.rm("/reader-test", recursive=True)
