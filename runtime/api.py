@@ -288,14 +288,16 @@ def allreduce_lockstep(array: np.ndarray, op: int = Average, name: str = "lockst
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set: Optional[ProcessSet] = None) -> Optional[Handle]:
     """Reduce ``array`` in place the way :func:`allreduce_async` with ``out=array`` would, without
-    negotiating it, when every rank of the job is on this host: a finished handle, or None (nothing
-    done) when it must go through :func:`allreduce_async` instead.
+    negotiating it (through shared memory when every rank of the job is on this host, over direct TCP
+    links between the ranks of a job across hosts): a finished handle, or None (nothing done) when it
+    must go through :func:`allreduce_async` instead.
 
     For reductions that every rank issues in the same program order, e.g. the single gradient
     buffer of each training step. Issued out of order, the ranks fail with RankMismatchError
     instead of reducing unrelated data; every rank gets the same answer (None or a handle) for the
-    same request. Bytes above SPARK_HVD_LOCKSTEP_BYTES, other dtypes than float16/32/64, process
-    sets and Product always get None, and so does every request after a rank has joined.
+    same request. Bytes above SPARK_HVD_LOCKSTEP_BYTES (across hosts: bytes times the other ranks
+    above SPARK_HVD_LOCKSTEP_LINK_BYTES), other dtypes than float16/32/64, process sets and Product
+    always get None, and so does every request after a rank has joined.
     """
     session = _session(ALLREDUCE)
     if not session.lockstep_allreduce(array, op=op, name=name, prescale=prescale_factor,

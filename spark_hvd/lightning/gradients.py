@@ -178,7 +178,7 @@ class GradientAverager:
         if sent is buffer.flat and buffer.array is not None:
             # The averager's own contiguous CPU buffer: reduced in place, without a caller tensor's
             # staging; when it holds every gradient of the step (the same request on every rank, in
-            # the same order), ranks that share one host exchange it without negotiating it.
+            # the same order), the ranks exchange it without negotiating it (the program-order path).
             handle = None
             if len(self._buckets) == 1 and len(bucket.params) == len(self._hooks):
                 handle = _rt.allreduce_lockstep(buffer.array, op=hvd.Average, name=bucket.name)

@@ -277,8 +277,8 @@ def collective(kind: str, tensors: Sequence[Any], *, grouped: bool = False, name
     return one int32 scalar). Not differentiable by itself: :mod:`spark_hvd.tensorflow.mpi_ops`
     adds the gradients. ``lockstep=True`` (an allreduce of one tensor) is the caller's promise
     that every rank runs this op in the same program order, as a training step's only gradient
-    reduction: when all ranks share one host it then skips negotiation
-    (:func:`spark_hvd.runtime.allreduce_lockstep`).
+    reduction: it then skips negotiation (the program-order path of
+    :func:`spark_hvd.runtime.allreduce_lockstep`: shared memory on one host, direct links between hosts).
     """
     if name is not None and not isinstance(name, str):
         raise InvalidArgument(f"name={name!r} is invalid: expected a string (or None for an automatic name)")

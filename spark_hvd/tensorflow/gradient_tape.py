@@ -103,8 +103,8 @@ class GradientReduction:
         end in one flat tensor: one request for the runtime to negotiate, stage and fuse instead
         of one per gradient. A compressor of the user's own may depend on each tensor, so it gets
         them one by one. When that flat tensor is the call's only request (``alone``), every rank
-        issues it in the same order, so ranks that share a host skip negotiating it (the one-host
-        fast path, :func:`spark_hvd.runtime.allreduce_lockstep`).
+        issues it in the same order, so the ranks skip negotiating it (the program-order path,
+        :func:`spark_hvd.runtime.allreduce_lockstep`).
         """
         if not _elementwise(self.compression) or self.op == Adasum:  # Adasum: each gradient on its own
             return grouped_allreduce(grads, compression=self.compression, op=self.op, prescale_factor=pre,

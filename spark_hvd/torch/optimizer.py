@@ -439,8 +439,9 @@ class _DistributedOptimizer:
         own = sent is buffer.flat and buffer.array is not None
         handle: Any = None
         if own and len(members) == len(group) and len(self._group_ready) == 1 and not self._ungrouped:
-            # The step's only reduction (the same on every rank, in the same order): ranks that
-            # share one host exchange it through shared memory, without negotiating it.
+            # The step's only reduction (the same on every rank, in the same order): the ranks
+            # exchange it without negotiating it (shared memory on one host, direct links
+            # between hosts).
             handle = _rt.allreduce_lockstep(buffer.array, op=self.op, name=name, prescale_factor=pre,
                                             postscale_factor=post, process_set=self.process_set)
         if handle is None and own:
