@@ -209,6 +209,8 @@ class Lockstep:
 
 _LINK_HEADER = struct.Struct("<qqqq")
 """A message's header on a program-order link: request hash, byte count, dtype code and op."""
+_PLANS = 64
+"""Requests whose views a :class:`LinkLockstep` keeps at most."""
 _LEFT_OP = -1
 """The op of the header a rank sends when it joins: it sends no more steps."""
 
@@ -245,7 +247,8 @@ class LinkLockstep:
         self._step = 0
         self._off = False
         self._lock = threading.Lock()
-        self._hashes: Dict[str, int] = {}
+        self._plans: Dict[tuple, tuple] = {}
+        self._packed: Optional[tuple] = None
         self._dtype_codes = {wire: i + 1 for i, wire in enumerate(_WIRES)}
 
     @property
@@ -262,9 +265,9 @@ class LinkLockstep:
             if self._off:
                 return
             self._off = True
-            sends = {r: memoryview(_LINK_HEADER.pack(0, 0, 0, _LEFT_OP)) for r in self._peers}
             try:
-                self._move(sends, {}, "join", 0, deadline=time.monotonic() + 5.0)
+                self._move(memoryview(_LINK_HEADER.pack(0, 0, 0, _LEFT_OP)), None, "join", 0,
+                           deadline=time.monotonic() + 5.0)
             except (OSError, CollectiveError):
                 pass  # a peer that is gone needs no word
 
@@ -277,19 +280,20 @@ class LinkLockstep:
                 return False
             step = self._step + 1
             flat = array.reshape(-1)
-            hashed = self._hashes.get(name)
-            if hashed is None:
-                hashed = self._hashes[name] = _name_hash(name)
-            header = (hashed, flat.nbytes, self._dtype_codes[wire], int(op))
-            out = self._outbox
-            _LINK_HEADER.pack_into(out, 0, *header)
-            mine = np.frombuffer(out, dtype=flat.dtype, count=flat.size, offset=_LINK_HEADER.size)
+            key = (name, flat.nbytes, wire, op)
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plan(key, flat)
+            header, message, parts = plan
+            if self._packed is not plan:  # the outbox holds another request's header
+                _LINK_HEADER.pack_into(self._outbox, 0, *header)
+                self._packed = plan
+            mine = parts[self.rank]
             np.copyto(mine, flat)
             if prescale != 1.0:
                 scale_inplace(mine, prescale, wire)
-            message = memoryview(out)[:_LINK_HEADER.size + flat.nbytes]
             try:
-                left = self._move({r: message for r in self._peers}, {r: header for r in self._peers}, name, step)
+                left = self._move(message, header, name, step)
             except BaseException:
                 self._off = True
                 raise
@@ -297,22 +301,37 @@ class LinkLockstep:
                 self._off = True  # everyone falls back at this same step, and stays there
                 return False
             self._step = step
-            parts = [mine if r == self.rank else
-                     np.frombuffer(self._inbox[r], dtype=flat.dtype, count=flat.size, offset=_LINK_HEADER.size)
-                     for r in range(self.size)]
             combine_parts(flat, parts, op, wire, postscale)
             return True
 
-    def _move(self, sends: Dict[int, memoryview], expect: Dict[int, tuple], name: str, step: int,
+    def _plan(self, key: tuple, flat: np.ndarray) -> tuple:
+        """What a request of this name, size, dtype and op reuses at every step: its header, its
+        message (a view of the outbox) and every rank's part (views of the outbox and inboxes)."""
+        name, nbytes, wire, op = key
+        hashed = _name_hash(name)
+        header = (hashed, nbytes, self._dtype_codes[wire], int(op))
+        size = _LINK_HEADER.size
+        parts = [np.frombuffer(self._outbox if r == self.rank else self._inbox[r], dtype=flat.dtype, count=flat.size,
+                               offset=size) for r in range(self.size)]
+        plan = (header, memoryview(self._outbox)[:size + nbytes], parts)
+        if len(self._plans) >= _PLANS:
+            self._plans.clear()  # names that keep changing: no reuse to keep
+        self._plans[key] = plan
+        return plan
+
+    def _move(self, message: memoryview, expect: Optional[tuple], name: str, step: int,
               deadline: Optional[float] = None) -> bool:
-        """Send each of ``sends`` and receive a message from each rank in ``expect`` (its header
-        must equal the one given), all at once without blocking; True when a rank has joined."""
+        """Send ``message`` to every other rank and, unless ``expect`` is None, receive a message
+        from each (its header must equal ``expect``), all at once without blocking; True when a
+        rank has joined."""
         links = self.links
-        sent = {r: 0 for r in sends}
-        got = {r: 0 for r in expect}
+        peers = self._peers
+        sent = dict.fromkeys(peers, 0)
+        got = dict.fromkeys(peers, 0) if expect is not None else {}
         # A message is its header and the bytes it names; one read asks for all of it, and the header
         # is checked once it is in (a peer whose message differs sends no more than its own).
-        need = {r: _LINK_HEADER.size + header[1] for r, header in expect.items()}
+        need = _LINK_HEADER.size + expect[1] if expect is not None else 0
+        length = len(message)
         checked = set()
         left = False
         start = time.perf_counter()
@@ -320,21 +339,20 @@ class LinkLockstep:
         while sent or got:
             moved = False
             for r in list(sent):
-                view = sends[r]
                 try:
-                    n = links[r].send(view[sent[r]:])
+                    n = links[r].send(message[sent[r]:] if sent[r] else message)
                 except BlockingIOError:
                     continue
                 except OSError as exc:
                     raise self._broken(r, name, step, exc) from None
                 moved = moved or n > 0
                 sent[r] += n
-                if sent[r] == len(view):
+                if sent[r] == length:
                     del sent[r]
             for r in list(got):
                 box = self._inbox[r]
                 try:
-                    n = links[r].recv_into(memoryview(box)[got[r]:need[r]])
+                    n = links[r].recv_into(memoryview(box)[got[r]:need])
                 except BlockingIOError:
                     continue
                 except OSError as exc:
@@ -353,14 +371,14 @@ class LinkLockstep:
                         del got[r]
                         sent.pop(r, None)
                         continue
-                    if theirs != expect[r]:
+                    if theirs != expect:
                         self._off = True
                         raise RankMismatchError(
-                            f"rank {self.rank} reduced gradients {name!r} ({expect[r][1]} bytes) at step {step} of "
+                            f"rank {self.rank} reduced gradients {name!r} ({expect[1]} bytes) at step {step} of "
                             f"the program-order path while rank {r} reduced a different request ({theirs[1]} "
                             "bytes): the ranks run different models or steps; run the same model and loop on "
                             "every rank, or set SPARK_HVD_LOCKSTEP_BYTES=0 to negotiate every reduction")
-                if got[r] == need[r]:
+                if got[r] == need:
                     del got[r]
             if moved or not (sent or got):
                 continue
