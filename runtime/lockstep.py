@@ -83,27 +83,20 @@ def combine_parts(flat: np.ndarray, parts: Sequence[np.ndarray], op: int, wire: 
     scale_inplace(flat, postscale, wire)
 
 
-class Lockstep:
-    """This rank's side of the mailboxes of a world whose ranks all share one host.
+class _ProgramOrder:
+    """What both ways of the program-order path share: the lock, the step count, the switch to the
+    negotiated path, which requests may take it, and one step's frame around the way's own
+    exchange (:meth:`_reduce`)."""
 
-    ``boxes`` holds every rank's mailbox in rank order (this rank's own included); ``check(peers,
-    idle, what)`` is the engine's look at aborts, lost peers and stalls while a wait lasts; ``spin``
-    is how long a wait polls before it starts to sleep between looks.
-    """
-
-    def __init__(self, rank: int, boxes: Sequence[ShmRing], capacity: int, spin: float,
-                 check: Callable[[Sequence[int], float, str], None]) -> None:
+    def __init__(self, rank: int, size: int, capacity: int, check: Callable[[Sequence[int], float, str], None]) -> None:
         self.rank = rank
-        self.size = len(boxes)
-        self.boxes = list(boxes)
+        self.size = size
         self.capacity = capacity
-        self.spin = spin
         self._check = check
-        self._peers = [r for r in range(self.size) if r != rank]
+        self._peers = [r for r in range(size) if r != rank]
         self._step = 0
         self._off = False
         self._lock = threading.Lock()
-        self._hashes: Dict[str, int] = {}
         self._dtype_codes = {wire: i + 1 for i, wire in enumerate(_WIRES)}
 
     @property
@@ -114,14 +107,11 @@ class Lockstep:
     def eligible(self, array: np.ndarray, wire: str, op: int) -> bool:
         """Whether an allreduce of ``array`` can take this path: the same answer on every rank
         for the same request, so all ranks take the same path."""
-        return (not self._off and wire in self._dtype_codes and array.nbytes <= self.capacity
+        return (not self._off and wire in self._dtype_codes and self._fits(array.nbytes)
                 and op in (ReduceOp.Sum, ReduceOp.Average, ReduceOp.Min, ReduceOp.Max))
 
-    def leave(self) -> None:
-        """This rank joins: it publishes no more steps, and the others stop waiting for it."""
-        with self._lock:
-            self._off = True
-            self.boxes[self.rank].counters[_LEFT] = 1
+    def _fits(self, nbytes: int) -> bool:
+        return nbytes <= self.capacity
 
     def allreduce(self, array: np.ndarray, name: str, wire: str, op: int, prescale: float,
                   postscale: float) -> bool:
@@ -131,29 +121,66 @@ class Lockstep:
             if self._off:
                 return False
             step = self._step + 1
-            flat = array.reshape(-1)
-            header = self._header(name, flat, wire, op)
-            mine = self.boxes[self.rank]
-            slot = mine.slot(step % SLOTS)
-            head = slot[:MAILBOX_HEADER].cast("q")
-            head[0], head[1], head[2], head[3] = header
-            head.release()
-            data = np.frombuffer(slot, dtype=flat.dtype, count=flat.size, offset=MAILBOX_HEADER)
-            np.copyto(data, flat)
-            if prescale != 1.0:
-                scale_inplace(data, prescale, wire)
-            mine.counters[_PUBLISHED] = step  # a release (see .ordering): header and data are visible first
-            if not self._wait(step, name):
+            try:
+                done = self._reduce(array.reshape(-1), name, wire, op, prescale, postscale, step)
+            except BaseException:
+                self._off = True
+                raise
+            if not done:
                 self._off = True  # everyone falls back at this same step, and stays there
                 return False
             self._step = step
-            parts = [self._part(r, step, flat, header, name) for r in range(self.size)]
-            if prescale == 1.0 and self.rank < 2:
-                # Its own part, still in ``flat`` and in this core's cache: the first combination
-                # writes ``flat`` only after reading both operands, element by element.
-                parts[self.rank] = flat
-            combine_parts(flat, parts, op, wire, postscale)
             return True
+
+    def _reduce(self, flat: np.ndarray, name: str, wire: str, op: int, prescale: float, postscale: float,
+                step: int) -> bool:  # pragma: no cover - interface
+        """Step ``step``: ``flat`` reduced in place; False, ``flat`` untouched, when a rank joined."""
+        raise NotImplementedError
+
+
+class Lockstep(_ProgramOrder):
+    """This rank's side of the mailboxes of a world whose ranks all share one host.
+
+    ``boxes`` holds every rank's mailbox in rank order (this rank's own included); ``check(peers,
+    idle, what)`` is the engine's look at aborts, lost peers and stalls while a wait lasts; ``spin``
+    is how long a wait polls before it starts to sleep between looks.
+    """
+
+    def __init__(self, rank: int, boxes: Sequence[ShmRing], capacity: int, spin: float,
+                 check: Callable[[Sequence[int], float, str], None]) -> None:
+        super().__init__(rank, len(boxes), capacity, check)
+        self.boxes = list(boxes)
+        self.spin = spin
+        self._hashes: Dict[str, int] = {}
+
+    def leave(self) -> None:
+        """This rank joins: it publishes no more steps, and the others stop waiting for it."""
+        with self._lock:
+            self._off = True
+            self.boxes[self.rank].counters[_LEFT] = 1
+
+    def _reduce(self, flat: np.ndarray, name: str, wire: str, op: int, prescale: float, postscale: float,
+                step: int) -> bool:
+        header = self._header(name, flat, wire, op)
+        mine = self.boxes[self.rank]
+        slot = mine.slot(step % SLOTS)
+        head = slot[:MAILBOX_HEADER].cast("q")
+        head[0], head[1], head[2], head[3] = header
+        head.release()
+        data = np.frombuffer(slot, dtype=flat.dtype, count=flat.size, offset=MAILBOX_HEADER)
+        np.copyto(data, flat)
+        if prescale != 1.0:
+            scale_inplace(data, prescale, wire)
+        mine.counters[_PUBLISHED] = step  # a release (see .ordering): header and data are visible first
+        if not self._wait(step, name):
+            return False
+        parts = [self._part(r, step, flat, header, name) for r in range(self.size)]
+        if prescale == 1.0 and self.rank < 2:
+            # Its own part, still in ``flat`` and in this core's cache: the first combination
+            # writes ``flat`` only after reading both operands, element by element.
+            parts[self.rank] = flat
+        combine_parts(flat, parts, op, wire, postscale)
+        return True
 
     def _header(self, name: str, flat: np.ndarray, wire: str, op: int) -> List[int]:
         hashed = self._hashes.get(name)
@@ -215,7 +242,7 @@ _LEFT_OP = -1
 """The op of the header a rank sends when it joins: it sends no more steps."""
 
 
-class LinkLockstep:
+class LinkLockstep(_ProgramOrder):
     """This rank's side of the program-order path of a world across hosts: a TCP link to every
     other rank (authenticated at start-up like every connection of the world), and at each step the
     same exchange as the mailboxes': every rank sends its buffer with its header to every other rank
@@ -232,32 +259,19 @@ class LinkLockstep:
 
     def __init__(self, rank: int, size: int, links: Dict[int, socket.socket], capacity: int,
                  check: Callable[[Sequence[int], float, str], None], where: Callable[[int], str]) -> None:
-        self.rank = rank
-        self.size = size
+        super().__init__(rank, size, capacity, check)
         self.links = dict(links)
-        self.capacity = capacity
-        self._check = check
         self._where = where
-        self._peers = [r for r in range(size) if r != rank]
         for sock in self.links.values():
             sock.setblocking(False)
         largest = capacity // max(1, size - 1)  # the largest buffer eligible()
         self._inbox = {r: bytearray(_LINK_HEADER.size + largest) for r in self._peers}
         self._outbox = bytearray(_LINK_HEADER.size + largest)
-        self._step = 0
-        self._off = False
-        self._lock = threading.Lock()
         self._plans: Dict[tuple, tuple] = {}
         self._packed: Optional[tuple] = None
-        self._dtype_codes = {wire: i + 1 for i, wire in enumerate(_WIRES)}
 
-    @property
-    def active(self) -> bool:
-        return not self._off
-
-    def eligible(self, array: np.ndarray, wire: str, op: int) -> bool:
-        return (not self._off and wire in self._dtype_codes and array.nbytes * (self.size - 1) <= self.capacity
-                and op in (ReduceOp.Sum, ReduceOp.Average, ReduceOp.Min, ReduceOp.Max))
+    def _fits(self, nbytes: int) -> bool:
+        return nbytes * (self.size - 1) <= self.capacity
 
     def leave(self) -> None:
         """This rank joins: it tells every other rank that it sends no more steps."""
@@ -271,38 +285,24 @@ class LinkLockstep:
             except (OSError, CollectiveError):
                 pass  # a peer that is gone needs no word
 
-    def allreduce(self, array: np.ndarray, name: str, wire: str, op: int, prescale: float,
-                  postscale: float) -> bool:
-        """Reduce ``array`` (C-contiguous, ``wire`` storage) in place over all ranks; False, with
-        ``array`` untouched, when this step must take the negotiated path instead (a rank joined)."""
-        with self._lock:
-            if self._off:
-                return False
-            step = self._step + 1
-            flat = array.reshape(-1)
-            key = (name, flat.nbytes, wire, op)
-            plan = self._plans.get(key)
-            if plan is None:
-                plan = self._plan(key, flat)
-            header, message, parts = plan
-            if self._packed is not plan:  # the outbox holds another request's header
-                _LINK_HEADER.pack_into(self._outbox, 0, *header)
-                self._packed = plan
-            mine = parts[self.rank]
-            np.copyto(mine, flat)
-            if prescale != 1.0:
-                scale_inplace(mine, prescale, wire)
-            try:
-                left = self._move(message, header, name, step)
-            except BaseException:
-                self._off = True
-                raise
-            if left:
-                self._off = True  # everyone falls back at this same step, and stays there
-                return False
-            self._step = step
-            combine_parts(flat, parts, op, wire, postscale)
-            return True
+    def _reduce(self, flat: np.ndarray, name: str, wire: str, op: int, prescale: float, postscale: float,
+                step: int) -> bool:
+        key = (name, flat.nbytes, wire, op)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(key, flat)
+        header, message, parts = plan
+        if self._packed is not plan:  # the outbox holds another request's header
+            _LINK_HEADER.pack_into(self._outbox, 0, *header)
+            self._packed = plan
+        mine = parts[self.rank]
+        np.copyto(mine, flat)
+        if prescale != 1.0:
+            scale_inplace(mine, prescale, wire)
+        if self._move(message, header, name, step):
+            return False  # a rank joined
+        combine_parts(flat, parts, op, wire, postscale)
+        return True
 
     def _plan(self, key: tuple, flat: np.ndarray) -> tuple:
         """What a request of this name, size, dtype and op reuses at every step: its header, its

@@ -128,17 +128,21 @@ def wait_until(condition: Callable[[], Any], timeout: float, interval: float = 0
 @contextlib.contextmanager
 def rank_processes(size: int, command: Sequence[str], settings: Optional[Mapping[str, Any]] = None,
                    rank_options: Optional[Callable[[int], Mapping[str, Any]]] = None,
-                   extra_env: Optional[Mapping[str, str]] = None, **popen: Any) -> Iterator[List[subprocess.Popen]]:
+                   extra_env: Optional[Mapping[str, str]] = None, address: str = "127.0.0.1",
+                   spawn: Optional[Callable[..., subprocess.Popen]] = None,
+                   **popen: Any) -> Iterator[List[subprocess.Popen]]:
     """``size`` processes running ``command`` as the ranks of one job, with a rendezvous server on
-    127.0.0.1: yields their Popen objects (rank order). ``rank_options(rank)`` gives more arguments
-    of ``rank_environment`` for one rank (its host, local rank, ...). On the way out every process
-    still running is killed, every process is waited for, and the server is closed."""
+    ``address``: yields their Popen objects (rank order). ``rank_options(rank)`` gives more arguments
+    of ``rank_environment`` for one rank (its host, local rank, ...); ``spawn(rank, argv, env=...,
+    **popen)`` starts a rank (default: ``subprocess.Popen`` here; the cluster tests start each on its
+    host). On the way out every process still running is killed, every process is waited for, and
+    the server is closed."""
     from spark_hvd.runner import rank_environment
     from spark_hvd.runtime.config import new_secret
     from spark_hvd.runtime.rendezvous import RendezvousServer
 
     secret = new_secret()
-    server = RendezvousServer("127.0.0.1", secret)
+    server = RendezvousServer(address, secret)
     procs: List[subprocess.Popen] = []
     try:
         for rank in range(size):
@@ -146,7 +150,10 @@ def rank_processes(size: int, command: Sequence[str], settings: Optional[Mapping
             env = rank_environment(rank=rank, size=size, rendezvous_addr=server.address, secret=secret,
                                    settings=dict(settings or {}), **options)
             env.update(extra_env or {})
-            procs.append(subprocess.Popen(list(command), env=env, **popen))
+            if spawn is None:
+                procs.append(subprocess.Popen(list(command), env=env, **popen))
+            else:
+                procs.append(spawn(rank, list(command), env=env, **popen))
         yield procs
     finally:
         for proc in procs:

@@ -5,7 +5,6 @@ leave them on a mismatch and on a join, as `tests/runtime/test_lockstep.py` chec
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,41 +18,29 @@ if str(RUNTIME_TESTS) not in sys.path:
     sys.path.insert(0, str(RUNTIME_TESTS))
 
 import test_lockstep  # noqa: E402
-from harness import assert_passed  # noqa: E402
+from harness import assert_passed, rank_processes  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def _world(hosts, tmp_path: Path, checks) -> list:
     """Rank r on host r runs ``checks`` (test_lockstep's); each rank's outcomes."""
-    from spark_hvd.runner.processes import rank_environment
-    from spark_hvd.runtime.config import new_secret
-    from spark_hvd.runtime.rendezvous import RendezvousServer
-
     tmp_path.mkdir(parents=True, exist_ok=True)
     script = tmp_path / "job.py"
     script.write_text(test_lockstep.ACROSS_HOSTS)
-    secret = new_secret()
-    server = RendezvousServer(MACHINE_ADDRESS, secret)
-    procs = []
-    try:
-        for rank, host in enumerate(hosts.hosts[:2]):
-            env = rank_environment(rank=rank, size=2, local_rank=0, local_size=1, cross_rank=rank, cross_size=2,
-                                   rendezvous_addr=f"{server.host}:{server.port}", secret=secret,
-                                   hostname=host.address, host_key=host.name, base=dict(os.environ))
-            command = [sys.executable, str(script), str(tmp_path), ",".join(c.__name__ for c in checks),
-                       str(RUNTIME_TESTS)]
-            procs.append(host.popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT))
+    command = [sys.executable, str(script), str(tmp_path), ",".join(c.__name__ for c in checks), str(RUNTIME_TESTS)]
+
+    def on_host(rank):
+        host = hosts.hosts[rank]
+        return dict(local_rank=0, local_size=1, cross_rank=rank, cross_size=2, hostname=host.address,
+                    host_key=host.name)
+
+    with rank_processes(2, command, rank_options=on_host, address=MACHINE_ADDRESS,
+                        spawn=lambda rank, argv, **popen: hosts.hosts[rank].popen(argv, **popen),
+                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as procs:
         for rank, proc in enumerate(procs):
             out, _ = proc.communicate(timeout=180)
             assert proc.returncode == 0, f"rank {rank}: {out.decode(errors='replace')[-3000:]}"
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        server.close()
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
