@@ -233,7 +233,6 @@ class Lockstep(_ProgramOrder):
                 time.sleep(pause)
 
 
-
 _LINK_HEADER = struct.Struct("<qqqq")
 """A message's header on a program-order link: request hash, byte count, dtype code and op."""
 _PLANS = 64

@@ -72,11 +72,9 @@ class Session:
             spin = _LOCKSTEP_SPIN if world.local_size <= usable_cpus() else 0.0
             self.lockstep = Lockstep(world.rank, boxes, config.lockstep_bytes, spin, self.engine.look_while_waiting)
         elif links:
-            names = world.peer_names
             self.lockstep = LinkLockstep(world.rank, world.size, links,
                                          min(config.lockstep_bytes * (world.size - 1), config.lockstep_link_bytes),
-                                         self.engine.look_while_waiting,
-                                         lambda r: names[r] if r < len(names) else f"rank {r}")
+                                         self.engine.look_while_waiting, world.peer_names.__getitem__)
 
     @property
     def rank(self) -> int:
