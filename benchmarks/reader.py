@@ -215,7 +215,7 @@ def table(results: Dict[str, Any]) -> str:
         cells = []
         for r in READS:
             value = results["layouts"][layout][r]
-            cells.append("-" if value is None else f"{value * 1e6:.0f} ({value / floor:.0f}x)")
+            cells.append("-" if value is None else f"{value * 1e6:.0f} ({value / floor:.1f}x)")
         lines.append(f"| {layout} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -66,10 +66,11 @@ class ShuffleWindow:
     What leaves is a chunk with the order of its leaving rows: the rows are gathered batch by
     batch (:class:`Batcher`), each straight into the batch's own array, instead of gathering the
     whole chunk in a new order first. Rows of the shard cache (:class:`CachedRows`) are held as
-    their positions in the cache's arrays: adding a piece appends and permutes integers, not rows,
+    their positions in the cache's arrays: adding a piece appends and draws integers, not rows,
     and a batch gathers its rows from the cache once. The random draws are the same either way
-    (one permutation of the window per piece), so the same rows leave in the same order whether
-    a pass reads its row groups or replays them from the cache."""
+    (per piece, a sample of the window's rows in random order, as many as leave), so the same
+    rows leave in the same order whether a pass reads its row groups or replays them from the
+    cache."""
 
     def __init__(self, capacity: int, rng: Optional[np.random.Generator]) -> None:
         self.capacity = capacity
@@ -85,10 +86,16 @@ class ShuffleWindow:
         if surplus <= 0:
             self.rows = rows
             return None, None
-        order = self.rng.permutation(count)
-        kept = order[surplus:]
+        # The rows that leave: a uniform sample of the window in random order (one draw per row
+        # that leaves, where a permutation of the whole window costs one per row held, and
+        # numpy's choice runs several times faster than its permutation); the rest stay, in
+        # their order, for later draws to pick from.
+        leaving = self.rng.choice(count, surplus, replace=False)
+        stay = np.ones(count, dtype=bool)
+        stay[leaving] = False
+        kept = np.flatnonzero(stay)
         self.rows = Positions(rows.base, rows.positions[kept]) if isinstance(rows, Positions) else _gather(rows, kept)
-        return rows, order[:surplus]
+        return rows, leaving
 
     def _joined(self, chunk: Chunk) -> Union[Chunk, Positions]:
         """The window's rows followed by ``chunk``'s: positions when both are rows of one cache."""
@@ -128,8 +135,10 @@ class Batcher:
     than once on the way, except the few of a straddling batch.
     """
 
-    def __init__(self, batch_size: int) -> None:
+    def __init__(self, batch_size: int, gather_rows: int = 8192) -> None:
         self.batch_size = batch_size
+        self.gather_batches = max(1, gather_rows // batch_size)
+        """Most batches of one chunk that are gathered in one call per column."""
         self.pending: Deque[Picked] = deque()
         self.count = 0
 
@@ -146,17 +155,22 @@ class Batcher:
         self.count += n
         size = self.batch_size
         while self.count >= size:
-            if _count(self.pending[0]) >= size:
-                yield self._take(size)
-            else:
-                parts = []
-                need = size
-                while need:
-                    rows = min(need, _count(self.pending[0]))
-                    parts.append(self._take(rows))
-                    need -= rows
-                yield {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
+            whole = min(_count(self.pending[0]) // size, self.gather_batches)
+            if whole:
+                # Several batches gathered at once (one call per column), then cut as views.
+                rows = self._take(whole * size)
+                self.count -= whole * size
+                for start in range(0, whole * size, size):
+                    yield {k: v[start:start + size] for k, v in rows.items()}
+                continue
+            parts = []
+            need = size
+            while need:
+                taken = min(need, _count(self.pending[0]))
+                parts.append(self._take(taken))
+                need -= taken
             self.count -= size
+            yield {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
 
     def _take(self, rows: int) -> Chunk:
         """The next ``rows`` rows of the first pending chunk (at most all of it): views of a chunk

@@ -436,6 +436,55 @@ def test_the_window_keeps_cached_rows_as_positions_and_gives_the_batches_of_copi
         assert all(x == [2.0 * i for i in b] for b, x in expected)
 
 
+def test_batches_gathered_together_are_the_batches_gathered_one_by_one():
+    """The batcher gathers several whole batches of a chunk in one call per column and cuts them as views:
+    the same batches, in the same order, as gathering each batch alone, for shuffled copies, cached
+    positions and chunks kept in their order, with batches straddling chunks."""
+    from spark_hvd.spark.data.batching import Batcher, ShardCache, ShuffleWindow
+
+    cache = ShardCache(200)
+    cache.begin(0)
+    pieces = [cache.add({"id": np.arange(a, a + 50), "x": np.arange(a, a + 50, dtype=np.float32).reshape(-1, 1)})
+              for a in range(0, 200, 50)]
+    cache.commit(200)
+    copies = [{k: np.array(v) for k, v in p.items()} for p in pieces]
+
+    def batches(chunks, capacity, gather_rows):
+        rng = np.random.default_rng(3)
+        window, batcher, out = ShuffleWindow(capacity, rng), Batcher(7, gather_rows=gather_rows), []
+        for chunk in chunks:
+            out += batcher.push(*window.add(chunk))
+        out += batcher.push(*window.drain())
+        return [(b["id"].tolist(), b["x"][:, 0].tolist()) for b in out]
+
+    for chunks in (pieces, copies):
+        for capacity in (0, 30):
+            one_by_one = batches(chunks, capacity, gather_rows=1)
+            assert len(one_by_one) == 200 // 7
+            assert batches(chunks, capacity, gather_rows=8192) == one_by_one
+            assert batches(chunks, capacity, gather_rows=21) == one_by_one
+
+
+def test_the_window_draws_every_order_of_its_rows_alike():
+    """Rows leave the shuffle window as a uniform shuffle would have them: over many seeds, each row of two
+    pieces (a window of 4 rows) is about as often first out, and every row leaves exactly once."""
+    from spark_hvd.spark.data.batching import ShuffleWindow
+
+    first = np.zeros(8, dtype=np.int64)
+    for seed in range(4000):
+        window, out = ShuffleWindow(4, np.random.default_rng(seed)), []
+        for a in (0, 4):
+            rows, order = window.add({"id": np.arange(a, a + 4)})
+            if rows is not None:
+                out += rows["id"][order].tolist()
+        rows, order = window.drain()
+        out += rows["id"][order].tolist()
+        assert sorted(out) == list(range(8))
+        first[out[0]] += 1
+    # The first row out is drawn from all 8 once the second piece arrives: 500 each, give or take ~4 sigma.
+    assert first.min() > 410 and first.max() < 590, first.tolist()
+
+
 def test_a_cold_cache_gives_the_batches_of_a_warm_one(tmp_path):
     """With cache_all, an epoch's batches do not depend on what was cached before: a fresh reader (a resumed
     fit's new process) starting at epoch 2 yields what a reader that read epochs 0 and 1 yields, on each of
