@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import posixpath
 import queue
@@ -122,11 +123,18 @@ class _Reading:
                 continue
         return False
 
-    def emit(self, batches: Iterator[Batch]) -> bool:
-        """Queue ``batches`` in blocks, the last one as soon as it is cut (a block never waits for
-        the next read); False when the epoch's batches are all queued or the consumer stopped."""
+    def emit(self, batches: Iterator[Optional[Batch]]) -> bool:
+        """Queue ``batches`` in blocks, a block as soon as a None follows it in ``batches`` (the
+        end of what was read so far: a block never waits for the next read); False when the epoch's
+        batches are all queued or the consumer stopped."""
         block: List[Batch] = []
         for batch in batches:
+            if batch is None:  # the rows read so far are cut: hand on what is cut
+                if block:
+                    full, block = block, []
+                    if not self.put(full):
+                        return False
+                continue
             block.append(batch)
             self.needed -= 1
             if len(block) >= self.per_block or self.needed == 0:
@@ -214,9 +222,16 @@ class BatchReader:
         reading thread hands over, for a consumer that takes several batches at once (a tf.data
         pipeline cuts a stacked block into batches without a Python call per batch)."""
         reading, self._prefetched = self._prefetched, None
-        if reading is None or reading.epoch != epoch:
-            if reading is not None:
-                self._stop(reading)
+        if reading is not None and reading.epoch != epoch:
+            self._stop(reading)
+            reading = None
+        if reading is None and self._in_memory(epoch):
+            # Rows already decoded in memory: cut on this thread. A reading thread would only
+            # add hand-offs and contend for the interpreter's lock (gathering rows holds it).
+            batches = (b for b in self._batches(epoch) if b is not None)
+            yield from self._blocks(itertools.islice(batches, self.steps_per_epoch))
+            return
+        if reading is None:
             reading = self._start(epoch)
         try:
             left = self.steps_per_epoch
@@ -233,7 +248,10 @@ class BatchReader:
     def prefetch(self, epoch: int) -> None:
         """Start reading epoch ``epoch`` now, in the background, so its first batches are ready when
         :meth:`iter_epoch` asks for them (e.g. while the model is broadcast). Starting another epoch
-        instead, or :meth:`close`, stops that reading."""
+        instead, or :meth:`close`, stops that reading. An epoch whose rows are all in memory already
+        (the shard cache) has nothing to read ahead."""
+        if self._in_memory(epoch):
+            return
         if self._prefetched is not None:
             if self._prefetched.epoch == epoch:
                 return
@@ -250,35 +268,55 @@ class BatchReader:
     def __iter__(self) -> Iterator[Batch]:
         return self.iter_epoch(0)
 
+    def _in_memory(self, epoch: int) -> bool:
+        """Whether every row of epoch ``epoch`` comes from memory (the source says so)."""
+        in_memory = getattr(self._source, "in_memory", None)
+        return bool(in_memory is not None and in_memory(epoch))
+
+    def _batches(self, epoch: int) -> Iterator[Optional[Batch]]:
+        """Every batch of epoch ``epoch``, pass after pass over the shard, with a None after the
+        batches of each chunk read: the consumer stops it at :attr:`steps_per_epoch`. A rank whose
+        shard is shorter than steps * batch_size wraps around it: every rank must run the same
+        number of steps, or a collective would wait for it forever."""
+        rng = np.random.default_rng([self.seed, epoch, self.rank]) if self.shuffle else None
+        buffer = ShuffleWindow(self.shuffle_buffer_rows, rng)
+        batcher = Batcher(self.batch_size)
+        pass_index = 0
+        while True:
+            rows_seen = 0
+            chunks = self._source(epoch, pass_index)
+            try:
+                for chunk in chunks:
+                    rows_seen += len(next(iter(chunk.values())))
+                    yield from batcher.push(*buffer.add(chunk))
+                    yield None
+            finally:
+                close = getattr(chunks, "close", None)
+                if close is not None:
+                    close()
+            yield from batcher.push(*buffer.drain())
+            if rows_seen == 0:
+                raise ValueError(f"rank {self.rank} of {self.size} has no rows to read: the dataset has "
+                                 f"{self.total_rows} rows; prepare it with num_proc={self.size}")
+            pass_index += 1
+
+    def _blocks(self, batches: Iterator[Batch]) -> Iterator[List[Batch]]:
+        """``batches`` in lists of up to :attr:`block_rows` rows (at least one batch)."""
+        per_block = max(1, self.block_rows // self.batch_size)
+        while True:
+            block = list(itertools.islice(batches, per_block))
+            if not block:
+                return
+            yield block
+
     def _produce(self, reading: "_Reading") -> None:
+        batches = self._batches(reading.epoch)
         try:
-            epoch = reading.epoch
-            rng = np.random.default_rng([self.seed, epoch, self.rank]) if self.shuffle else None
-            buffer = ShuffleWindow(self.shuffle_buffer_rows, rng)
-            batcher = Batcher(self.batch_size)
-            pass_index = 0
-            # A rank whose shard is shorter than steps * batch_size wraps around it: every rank
-            # must run the same number of steps, or a collective would wait for it forever.
-            while reading.needed > 0 and not reading.stopped.is_set():
-                rows_seen = 0
-                chunks = self._source(epoch, pass_index)
-                try:
-                    for chunk in chunks:
-                        rows_seen += len(next(iter(chunk.values())))
-                        if not reading.emit(batcher.push(*buffer.add(chunk))):
-                            return
-                finally:
-                    close = getattr(chunks, "close", None)
-                    if close is not None:
-                        close()
-                if not reading.emit(batcher.push(*buffer.drain())):
-                    return
-                if rows_seen == 0:
-                    raise ValueError(f"rank {self.rank} of {self.size} has no rows to read: the dataset has "
-                                     f"{self.total_rows} rows; prepare it with num_proc={self.size}")
-                pass_index += 1
+            reading.emit(batches)
         except BaseException as exc:  # handed to the consumer, which re-raises it
             reading.put(_Failure(exc))
+        finally:
+            batches.close()
 
     def _stop(self, reading: "_Reading") -> None:
         reading.stop()
@@ -308,10 +346,16 @@ def _builtin_source(layout: ParquetLayout, rank: int, size: int, columns: Sequen
     may_read = range(len(groups)) if shuffle and reshuffle else fixed
     cache = ShardCache(sum(groups[i].num_rows for i in may_read)) if cache_all else None
 
+    def shard_of(epoch: int) -> List[int]:
+        return deal_row_groups(groups, size, epoch, seed)[rank] if shuffle and reshuffle else fixed
+
+    def in_memory(epoch: int) -> bool:
+        return cache is not None and all(i in cache for i in shard_of(epoch))
+
     def read_pass(epoch: int, pass_index: int) -> Iterator[Chunk]:
         import pyarrow.parquet as pq
 
-        shard = deal_row_groups(groups, size, epoch, seed)[rank] if shuffle and reshuffle else fixed
+        shard = shard_of(epoch)
         order = list(range(len(shard)))
         if shuffle:
             order = list(np.random.default_rng([seed, epoch, rank, pass_index, 1]).permutation(len(shard)))
@@ -354,6 +398,7 @@ def _builtin_source(layout: ParquetLayout, rank: int, size: int, columns: Sequen
             for handle, _ in opened.values():
                 handle.close()
 
+    read_pass.in_memory = in_memory  # type: ignore[attr-defined]
     return read_pass, shard_rows
 
 
@@ -433,7 +478,8 @@ def make_reader(kind: str, urls: Union[str, Sequence[str]], *, rank: int, size: 
     defaults to ``ceil(total_rows / (size * batch_size))`` on every rank. A background thread
     reads ahead and hands batches over in blocks of up to ``block_rows`` rows (at least one
     batch), at most ``prefetch_batches`` blocks ahead; batches are views of the rows read, so
-    small batches cost no copy and no thread hand-off each.
+    small batches cost no copy and no thread hand-off each. An epoch whose rows are all in the
+    cache has nothing to read: its batches are cut on the caller's thread, the same batches.
     """
     if kind not in READER_KINDS:
         raise ValueError(f"reader kind={kind!r} is not known: expected one of {READER_KINDS}")

@@ -502,6 +502,31 @@ def test_a_cold_cache_gives_the_batches_of_a_warm_one(tmp_path):
             assert [b["id"].tolist() for b in plain.iter_epoch(2)] == expected
 
 
+def test_an_epoch_from_memory_is_cut_without_a_reading_thread(tmp_path):
+    """Once every row of an epoch is in the shard cache, its batches are cut on the consumer's thread
+    (no reading thread, no hand-off), and they are the batches a reader without the cache yields; an
+    epoch that still reads files reads on a thread of its own."""
+    write_dataset(tmp_path / "d", files=2, groups_per_file=2, rows_per_group=10)
+    options = dict(rank=0, size=1, batch_size=4, feature_cols=["x"], label_cols=["id"], seed=3)
+
+    def epoch(reader, e):
+        batches, threads = [], []
+        for b in reader.iter_epoch(e):
+            batches.append(b["id"].tolist())
+            threads.append(len(reader._readings))
+        return batches, set(threads)
+
+    with make_reader("builtin", str(tmp_path / "d"), cache_all=True, **options) as cached, \
+            make_reader("builtin", str(tmp_path / "d"), cache_all=False, **options) as plain:
+        first, threads = epoch(cached, 0)
+        assert threads == {1} and first == epoch(plain, 0)[0]
+        for e in (1, 2):
+            batches, threads = epoch(cached, e)
+            assert threads == {0}
+            assert batches == epoch(plain, e)[0] and batches != first
+        assert epoch(plain, 1)[1] == {1}
+
+
 def test_local_and_object_store_files_give_the_same_batches(tmp_path):
     """Local files are read page by page, files of other file systems with pyarrow's pre-buffering:
     the same rows either way (an fsspec in-memory file system stands in for an object store)."""
