@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import posixpath
 import queue
 import threading
@@ -25,6 +26,7 @@ __all__ = [
     "steps_for",
     "BatchReader",
     "make_reader",
+    "reads_ahead",
     "deal_row_groups",
     "arrow_to_numpy",
     "Batcher",
@@ -59,6 +61,30 @@ def _is_local(fs: Any) -> bool:
     """Whether an fsspec file system is this machine's own files."""
     protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     return bool({"file", "local"} & set(protocol))
+
+
+def reads_ahead(url: str, storage_options: Optional[Mapping[str, Any]] = None, ranks: Optional[int] = None,
+                cpus: Optional[int] = None) -> bool:
+    """What ``read_ahead="auto"`` of :func:`make_reader` decides for files at ``url``: read ahead on
+    a background thread, unless the files are this machine's own and the host's ``ranks`` (default:
+    the initialized world's ranks on this host, else 1) have a CPU each or fewer of its ``cpus``
+    (default: the CPUs this process may run on). Then no CPU is left for a reading thread: it
+    would take its CPU from a rank's compute at moments of its own, and in a job that waits for its
+    slowest rank at every step, reading on each rank's own thread (all ranks pausing at about the
+    same step) costs less; local files leave no latency for a thread to hide."""
+    if ranks is None:
+        import spark_hvd.runtime as rt
+
+        ranks = rt.local_size() if rt.is_initialized() else 1
+    if cpus is None:
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = os.cpu_count() or 1
+    if ranks < cpus:
+        return True
+    fs, _ = open_filesystem(url, storage_options)
+    return not _is_local(fs)
 
 
 def _piece_rows(group: RowGroup) -> int:
@@ -182,7 +208,7 @@ class BatchReader:
     def __init__(self, *, source: Callable[[int, int], Iterator[Chunk]], kind: str, rank: int, size: int,
                  batch_size: int, columns: Sequence[str], total_rows: int, shard_rows: int,
                  steps_per_epoch: int, shuffle: bool, seed: int, shuffle_buffer_rows: int,
-                 prefetch_batches: int, timeout_s: float, block_rows: int = 8192) -> None:
+                 prefetch_batches: int, timeout_s: float, block_rows: int = 8192, read_ahead: bool = True) -> None:
         self._source = source
         self.kind = kind
         """Which reader produces the rows: 'builtin' or 'petastorm'."""
@@ -203,6 +229,8 @@ class BatchReader:
         self.prefetch_batches = prefetch_batches
         self.timeout_s = timeout_s
         self.block_rows = block_rows
+        self.read_ahead = read_ahead
+        """Whether a background thread reads ahead; else the caller's thread reads each batch."""
         """Rows the reader thread hands over at once (whole batches; at least one batch)."""
         self._readings: List[_Reading] = []
         """Every reading started and not yet stopped."""
@@ -225,9 +253,9 @@ class BatchReader:
         if reading is not None and reading.epoch != epoch:
             self._stop(reading)
             reading = None
-        if reading is None and self._in_memory(epoch):
-            # Rows already decoded in memory: cut on this thread. A reading thread would only
-            # add hand-offs and contend for the interpreter's lock (gathering rows holds it).
+        if reading is None and (not self.read_ahead or self._in_memory(epoch)):
+            # Read and cut on this thread: asked for, or rows already decoded in memory (a
+            # reading thread would only add hand-offs and contend for the interpreter's lock).
             batches = (b for b in self._batches(epoch) if b is not None)
             yield from self._blocks(itertools.islice(batches, self.steps_per_epoch))
             return
@@ -248,9 +276,9 @@ class BatchReader:
     def prefetch(self, epoch: int) -> None:
         """Start reading epoch ``epoch`` now, in the background, so its first batches are ready when
         :meth:`iter_epoch` asks for them (e.g. while the model is broadcast). Starting another epoch
-        instead, or :meth:`close`, stops that reading. An epoch whose rows are all in memory already
-        (the shard cache) has nothing to read ahead."""
-        if self._in_memory(epoch):
+        instead, or :meth:`close`, stops that reading. Without :attr:`read_ahead`, or for an epoch
+        whose rows are all in memory already (the shard cache), it does nothing."""
+        if not self.read_ahead or self._in_memory(epoch):
             return
         if self._prefetched is not None:
             if self._prefetched.epoch == epoch:
@@ -455,7 +483,8 @@ def make_reader(kind: str, urls: Union[str, Sequence[str]], *, rank: int, size: 
                 cache_all: Union[bool, str] = False,
                 shapes: Optional[Mapping[str, Sequence[int]]] = None,
                 storage_options: Optional[Mapping[str, Any]] = None, prefetch_batches: int = 4,
-                timeout_s: float = 600.0, block_rows: int = 8192) -> BatchReader:
+                timeout_s: float = 600.0, block_rows: int = 8192,
+                read_ahead: Union[bool, str] = "auto") -> BatchReader:
     """A reader of rank ``rank``'s shard (of ``size``) of the Parquet at ``urls``.
 
     ``kind`` is "builtin" (current pyarrow) or "petastorm" (petastorm's ``make_batch_reader``, same
@@ -478,8 +507,11 @@ def make_reader(kind: str, urls: Union[str, Sequence[str]], *, rank: int, size: 
     defaults to ``ceil(total_rows / (size * batch_size))`` on every rank. A background thread
     reads ahead and hands batches over in blocks of up to ``block_rows`` rows (at least one
     batch), at most ``prefetch_batches`` blocks ahead; batches are views of the rows read, so
-    small batches cost no copy and no thread hand-off each. An epoch whose rows are all in the
-    cache has nothing to read: its batches are cut on the caller's thread, the same batches.
+    small batches cost no copy and no thread hand-off each. With ``read_ahead=False`` the
+    caller's thread reads and cuts the batches as it asks for them (the same batches, no thread);
+    ``"auto"`` (the builtin reader's default) reads ahead unless the files are local and the
+    host's ranks leave no CPU for a reading thread (see :func:`reads_ahead`). An epoch whose rows
+    are all in the cache has nothing to read: its batches are cut on the caller's thread.
     """
     if kind not in READER_KINDS:
         raise ValueError(f"reader kind={kind!r} is not known: expected one of {READER_KINDS}")
@@ -497,6 +529,9 @@ def make_reader(kind: str, urls: Union[str, Sequence[str]], *, rank: int, size: 
     if block_rows < 1:
         raise ValueError(f"block_rows={block_rows} is not valid: expected >= 1 (rows handed from the reader "
                          "thread at once; one batch is the least)")
+    if read_ahead not in (True, False, "auto"):
+        raise ValueError(f"read_ahead={read_ahead!r} is not valid: expected True (a background thread reads "
+                         "ahead), False (the caller's thread reads) or 'auto'")
     columns: List[str] = []
     for c in list(feature_cols) + list(label_cols) + ([sample_weight_col] if sample_weight_col else []):
         if c not in columns:
@@ -519,6 +554,8 @@ def make_reader(kind: str, urls: Union[str, Sequence[str]], *, rank: int, size: 
             cache_all = cache_fits_here(layout, may_read)
         source, shard_rows = _builtin_source(layout, rank, size, columns, shape_map, shuffle, seed,
                                              storage_options, url_list[0], reshuffle, cache_all)
+        if read_ahead == "auto":
+            read_ahead = reads_ahead(url_list[0], storage_options)
     else:
         source, shard_rows = _petastorm_source(url_list, layout, rank, size, columns, shape_map, shuffle,
                                                seed, storage_options)
@@ -529,4 +566,5 @@ def make_reader(kind: str, urls: Union[str, Sequence[str]], *, rank: int, size: 
                        columns=columns, total_rows=layout.num_rows, shard_rows=shard_rows,
                        steps_per_epoch=steps, shuffle=shuffle, seed=seed,
                        shuffle_buffer_rows=shuffle_buffer_rows if shuffle else 0,
-                       prefetch_batches=prefetch_batches, timeout_s=timeout_s, block_rows=block_rows)
+                       prefetch_batches=prefetch_batches, timeout_s=timeout_s, block_rows=block_rows,
+                       read_ahead=read_ahead is not False)

@@ -507,7 +507,7 @@ def test_an_epoch_from_memory_is_cut_without_a_reading_thread(tmp_path):
     (no reading thread, no hand-off), and they are the batches a reader without the cache yields; an
     epoch that still reads files reads on a thread of its own."""
     write_dataset(tmp_path / "d", files=2, groups_per_file=2, rows_per_group=10)
-    options = dict(rank=0, size=1, batch_size=4, feature_cols=["x"], label_cols=["id"], seed=3)
+    options = dict(rank=0, size=1, batch_size=4, feature_cols=["x"], label_cols=["id"], seed=3, read_ahead=True)
 
     def epoch(reader, e):
         batches, threads = [], []
@@ -525,6 +525,46 @@ def test_an_epoch_from_memory_is_cut_without_a_reading_thread(tmp_path):
             assert threads == {0}
             assert batches == epoch(plain, e)[0] and batches != first
         assert epoch(plain, 1)[1] == {1}
+
+
+def test_reading_on_the_callers_thread_gives_the_batches_of_reading_ahead(tmp_path):
+    """read_ahead=False reads and cuts every batch on the caller's thread (no reading thread, prefetch does
+    nothing): the batches of a reader that reads ahead, epoch after epoch, with and without the cache, on
+    each of two ranks, also when an epoch wraps around a short shard."""
+    write_dataset(tmp_path / "d", files=2, groups_per_file=3, rows_per_group=7)
+    for cache_all in (False, True):
+        for rank in range(2):
+            options = dict(rank=rank, size=2, batch_size=4, feature_cols=["x"], label_cols=["id"], seed=5,
+                           cache_all=cache_all, steps_per_epoch=7)
+            with make_reader("builtin", str(tmp_path / "d"), read_ahead=True, **options) as ahead, \
+                    make_reader("builtin", str(tmp_path / "d"), read_ahead=False, **options) as inline:
+                assert ahead.read_ahead and not inline.read_ahead
+                for e in range(3):
+                    inline.prefetch(e)
+                    assert inline._readings == []
+                    got = []
+                    for b in inline.iter_epoch(e):
+                        got.append(b["id"].tolist())
+                        assert inline._readings == []
+                    assert got == [b["id"].tolist() for b in ahead.iter_epoch(e)]
+                    assert len(got) == 7
+
+
+def test_read_ahead_auto_reads_on_the_ranks_thread_only_where_no_cpu_is_left(tmp_path):
+    """read_ahead='auto' reads ahead unless the files are local and the host's ranks have a CPU each or
+    fewer; files of another file system (an object store's latency) are always read ahead."""
+    from spark_hvd.spark.data.reader import reads_ahead
+
+    local = str(tmp_path)
+    assert reads_ahead(local, ranks=1, cpus=2)
+    assert not reads_ahead(local, ranks=2, cpus=2)
+    assert not reads_ahead(local, ranks=4, cpus=2)
+    assert reads_ahead("memory://bucket/data", ranks=2, cpus=2)
+    assert reads_ahead(local, cpus=10**6)  # one rank (no world) and CPUs to spare
+    write_dataset(tmp_path / "d", files=1, groups_per_file=2, rows_per_group=8)
+    with pytest.raises(ValueError, match=r"read_ahead='sometimes' is not valid: expected True"):
+        make_reader("builtin", str(tmp_path / "d"), rank=0, size=1, batch_size=4, feature_cols=["x"],
+                    read_ahead="sometimes")
 
 
 def test_local_and_object_store_files_give_the_same_batches(tmp_path):
