@@ -130,7 +130,7 @@ def test_abandoned_epoch_stops_its_prefetch_thread(tmp_path):
     """Leaving an epoch after one batch stops and joins the background reader thread."""
     write_dataset(tmp_path / "d", files=2, groups_per_file=5, rows_per_group=10)
     reader = make_reader("builtin", str(tmp_path / "d"), rank=0, size=1, batch_size=2, feature_cols=["x"],
-                         prefetch_batches=2, block_rows=2)  # one batch a block: 50 blocks, 2 queued ahead
+                         prefetch_batches=2, block_rows=2, read_ahead=True)  # a block a batch: 50, 2 queued ahead
     epoch = reader.iter_epoch(0)
     next(epoch)
     assert len(_reader_threads()) == 1  # the producer is blocked on the full queue
@@ -238,7 +238,7 @@ def test_prefetch_reads_an_epoch_ahead_and_changes_no_batch(tmp_path, kind):
     reader that did not prefetch; prefetching another epoch, or closing, stops that reading."""
     write_dataset(tmp_path / "d", files=2, groups_per_file=3, rows_per_group=17)
     options = dict(rank=0, size=1, batch_size=4, feature_cols=["x"], label_cols=["id"], shuffle=True, seed=3,
-                   shuffle_buffer_rows=20, block_rows=4, prefetch_batches=2)
+                   shuffle_buffer_rows=20, block_rows=4, prefetch_batches=2, read_ahead=True)
     with make_reader(kind, str(tmp_path / "d"), **options) as plain:
         expected = [[b["id"].tolist() for b in plain.iter_epoch(e)] for e in (0, 1)]
     with make_reader(kind, str(tmp_path / "d"), **options) as reader:
