@@ -229,9 +229,9 @@ class BatchReader:
         self.prefetch_batches = prefetch_batches
         self.timeout_s = timeout_s
         self.block_rows = block_rows
+        """Rows the reader thread hands over at once (whole batches; at least one batch)."""
         self.read_ahead = read_ahead
         """Whether a background thread reads ahead; else the caller's thread reads each batch."""
-        """Rows the reader thread hands over at once (whole batches; at least one batch)."""
         self._readings: List[_Reading] = []
         """Every reading started and not yet stopped."""
         self._prefetched: Optional[_Reading] = None
