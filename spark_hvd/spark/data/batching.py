@@ -129,9 +129,10 @@ def _count(picked: Picked) -> int:
 class Batcher:
     """Cuts a stream of chunks into batches of exactly ``batch_size`` rows.
 
-    A batch that lies within one chunk kept in its stored order is a view of it (no copy); one
-    of a chunk with an order of its own (shuffled) is gathered in that order into the batch's
-    own arrays; only a batch that straddles two chunks is joined. Rows are never copied more
+    A batch that lies within one chunk kept in its stored order is a view of it (no copy); the
+    batches of a chunk with an order of its own (shuffled) are gathered in that order, up to
+    ``gather_rows`` rows of whole batches with one call per column, and cut as views of what was
+    gathered; only a batch that straddles two chunks is joined. Rows are never copied more
     than once on the way, except the few of a straddling batch.
     """
 
