@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import posixpath
@@ -125,12 +124,8 @@ class _Reading:
     """One epoch read on a background thread: the thread, its stop flag, and the queue of blocks
     of batches it fills for the consumer, at most ``prefetch_blocks`` ahead."""
 
-    def __init__(self, epoch: int, steps: int, per_block: int, prefetch_blocks: int) -> None:
+    def __init__(self, epoch: int, prefetch_blocks: int) -> None:
         self.epoch = epoch
-        self.needed = steps
-        """Batches still to queue."""
-        self.per_block = per_block
-        """Batches handed over at once."""
         self.blocks: "queue.Queue[Any]" = queue.Queue(maxsize=prefetch_blocks)
         self.stopped = threading.Event()
         self.thread: Optional[threading.Thread] = None
@@ -148,26 +143,6 @@ class _Reading:
             except queue.Full:
                 continue
         return False
-
-    def emit(self, batches: Iterator[Optional[Batch]]) -> bool:
-        """Queue ``batches`` in blocks, a block as soon as a None follows it in ``batches`` (the
-        end of what was read so far: a block never waits for the next read); False when the epoch's
-        batches are all queued or the consumer stopped."""
-        block: List[Batch] = []
-        for batch in batches:
-            if batch is None:  # the rows read so far are cut: hand on what is cut
-                if block:
-                    full, block = block, []
-                    if not self.put(full):
-                        return False
-                continue
-            block.append(batch)
-            self.needed -= 1
-            if len(block) >= self.per_block or self.needed == 0:
-                full, block = block, []
-                if not self.put(full) or self.needed == 0:
-                    return False
-        return not block or self.put(block)
 
     def next(self, timeout_s: float, kind: str, rank: int) -> Any:
         """The next queued item; an error when the thread ended without one or after ``timeout_s``."""
@@ -256,8 +231,7 @@ class BatchReader:
         if reading is None and (not self.read_ahead or self._in_memory(epoch)):
             # Read and cut on this thread: asked for, or rows already decoded in memory (a
             # reading thread would only add hand-offs and contend for the interpreter's lock).
-            batches = (b for b in self._batches(epoch) if b is not None)
-            yield from self._blocks(itertools.islice(batches, self.steps_per_epoch))
+            yield from self._blocks(epoch)
             return
         if reading is None:
             reading = self._start(epoch)
@@ -287,8 +261,7 @@ class BatchReader:
         self._prefetched = self._start(epoch)
 
     def _start(self, epoch: int) -> "_Reading":
-        reading = _Reading(epoch, self.steps_per_epoch, max(1, self.block_rows // self.batch_size),
-                           self.prefetch_batches)
+        reading = _Reading(epoch, self.prefetch_batches)
         self._readings.append(reading)
         reading.start(self._produce, name=f"spark-hvd-reader-rank{self.rank}-epoch{epoch}")
         return reading
@@ -303,7 +276,7 @@ class BatchReader:
 
     def _batches(self, epoch: int) -> Iterator[Optional[Batch]]:
         """Every batch of epoch ``epoch``, pass after pass over the shard, with a None after the
-        batches of each chunk read: the consumer stops it at :attr:`steps_per_epoch`. A rank whose
+        batches of each chunk read: :meth:`_blocks` stops it at :attr:`steps_per_epoch`. A rank whose
         shard is shorter than steps * batch_size wraps around it: every rank must run the same
         number of steps, or a collective would wait for it forever."""
         rng = np.random.default_rng([self.seed, epoch, self.rank]) if self.shuffle else None
@@ -328,23 +301,37 @@ class BatchReader:
                                  f"{self.total_rows} rows; prepare it with num_proc={self.size}")
             pass_index += 1
 
-    def _blocks(self, batches: Iterator[Batch]) -> Iterator[List[Batch]]:
-        """``batches`` in lists of up to :attr:`block_rows` rows (at least one batch)."""
+    def _blocks(self, epoch: int) -> Iterator[List[Batch]]:
+        """The :attr:`steps_per_epoch` batches of epoch ``epoch`` in lists of up to
+        :attr:`block_rows` rows (at least one batch), a list also ending where the rows read so far
+        end: a block never waits for the next read."""
         per_block = max(1, self.block_rows // self.batch_size)
-        while True:
-            block = list(itertools.islice(batches, per_block))
-            if not block:
-                return
-            yield block
+        left = self.steps_per_epoch
+        block: List[Batch] = []
+        batches = self._batches(epoch)
+        try:
+            for batch in batches:
+                if batch is not None:
+                    block.append(batch)
+                    left -= 1
+                if block and (batch is None or len(block) >= per_block or left == 0):
+                    yield block
+                    block = []
+                if left == 0:
+                    return
+        finally:
+            batches.close()
 
     def _produce(self, reading: "_Reading") -> None:
-        batches = self._batches(reading.epoch)
+        blocks = self._blocks(reading.epoch)
         try:
-            reading.emit(batches)
+            for block in blocks:
+                if not reading.put(block):
+                    return  # the consumer stopped
         except BaseException as exc:  # handed to the consumer, which re-raises it
             reading.put(_Failure(exc))
         finally:
-            batches.close()
+            blocks.close()  # the files of the pass, on this thread
 
     def _stop(self, reading: "_Reading") -> None:
         reading.stop()
