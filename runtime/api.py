@@ -277,11 +277,15 @@ def _reduce(kind: str, arrays: Sequence[np.ndarray], op: int, name: Optional[str
 
 def allreduce_async(array: np.ndarray, op: int = Average, name: Optional[str] = None,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0, out: Optional[np.ndarray] = None,
-                    dtype: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> Handle:
+                    dtype: Optional[str] = None, process_set: Optional[ProcessSet] = None, *,
+                    will_wait: bool = False) -> Handle:
     """Start an allreduce. Afterwards the result is the same on all ranks: op over every rank's
-    ``array`` (scaled by prescale before and postscale after). ``out=array`` reduces in place."""
+    ``array`` (scaled by prescale before and postscale after). ``out=array`` reduces in place.
+
+    ``will_wait=True``: the caller waits for the handle before anything else, as a blocking
+    :func:`allreduce` does (the handle may be finished when it is returned)."""
     return _reduce(ALLREDUCE, [array], op, name, prescale_factor, postscale_factor, [out], dtype,
-                   process_set, grouped=False)
+                   process_set, grouped=False, will_wait=will_wait)
 
 
 def allreduce_lockstep(array: np.ndarray, op: int = Average, name: str = "lockstep",
@@ -311,7 +315,13 @@ def allreduce_lockstep(array: np.ndarray, op: int = Average, name: str = "lockst
 def allreduce(array: np.ndarray, op: int = Average, name: Optional[str] = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, out: Optional[np.ndarray] = None, dtype: Optional[str] = None,
               process_set: Optional[ProcessSet] = None) -> np.ndarray:
-    """Blocking :func:`allreduce_async`."""
+    """Blocking :func:`allreduce_async`.
+
+    Where every rank of the job shares one host (or the job has program-order links across hosts,
+    see :func:`allreduce_lockstep`), a blocking allreduce of float16/32/64 with Sum, Average, Min
+    or Max on the global process set is exchanged in program order without negotiation, as long
+    as the ranks issue them in the same order; at the first step where they do not, every rank
+    negotiates that request and every later one, as Horovod does."""
     return _reduce(ALLREDUCE, [array], op, name, prescale_factor, postscale_factor, [out], dtype,
                    process_set, grouped=False, will_wait=True).wait()
 

@@ -17,7 +17,7 @@ import os
 import select
 import threading
 import time
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 from .autotune import Autotuner
 from .control import ABORT, BYE, ControlLinks
@@ -27,6 +27,7 @@ from .eager import EagerAnswers
 from .errors import CollectiveError
 from .execution import CollectiveExecutor
 from .handles import Entry, Handle, RequestBook
+from .kinds import ALLREDUCE
 from .negotiation import Coordinator
 from .timeline import TimelineSlot
 
@@ -62,6 +63,9 @@ backward pass) is announced in pieces while it runs, so communication overlaps c
 _PARKED = 0.005
 """How often a parked engine thread (nothing of its own to wait for, or a caller driving) reads the
 control links anyway: aborts and goodbyes of other ranks, and frames that must not pile up."""
+_LOOK_EVERY = 0.05
+"""How often (seconds) a rank whose requests wait for their negotiation looks at the program-order
+path (:attr:`Engine.while_negotiating`)."""
 
 
 def usable_cpus() -> int:
@@ -158,6 +162,11 @@ class Engine:
         # A world of one has nobody to wait for: requests complete on the caller's thread.
         self._inline_lock: Optional[threading.Lock] = threading.Lock() if self.size == 1 else None
         self._thread: Optional[threading.Thread] = None
+        # While a request of this rank waits for its negotiation: a look at the program-order path
+        # (see :mod:`.lockstep`), which declines a step other ranks have waited at for long while
+        # this rank negotiates, so that neither waits for the other.
+        self.while_negotiating: Optional[Callable[[], None]] = None
+        self._next_look = 0.0
 
     def start(self, executor: CollectiveExecutor, cycle: Cycle) -> None:
         """Take the executor and this rank's round, and start the engine thread (none for a world of one)."""
@@ -295,6 +304,12 @@ class Engine:
     def _cycle(self) -> None:
         assert self.cycle is not None
         self.cycle()
+        look = self.while_negotiating
+        if look is not None and self.book.local:
+            now = time.monotonic()
+            if now >= self._next_look:
+                self._next_look = now + _LOOK_EVERY
+                look()
 
     def _as_collective_error(self, exc: BaseException) -> CollectiveError:
         if isinstance(exc, CollectiveError):
@@ -377,6 +392,8 @@ class Engine:
             elif timeout is not None and timeout < 0:
                 timeout = self._idle_timeout()
             fds = [self._wake_r] + self.links.filenos()
+            if self.while_negotiating is not None and self.book.local:
+                timeout = _LOOK_EVERY if timeout is None else min(timeout, _LOOK_EVERY)
             if self.links.polled:
                 if self.cycle.waiting() or self.book.queue:
                     self._poll_interval = self._poll_busy
@@ -401,10 +418,11 @@ class Engine:
         assert self.cycle is not None
         return self._stall_period if self.cycle.waiting() else None
 
-    def check_while_waiting(self, peers: Sequence[int] = (), idle: float = 0.0, what: Optional[str] = None) -> None:
+    def check_while_waiting(self, peers: Sequence[int] = (), idle: float = 0.0, what: Optional[str] = None,
+                            request: Optional[str] = None) -> None:
         """Called by the transport while a collective waits on ``peers`` (global ranks), nothing
         having moved for ``idle`` seconds: notice aborts announced by others, the loss of a peer
-        this collective still needs, and stalls."""
+        this collective still needs, and stalls (``request``: see :meth:`_check_data_stall`)."""
         if self._stopping:
             raise CollectiveError("spark-hvd is shutting down on this rank")
         links = self.links
@@ -436,9 +454,9 @@ class Engine:
                 alive = getattr(channel, "peer_alive", None)
                 if alive is not None and not alive():
                     raise CollectiveError(f"rank {peer} was lost: its process is gone", lost_rank=peer)
-        self._check_data_stall(peers, idle, what)
+        self._check_data_stall(peers, idle, what, request)
 
-    def look_while_waiting(self, peers: Sequence[int], idle: float, what: str) -> None:
+    def look_while_waiting(self, peers: Sequence[int], idle: float, what: str, request: Optional[str] = None) -> None:
         """:meth:`check_while_waiting` for a wait outside the engine's own collectives (the
         one-host fast path of :mod:`~spark_hvd.runtime.lockstep`): the engine's recorded failure,
         then, unless a cycle is reading the links right now, aborts, lost peers and stalls. A
@@ -448,7 +466,7 @@ class Engine:
         if not self._progress.acquire(blocking=False):
             return
         try:
-            self.check_while_waiting(peers, idle, what)
+            self.check_while_waiting(peers, idle, what, request)
         except CollectiveError as exc:
             self._abort(exc)
             raise
@@ -463,9 +481,16 @@ class Engine:
         pending = getattr(channel, "unread", None)
         return pending() > 0 if pending is not None else channel is not None
 
-    def _check_data_stall(self, peers: Sequence[int], idle: float, what: Optional[str] = None) -> None:
+    def _check_data_stall(self, peers: Sequence[int], idle: float, what: Optional[str] = None,
+                          request: Optional[str] = None) -> None:
+        """Warn of, or end, a wait for ``peers`` that has lasted ``idle`` seconds. ``request``: the
+        name of a blocking allreduce that waits in program order for ranks that have not issued it
+        yet, reported in the words of the negotiation's stall inspector (which would have seen it)."""
         check, shutdown = self.config.stall_check_seconds, self.config.stall_shutdown_seconds
         if idle <= 0 or (check <= 0 and shutdown <= 0):
+            return
+        if request is not None:
+            self._check_request_stall(request, sorted(set(peers)), idle, check, shutdown)
             return
         if what is None:
             executing = self.executor.executing if self.executor is not None else None
@@ -481,6 +506,17 @@ class Engine:
             self._data_stall_warned = True
             log.warning("spark-hvd stall on rank %d: %s has waited %.1f s for data from rank(s) %s, which may be "
                         "stopped or hung", self.rank, what, idle, waited_on)
+
+    def _check_request_stall(self, request: str, missing: List[int], idle: float, check: float,
+                             shutdown: float) -> None:
+        line = (f"{ALLREDUCE} {request!r} has waited {idle:.1f} s: submitted by rank(s) "
+                f"{[r for r in range(self.size) if r not in missing]}, missing rank(s) {missing}")
+        if shutdown > 0 and idle >= shutdown:
+            raise CollectiveError(f"stalled operations exceeded SPARK_HVD_STALL_SHUTDOWN_TIME_SECONDS={shutdown}: {line}")
+        if check > 0 and idle >= check and not self._data_stall_warned:
+            self._data_stall_warned = True
+            log.warning("spark-hvd stall: 1 operation(s) are waiting for other ranks (check that every rank calls "
+                        "the same collectives with the same names):\n  %s", line)
 
     def _abort(self, error: CollectiveError) -> None:
         if error.lost_rank is not None and self.links.left.get(error.lost_rank) == "shut down":

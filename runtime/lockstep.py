@@ -49,13 +49,20 @@ from .wire import describe_broken
 __all__ = ["Lockstep", "LinkLockstep", "combine_parts", "mailbox_tag", "MAILBOX_HEADER", "SLOTS"]
 
 MAILBOX_HEADER = 64
-"""Bytes before a slot's data: request hash, byte count, dtype code and op (int64 each)."""
+"""Bytes before a slot's data: request hash, byte count, dtype code, op and strictness (int64 each)."""
 SLOTS = 2
 _WIRES = ("float32", "float64", "float16")
 _CHECK_EVERY = 0.001
 """Seconds of waiting between looks at the engine (aborts, lost peers, stalls)."""
 _PUBLISHED = 0  # counters index: steps this rank has published
 _LEFT = 8  # counters index: 1 once this rank has joined and publishes no more
+_STRICT = 4
+_DECLINE_OP = -2
+"""The op of a declined step's header (see :meth:`_ProgramOrder.while_negotiating`)."""
+_DECLINE_AFTER = 0.5
+"""Seconds other ranks wait at a step before a rank that negotiates meanwhile declines it."""
+"""A header's field (after hash, bytes, dtype and op): 1 when the request is in program order by
+contract (see :meth:`_ProgramOrder.allreduce`)."""
 
 
 def mailbox_tag(key: bytes, generation: int, rank: int) -> bytes:
@@ -95,9 +102,12 @@ class _ProgramOrder:
         self._check = check
         self._peers = [r for r in range(size) if r != rank]
         self._step = 0
+        self.reduced = 0
+        """Requests this path has reduced."""
         self._off = False
         self._lock = threading.Lock()
         self._dtype_codes = {wire: i + 1 for i, wire in enumerate(_WIRES)}
+        self._awaited_since: Optional[tuple] = None  # (this rank's step, when others were first seen past it)
 
     @property
     def active(self) -> bool:
@@ -114,28 +124,93 @@ class _ProgramOrder:
         return nbytes <= self.capacity
 
     def allreduce(self, array: np.ndarray, name: str, wire: str, op: int, prescale: float,
-                  postscale: float) -> bool:
+                  postscale: float, strict: bool = True) -> bool:
         """Reduce ``array`` (C-contiguous, ``wire`` storage) in place over all ranks; False, with
-        ``array`` untouched, when this step must take the negotiated path instead (a rank joined)."""
+        ``array`` untouched, when this step must take the negotiated path instead: a rank joined,
+        or the ranks' requests differ and not all of them are ``strict``.
+
+        ``strict``: the caller issues this request in program order by contract (a training
+        step's gradient buffer), so a rank with a different request is a bug, raised as
+        :class:`RankMismatchError` on every rank when all requests of the step are strict. A
+        blocking allreduce of the user's takes this path without that contract: ranks may issue
+        such requests in other orders (from several threads, say), which Horovod's negotiation
+        allows; a differing step then sends every rank's request to the negotiated path (and over
+        the links every later one too). Every rank sees every rank's header, so all of them decide
+        alike. After a join, every rank stays on the negotiated path."""
         with self._lock:
             if self._off:
                 return False
             step = self._step + 1
             try:
-                done = self._reduce(array.reshape(-1), name, wire, op, prescale, postscale, step)
+                done = self._reduce(array.reshape(-1), name, wire, op, prescale, postscale, step, strict)
             except BaseException:
                 self._off = True
                 raise
-            if not done:
-                self._off = True  # everyone falls back at this same step, and stays there
-                return False
             self._step = step
-            return True
+            self.reduced += done
+            return done
 
     def _reduce(self, flat: np.ndarray, name: str, wire: str, op: int, prescale: float, postscale: float,
-                step: int) -> bool:  # pragma: no cover - interface
-        """Step ``step``: ``flat`` reduced in place; False, ``flat`` untouched, when a rank joined."""
+                step: int, strict: bool) -> bool:  # pragma: no cover - interface
+        """Step ``step``: ``flat`` reduced in place; False, ``flat`` untouched, when this step goes
+        to the negotiated path (a rank joined, or the requests differ and not all are strict)."""
         raise NotImplementedError
+
+    def while_negotiating(self) -> None:
+        """Called now and then while a request of this rank waits for its negotiation: when other
+        ranks have waited at this rank's next step for ``_DECLINE_AFTER`` seconds, this rank declines
+        that step (a header no request has), so they take the negotiated path and stop waiting.
+
+        Without it, a rank that negotiates a request another rank reduces in program order (a
+        blocking allreduce on one rank, an asynchronous one on another; a tensor on the host here
+        and on a device there) would wait for it while the other waits for this rank's step. A
+        rank that declines had no request at that step, so every rank takes the negotiated path
+        from that step on, as on a mismatch; the answers stay right either way."""
+        if self._off:
+            return
+        now = time.monotonic()
+        if not self._awaited():
+            self._awaited_since = None
+            return
+        if self._awaited_since is None or self._awaited_since[0] != self._step:
+            self._awaited_since = (self._step, now)
+            return
+        if now - self._awaited_since[1] < _DECLINE_AFTER or not self._lock.acquire(blocking=False):
+            return  # not yet, or this rank is taking a step itself
+        try:
+            if not self._off and self._awaited_since[0] == self._step:
+                self._off = True
+                self._decline(self._step + 1)
+        finally:
+            self._lock.release()
+
+    _LASTING_MISMATCH = True
+    """Whether a step whose requests differ ends the path (its way cannot go on from that step)."""
+
+    def _awaited(self) -> bool:  # pragma: no cover - interface
+        """Whether another rank has started a step this rank has not."""
+        raise NotImplementedError
+
+    def _decline(self, step: int) -> None:  # pragma: no cover - interface
+        """Publish ``step`` with the header no request has."""
+        raise NotImplementedError
+
+    def _mismatch(self, name: str, nbytes: int, step: int, header: Sequence[int],
+                  others: Dict[int, Sequence[int]]) -> bool:
+        """The step's requests differ (``others``: the headers of the ranks whose request is not
+        this rank's ``header``): raise :class:`RankMismatchError`, the path off, when every one of
+        them is strict; else False (the step goes to the negotiated path, and so do the later ones
+        where :attr:`_LASTING_MISMATCH`)."""
+        if not all(h[_STRICT] for h in (header, *others.values())):
+            self._off = self._off or self._LASTING_MISMATCH
+            return False
+        self._off = True
+        r, theirs = min(others.items())
+        raise RankMismatchError(
+            f"rank {self.rank} reduced gradients {name!r} ({nbytes} bytes) at step {step} of the program-order "
+            f"path while rank {r} reduced a different request ({theirs[1]} bytes): the ranks run different models "
+            "or steps; run the same model and loop on every rank, or set SPARK_HVD_LOCKSTEP_BYTES=0 to negotiate "
+            "every reduction")
 
 
 class Lockstep(_ProgramOrder):
@@ -153,6 +228,10 @@ class Lockstep(_ProgramOrder):
         self.spin = spin
         self._hashes: Dict[str, int] = {}
 
+    # Every rank reads every header of a step before any rank publishes the step after the next
+    # (which overwrites the slot), so the path goes on from a step whose requests differed.
+    _LASTING_MISMATCH = False
+
     def leave(self) -> None:
         """This rank joins: it publishes no more steps, and the others stop waiting for it."""
         with self._lock:
@@ -160,21 +239,29 @@ class Lockstep(_ProgramOrder):
             self.boxes[self.rank].counters[_LEFT] = 1
 
     def _reduce(self, flat: np.ndarray, name: str, wire: str, op: int, prescale: float, postscale: float,
-                step: int) -> bool:
-        header = self._header(name, flat, wire, op)
+                step: int, strict: bool) -> bool:
+        header = self._header(name, flat, wire, op, strict)
         mine = self.boxes[self.rank]
         slot = mine.slot(step % SLOTS)
         head = slot[:MAILBOX_HEADER].cast("q")
-        head[0], head[1], head[2], head[3] = header
+        head[0], head[1], head[2], head[3], head[4] = header
         head.release()
         data = np.frombuffer(slot, dtype=flat.dtype, count=flat.size, offset=MAILBOX_HEADER)
         np.copyto(data, flat)
         if prescale != 1.0:
             scale_inplace(data, prescale, wire)
         mine.counters[_PUBLISHED] = step  # a release (see .ordering): header and data are visible first
-        if not self._wait(step, name):
+        if not self._wait(step, name, strict):
+            self._off = True  # a rank joined (or declined): everyone falls back at this step, and stays there
             return False
-        parts = [self._part(r, step, flat, header, name) for r in range(self.size)]
+        others = {}
+        for r in self._peers:
+            theirs = self._their_header(r, step)
+            if theirs != header:
+                others[r] = theirs
+        if others:
+            return self._mismatch(name, flat.nbytes, step, header, others)
+        parts = [self._part(r, step, flat) for r in range(self.size)]
         if prescale == 1.0 and self.rank < 2:
             # Its own part, still in ``flat`` and in this core's cache: the first combination
             # writes ``flat`` only after reading both operands, element by element.
@@ -182,27 +269,35 @@ class Lockstep(_ProgramOrder):
         combine_parts(flat, parts, op, wire, postscale)
         return True
 
-    def _header(self, name: str, flat: np.ndarray, wire: str, op: int) -> List[int]:
+    def _header(self, name: str, flat: np.ndarray, wire: str, op: int, strict: bool) -> List[int]:
         hashed = self._hashes.get(name)
         if hashed is None:
             hashed = self._hashes[name] = _name_hash(name)
-        return [hashed, flat.nbytes, self._dtype_codes[wire], int(op)]
+        return [hashed, flat.nbytes, self._dtype_codes[wire], int(op), int(strict)]
 
-    def _part(self, r: int, step: int, flat: np.ndarray, header: List[int], name: str) -> np.ndarray:
-        slot = self.boxes[r].slot(step % SLOTS)
-        head = slot[:MAILBOX_HEADER].cast("q")
-        theirs = [head[0], head[1], head[2], head[3]]
+    def _awaited(self) -> bool:
+        boxes, step = self.boxes, self._step
+        return any(boxes[r].counters[_PUBLISHED] > step for r in self._peers)
+
+    def _decline(self, step: int) -> None:
+        mine = self.boxes[self.rank]
+        head = mine.slot(step % SLOTS)[:MAILBOX_HEADER].cast("q")
+        head[0], head[1], head[2], head[3], head[4] = 0, 0, 0, _DECLINE_OP, 0
         head.release()
-        if theirs != header:
-            self._off = True
-            raise RankMismatchError(
-                f"rank {self.rank} reduced gradients {name!r} ({flat.nbytes} bytes, {flat.dtype}) at step {step} "
-                f"of the one-host fast path while rank {r} reduced a different request ({theirs[1]} bytes): the "
-                "ranks run different models or steps; run the same model and loop on every rank, or set "
-                "SPARK_HVD_LOCKSTEP_BYTES=0 to negotiate every reduction")
-        return np.frombuffer(slot, dtype=flat.dtype, count=flat.size, offset=MAILBOX_HEADER)
+        mine.counters[_PUBLISHED] = step  # a release, as a step's: the ranks at this step see a mismatch
+        mine.counters[_LEFT] = 1  # and the later steps' waits end as after a join
 
-    def _wait(self, step: int, name: str) -> bool:
+    def _their_header(self, r: int, step: int) -> List[int]:
+        head = self.boxes[r].slot(step % SLOTS)[:MAILBOX_HEADER].cast("q")
+        theirs = [head[0], head[1], head[2], head[3], head[4]]
+        head.release()
+        return theirs
+
+    def _part(self, r: int, step: int, flat: np.ndarray) -> np.ndarray:
+        return np.frombuffer(self.boxes[r].slot(step % SLOTS), dtype=flat.dtype, count=flat.size,
+                             offset=MAILBOX_HEADER)
+
+    def _wait(self, step: int, name: str, strict: bool) -> bool:
         """Until every rank has published ``step``: True; False when one of them joined first."""
         boxes = self.boxes
         waiting = [r for r in self._peers if boxes[r].counters[_PUBLISHED] < step]
@@ -222,7 +317,8 @@ class Lockstep(_ProgramOrder):
             if now >= next_check:
                 next_check = now + _CHECK_EVERY
                 try:
-                    self._check(waiting, now - start, f"one-host allreduce {name!r} (step {step})")
+                    self._check(waiting, now - start, f"one-host allreduce {name!r} (step {step})",
+                                None if strict else name)
                 except BaseException:
                     self._off = True
                     raise
@@ -233,8 +329,8 @@ class Lockstep(_ProgramOrder):
                 time.sleep(pause)
 
 
-_LINK_HEADER = struct.Struct("<qqqq")
-"""A message's header on a program-order link: request hash, byte count, dtype code and op."""
+_LINK_HEADER = struct.Struct("<qqqqq")
+"""A message's header on a program-order link: request hash, byte count, dtype code, op and strictness."""
 _PLANS = 64
 """Requests whose views a :class:`LinkLockstep` keeps at most."""
 _LEFT_OP = -1
@@ -279,14 +375,29 @@ class LinkLockstep(_ProgramOrder):
                 return
             self._off = True
             try:
-                self._move(memoryview(_LINK_HEADER.pack(0, 0, 0, _LEFT_OP)), None, "join", 0,
+                self._move(memoryview(_LINK_HEADER.pack(0, 0, 0, _LEFT_OP, 0)), None, "join", 0,
                            deadline=time.monotonic() + 5.0)
             except (OSError, CollectiveError):
                 pass  # a peer that is gone needs no word
 
+    def _awaited(self) -> bool:
+        """A link has bytes to read: a rank sent its step (or its join) while this one took none."""
+        try:
+            readable, _, _ = select.select(list(self.links.values()), [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return bool(readable)
+
+    def _decline(self, step: int) -> None:
+        try:
+            self._move(memoryview(_LINK_HEADER.pack(0, 0, 0, _DECLINE_OP, 0)), None, "decline", step,
+                       deadline=time.monotonic() + 5.0)
+        except (OSError, CollectiveError):
+            pass  # a peer that is gone needs no word
+
     def _reduce(self, flat: np.ndarray, name: str, wire: str, op: int, prescale: float, postscale: float,
-                step: int) -> bool:
-        key = (name, flat.nbytes, wire, op)
+                step: int, strict: bool) -> bool:
+        key = (name, flat.nbytes, wire, op, strict)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plan(key, flat)
@@ -299,16 +410,17 @@ class LinkLockstep(_ProgramOrder):
         if prescale != 1.0:
             scale_inplace(mine, prescale, wire)
         if self._move(message, header, name, step):
-            return False  # a rank joined
+            self._off = True  # a rank joined, or the requests differ: from here on, all negotiated
+            return False
         combine_parts(flat, parts, op, wire, postscale)
         return True
 
     def _plan(self, key: tuple, flat: np.ndarray) -> tuple:
         """What a request of this name, size, dtype and op reuses at every step: its header, its
         message (a view of the outbox) and every rank's part (views of the outbox and inboxes)."""
-        name, nbytes, wire, op = key
+        name, nbytes, wire, op, strict = key
         hashed = _name_hash(name)
-        header = (hashed, nbytes, self._dtype_codes[wire], int(op))
+        header = (hashed, nbytes, self._dtype_codes[wire], int(op), int(strict))
         size = _LINK_HEADER.size
         parts = [np.frombuffer(self._outbox if r == self.rank else self._inbox[r], dtype=flat.dtype, count=flat.size,
                                offset=size) for r in range(self.size)]
@@ -322,7 +434,9 @@ class LinkLockstep(_ProgramOrder):
               deadline: Optional[float] = None) -> bool:
         """Send ``message`` to every other rank and, unless ``expect`` is None, receive a message
         from each (its header must equal ``expect``), all at once without blocking; True when a
-        rank has joined."""
+        rank has joined, or when a header differs and not every request is strict (see
+        :meth:`_mismatch`: every header is read first, so every rank decides alike; to a rank whose
+        request differs only this rank's header is sent, the rest of its message is of no use)."""
         links = self.links
         peers = self._peers
         sent = dict.fromkeys(peers, 0)
@@ -333,6 +447,7 @@ class LinkLockstep(_ProgramOrder):
         length = len(message)
         checked = set()
         left = False
+        others: Dict[int, tuple] = {}
         start = time.perf_counter()
         next_check = start + _CHECK_EVERY
         while sent or got:
@@ -346,7 +461,7 @@ class LinkLockstep(_ProgramOrder):
                     raise self._broken(r, name, step, exc) from None
                 moved = moved or n > 0
                 sent[r] += n
-                if sent[r] == length:
+                if sent[r] == length or (r in others and sent[r] >= _LINK_HEADER.size):
                     del sent[r]
             for r in list(got):
                 box = self._inbox[r]
@@ -371,25 +486,28 @@ class LinkLockstep(_ProgramOrder):
                         sent.pop(r, None)
                         continue
                     if theirs != expect:
-                        self._off = True
-                        raise RankMismatchError(
-                            f"rank {self.rank} reduced gradients {name!r} ({expect[1]} bytes) at step {step} of "
-                            f"the program-order path while rank {r} reduced a different request ({theirs[1]} "
-                            "bytes): the ranks run different models or steps; run the same model and loop on "
-                            "every rank, or set SPARK_HVD_LOCKSTEP_BYTES=0 to negotiate every reduction")
+                        others[r] = theirs
+                        del got[r]
+                        if sent.get(r, length) >= _LINK_HEADER.size:
+                            sent.pop(r, None)
+                        continue
                 if got[r] == need:
                     del got[r]
             if moved or not (sent or got):
                 continue
             now = time.perf_counter()
             if deadline is not None and time.monotonic() > deadline:
-                raise CollectiveError(f"rank {self.rank} could not tell ranks {sorted(sent)} that it joined")
+                raise CollectiveError(f"rank {self.rank} could not send its {name} to ranks {sorted(sent)}")
             if now >= next_check:
                 next_check = now + _CHECK_EVERY
                 if deadline is None:
                     self._check(sorted(set(sent) | set(got)), now - start,
-                                f"program-order allreduce {name!r} (step {step})")
+                                f"program-order allreduce {name!r} (step {step})",
+                                None if expect is None or expect[_STRICT] else name)
             select.select([links[r] for r in got], [links[r] for r in sent], [], _CHECK_EVERY)
+        if others and not left:
+            assert expect is not None
+            return not self._mismatch(name, expect[1], step, expect, others)
         return left
 
     def _broken(self, peer: int, name: str, step: int, exc: Optional[OSError]) -> CollectiveError:

@@ -8,6 +8,7 @@ Process sets appear here by id; :class:`spark_hvd.runtime.api.ProcessSet` object
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -16,6 +17,7 @@ from .engine import build_engine, usable_cpus
 from .lockstep import LinkLockstep, Lockstep
 from .handles import Entry, Handle, Then
 from .messages import Meta
+from .timeline import REDUCE
 from .ops import ReduceOp, adasum, check_op, scale_inplace, storage_dtype, wire_dtype
 from .kinds import ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN, REDUCESCATTER
 
@@ -75,6 +77,11 @@ class Session:
             self.lockstep = LinkLockstep(world.rank, world.size, links,
                                          min(config.lockstep_bytes * (world.size - 1), config.lockstep_link_bytes),
                                          self.engine.look_while_waiting, world.peer_names.__getitem__)
+        # Blocking allreduces take the program-order path too, unless the job tunes the negotiated
+        # engine (autotune: a setting every rank shares, so every rank takes the same path).
+        self._blocking_in_order = self.lockstep is not None and not config.autotune
+        if self.lockstep is not None:
+            self.engine.while_negotiating = self.lockstep.while_negotiating
 
     @property
     def rank(self) -> int:
@@ -139,6 +146,33 @@ class Session:
             return False
         return lockstep.allreduce(array, name, wire, op, float(prescale), float(postscale))
 
+    def _in_program_order(self, raw: np.ndarray, op: int, name: str, pre: float, post: float,
+                          outs: Optional[Sequence[Optional[np.ndarray]]], dtype: Optional[str]) -> Optional[Handle]:
+        """A blocking allreduce through the program-order path (see :mod:`.lockstep`), done; None
+        when it takes the negotiated path: not eligible there (the same answer on every rank for
+        the same request), or the ranks' requests of this step differ (every rank then negotiates
+        its own, as Horovod would have from the start, and so does every later request)."""
+        lockstep = self.lockstep
+        assert lockstep is not None
+        if not isinstance(raw, np.ndarray) or not isinstance(op, int) or self.engine.failure is not None \
+                or (0, name) in self.engine.book.in_flight:
+            return None  # the negotiated path raises what it must
+        array, wire = prepare_array(raw, dtype)
+        if not lockstep.eligible(array, wire, op):
+            return None
+        out = _target(raw, array, outs[0] if outs is not None else None, ALLREDUCE)
+        start = time.perf_counter()
+        if out is not array:
+            np.copyto(out, array)
+        if not lockstep.allreduce(out, name, wire, op, pre, post, strict=False):
+            return None
+        timeline = self.engine.timeline.current
+        if timeline is not None:
+            timeline.span(name, REDUCE, start * 1e6, time.perf_counter() * 1e6, {"program_order": True})
+        handle = Handle(name)
+        handle._set(0, out)
+        return handle
+
     # -- the request kinds ------------------------------------------------------------------------
     def reduce(self, kind: str, arrays: Sequence[np.ndarray], *, op: int, name: Optional[str], prescale: float,
                postscale: float, outs: Optional[Sequence[Optional[np.ndarray]]], dtype: Optional[str], ps: int,
@@ -147,6 +181,12 @@ class Session:
         pre, post = float(prescale), float(postscale)
         if isinstance(op, int) and op == ReduceOp.Adasum:
             return self._adasum(kind, arrays, name, pre, post, outs, dtype, ps, grouped, will_wait)
+        if will_wait and kind == ALLREDUCE and len(arrays) == 1 and ps == 0 and self._blocking_in_order \
+                and self.lockstep.active:
+            name = self.name(kind, name, ps)  # drawn once: the negotiated path below takes it as given
+            done = self._in_program_order(arrays[0], op, name, pre, post, outs, dtype)
+            if done is not None:
+                return done
         parts = []
         for i, raw in enumerate(arrays):
             array, wire = prepare_array(raw, dtype)

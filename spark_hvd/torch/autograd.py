@@ -65,7 +65,7 @@ class HorovodAllreduce(torch.autograd.Function):
         ctx.op, ctx.process_set = op, process_set
         ctx.prescale_factor, ctx.postscale_factor = prescale_factor, postscale_factor
         return enqueue(ALLREDUCE, [tensor], name=name, op=op, prescale_factor=prescale_factor,
-                       postscale_factor=postscale_factor, process_set=process_set).wait()
+                       postscale_factor=postscale_factor, process_set=process_set, will_wait=True).wait()
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:

@@ -162,12 +162,15 @@ def enqueue(
     root_rank: Optional[int] = None,
     splits: Any = None,
     process_set: Any = global_process_set,
+    will_wait: bool = False,
 ) -> Handle:
     """Start ``kind`` (allreduce, allgather, broadcast, alltoall or reducescatter) on ``tensors``.
 
     The single entry point of the grid: stages tensors, calls the runtime, and returns a Handle
     whose result is one tensor (``grouped=False``) or a list. With ``inplace`` the results are
-    written into the given tensors.
+    written into the given tensors. ``will_wait``: the caller waits for the handle next (a
+    blocking call), which lets a single allreduce skip negotiation (see
+    :func:`spark_hvd.runtime.allreduce`).
     """
     name = _op_name(kind, name)
     if grouped:
@@ -198,7 +201,7 @@ def enqueue(
             if grouped:
                 inner = _rt.grouped_allreduce_async(arrays, outs=outs, **common)
             else:
-                inner = _rt.allreduce_async(arrays[0], out=outs[0], **common)
+                inner = _rt.allreduce_async(arrays[0], out=outs[0], will_wait=will_wait, **common)
         else:
             if grouped:
                 raise ValueError("broadcast has no grouped form; call broadcast_async_ once per tensor")

@@ -107,7 +107,7 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
     """
     return enqueue(ALLREDUCE, (tensor,), inplace=True, name=name, op=resolve_op(op, average),
                    prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                   process_set=process_set).wait()
+                   process_set=process_set, will_wait=True).wait()
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,

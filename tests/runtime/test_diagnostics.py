@@ -51,7 +51,8 @@ def _timeline_job(second_path):
     rt.init()
     for step in range(3):
         handles = [rt.allreduce_async(np.full(5000, step, np.float32), name=f"grad.{i}") for i in range(4)]
-        rt.allreduce(np.ones(3), name="small")  # answered inside the negotiation messages
+        rt.allreduce_async(np.ones(3), name="small").wait()  # answered inside the negotiation messages
+        rt.allreduce(np.ones(2), name="in.order")  # blocking: exchanged in program order, not negotiated
         for h in handles:
             rt.synchronize(h)
     rt.allgather(np.zeros((2, 2)), name="gathered")
@@ -72,6 +73,9 @@ def test_timeline_is_chrome_trace_with_phases(launch, tmp_path):
     assert {"grad.0", "grad.3", "gathered", "small"} <= names
     small_pid = next(e["pid"] for e in events if e.get("ph") == "M" and e.get("args", {}).get("name") == "small")
     assert any(e.get("args", {}).get("eager") for e in events if e.get("pid") == small_pid and e.get("ph") == "X")
+    in_order = next(e["pid"] for e in events if e.get("ph") == "M" and e.get("args", {}).get("name") == "in.order")
+    spans = [e for e in events if e.get("pid") == in_order and e.get("ph") == "X"]
+    assert len(spans) == 3 and all(e["name"] == "REDUCE" and e["args"]["program_order"] for e in spans), spans
     phases = {e["name"] for e in events if e.get("ph") == "X"}
     assert {"NEGOTIATE", "QUEUE", "MEMCPY_IN_FUSION_BUFFER", "REDUCE", "MEMCPY_OUT_FUSION_BUFFER"} <= phases
     assert all(e["dur"] >= 0 and "ts" in e for e in events if e.get("ph") == "X")

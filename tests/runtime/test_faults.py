@@ -85,7 +85,7 @@ def test_rank_stopped_during_a_large_allreduce_is_reported_then_ends_the_job(shm
         assert "received nothing from rank(s) [1]" in message, message
 
 
-def _stop_coordinator():
+def _stop_coordinator(blocking):
     import os
     import signal
     import time
@@ -101,22 +101,31 @@ def _stop_coordinator():
         os.kill(os.getpid(), signal.SIGSTOP)
     started = time.monotonic()
     try:
-        rt.allreduce(np.ones(4), name="after")
+        if blocking:
+            rt.allreduce(np.ones(4), name="after")
+        else:
+            rt.allreduce_async(np.ones(4), name="after").wait()
     except rt.CollectiveError as exc:
         raise RuntimeError(f"failed after {time.monotonic() - started:.1f} s: {exc}") from None
 
 
-def test_stopped_coordinator_is_reported_by_the_workers_then_ends_the_job():
-    """SIGSTOP of rank 0 between small allreduces: the workers warn that the coordinator does not
-    answer, naming the operation, and give up at the shutdown deadline."""
+@pytest.mark.parametrize("blocking", [False, True], ids=["negotiated", "program-order"])
+def test_stopped_coordinator_is_reported_by_the_workers_then_ends_the_job(blocking):
+    """SIGSTOP of rank 0 between small allreduces: the workers warn, naming the operation and rank 0
+    (negotiated: the coordinator does not answer; a blocking allreduce in program order: rank 0 has
+    not issued it), and give up at the shutdown deadline."""
     settings = {"stall_check_seconds": 1.0, "stall_shutdown_seconds": 4.0}
     with pytest.raises(RankFailedError) as info:
-        run(_stop_coordinator, np=3, settings=settings, timeout=120)
+        run(_stop_coordinator, args=(blocking,), np=3, settings=settings, timeout=120)
     error = info.value
     assert error.rank in (1, 2), error
     output = "\n".join(error.output_tail)
-    assert "no answer from the coordinator (rank 0)" in output and "'after'" in output, output
-    assert "within SPARK_HVD_STALL_SHUTDOWN_TIME_SECONDS=4.0" in str(error), error
+    if blocking:
+        assert "missing rank(s) [0]" in output and "'after'" in output, output
+        assert "exceeded SPARK_HVD_STALL_SHUTDOWN_TIME_SECONDS=4.0" in str(error), error
+    else:
+        assert "no answer from the coordinator (rank 0)" in output and "'after'" in output, output
+        assert "within SPARK_HVD_STALL_SHUTDOWN_TIME_SECONDS=4.0" in str(error), error
 
 
 SHM_JOB = textwrap.dedent(

@@ -1,7 +1,8 @@
-"""The program-order path (``allreduce_lockstep``), over one host's shared-memory mailboxes and
-over TCP links between hosts: the same results as the negotiated allreduce, a mismatch fails every
-rank, a joined rank sends the others back to the negotiated path, and a lost or stalled peer ends
-the wait with CollectiveError."""
+"""The program-order path (``allreduce_lockstep``, and blocking allreduces), over one host's
+shared-memory mailboxes and over TCP links between hosts: the same results as the negotiated
+allreduce, a mismatch fails every rank (blocking allreduces in another order go negotiated instead),
+a joined rank sends the others back to the negotiated path, and a lost or stalled peer ends the
+wait with CollectiveError."""
 
 import json
 import os
@@ -34,8 +35,8 @@ def matches_the_negotiated_allreduce(hvd, rank, size):
                     continue
                 assert handle is not None
                 assert handle.wait() is fast
-                slow = hvd.allreduce(_data(rank, dtype), op=op, name="slow", prescale_factor=pre,
-                                     postscale_factor=post)
+                slow = hvd.allreduce_async(_data(rank, dtype), op=op, name="slow", prescale_factor=pre,
+                                           postscale_factor=post).wait()
                 assert fast.tobytes() == slow.tobytes(), (dtype, op, pre, post, fast[:5], slow[:5])
                 done += 1
     return done
@@ -68,15 +69,123 @@ def what_takes_the_negotiated_path(hvd, rank, size):
     return len(cases)
 
 
+def _steps(hvd):
+    """How many requests the session's program-order path has reduced (None: it has none)."""
+    from spark_hvd.runtime.api import _session
+
+    lockstep = _session().lockstep
+    return None if lockstep is None else lockstep.reduced
+
+
+def blocking_allreduces_take_it(hvd, rank, size):
+    """A blocking allreduce is a step of the program-order path: a new array, ``out`` given or the
+    input itself, every op; unnamed ones keep drawing the same names as the negotiated path's (an
+    unnamed asynchronous one after them still matches); torch's blocking allreduces take it too.
+    Integers, Product, process sets and asynchronous requests are negotiated."""
+    import torch
+
+    import spark_hvd.torch as thvd
+
+    if size == 1:
+        return 0
+    before = _steps(hvd)
+    x = _data(rank, np.float32, 10)
+    expected = sum(_data(r, np.float32, 10) for r in range(size))
+    got = hvd.allreduce(x, op=hvd.Sum)
+    assert got is not x and np.array_equal(got, expected) and np.array_equal(x, _data(rank, np.float32, 10))
+    out = np.empty_like(x)
+    assert hvd.allreduce(x, op=hvd.Average, out=out) is out and np.allclose(out, expected / size)
+    assert hvd.allreduce(x, op=hvd.Max, name="inplace", out=x) is x
+    assert np.array_equal(x, np.maximum.reduce([_data(r, np.float32, 10) for r in range(size)]))
+    assert float(hvd.allreduce(np.array([rank], np.float64), op=hvd.Min)[0]) == 0.0
+    assert _steps(hvd) == before + 4
+    assert float(hvd.allreduce_async(np.ones(1, np.float32), op=hvd.Sum).wait()[0]) == size
+    assert int(hvd.allreduce(np.ones(3, np.int64), op=hvd.Sum)[0]) == size
+    assert float(hvd.allreduce(np.full(1, 2.0, np.float32), op=hvd.Product)[0]) == 2.0 ** size
+    assert _steps(hvd) == before + 4
+    tensor = torch.full((3,), float(rank + 1))
+    assert torch.equal(thvd.allreduce(tensor, op=thvd.Sum), torch.full((3,), float(sum(range(1, size + 1)))))
+    assert thvd.allreduce_(tensor, op=thvd.Sum) is tensor and float(tensor[0]) == sum(range(1, size + 1))
+    assert _steps(hvd) == before + 6
+    return _steps(hvd) - before
+
+
+def blocking_allreduces_in_another_order_go_negotiated(hvd, rank, size):
+    """Two threads of each rank make blocking allreduces, in one order on rank 0 and the other on
+    the others (as Horovod's negotiation allows): no error, every result right. Whether the next
+    blocking allreduce takes the program-order path again (on one host it does; over the links,
+    which cannot go on from such a step, it is negotiated)."""
+    import threading
+    import time
+
+    if size == 1:
+        return None
+    results = {}
+
+    def reduce(name, delay):
+        time.sleep(delay)
+        results[name] = float(hvd.allreduce(np.full(4, rank + 1.0, np.float32), op=hvd.Sum, name=name)[0])
+
+    first, second = ("a", "b") if rank == 0 else ("b", "a")
+    threads = [threading.Thread(target=reduce, args=(first, 0.0)), threading.Thread(target=reduce, args=(second, 0.3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    total = float(sum(range(1, size + 1)))
+    assert results == {"a": total, "b": total}, results
+    steps = _steps(hvd)
+    assert float(hvd.allreduce(np.ones(1, np.float32), op=hvd.Sum, name="after")[0]) == size
+    return _steps(hvd) == steps + 1
+
+
+def a_blocking_allreduce_meets_a_negotiated_one(hvd, rank, size):
+    """Rank 0 makes a blocking allreduce (program order) where the others make the same request
+    asynchronously and wait for it (negotiated): the others decline rank 0's step after a while, so
+    every rank ends up negotiating it, with the right result and no error; the path then stays off.
+    The seconds rank 0 waited."""
+    import time
+
+    if size == 1:
+        return None
+    data = np.full(4, rank + 1.0, np.float32)
+    start = time.monotonic()
+    if rank == 0:
+        got = hvd.allreduce(data, op=hvd.Sum, name="either")
+    else:
+        got = hvd.allreduce_async(data, op=hvd.Sum, name="either").wait(timeout=60)
+    waited = time.monotonic() - start
+    assert float(got[0]) == sum(range(1, size + 1)), got
+    steps = _steps(hvd)
+    assert float(hvd.allreduce(np.ones(1, np.float32), op=hvd.Sum, name="after")[0]) == size
+    assert _steps(hvd) == steps  # negotiated
+    return waited
+
+
 def test_fast_path_results_and_limits():
     """At np=2 and np=3, each of the checks above on every rank, in one world per size."""
-    checks = [matches_the_negotiated_allreduce, many_steps_in_a_row, what_takes_the_negotiated_path]
+    checks = [matches_the_negotiated_allreduce, many_steps_in_a_row, what_takes_the_negotiated_path,
+              blocking_allreduces_take_it]
     for np_ in (1, 2, 3):
         results = launch(checks, np=np_, settings={"lockstep_bytes": 1 << 20})
         counts = assert_passed(results, matches_the_negotiated_allreduce)
         assert counts == [0 if np_ == 1 else 24] * np_
         assert assert_passed(results, many_steps_in_a_row) == [0 if np_ == 1 else 1000] * np_
         assert_passed(results, what_takes_the_negotiated_path)
+        assert assert_passed(results, blocking_allreduces_take_it) == [0 if np_ == 1 else 6] * np_
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_a_step_that_others_negotiate_is_declined(np_):
+    results = launch([a_blocking_allreduce_meets_a_negotiated_one], np=np_)
+    waited = assert_passed(results, a_blocking_allreduce_meets_a_negotiated_one)
+    assert 0.3 < waited[0] < 10, waited
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_blocking_allreduces_in_another_order_are_negotiated(np_):
+    results = launch([blocking_allreduces_in_another_order_go_negotiated], np=np_)
+    assert assert_passed(results, blocking_allreduces_in_another_order_go_negotiated) == [True] * np_
 
 
 def off_when_disabled_or_across_hosts(hvd, rank, size):
@@ -240,12 +349,14 @@ def over_the_links(hvd, rank, size):
 def test_across_hosts_the_links_give_the_negotiated_results(tmp_path, np_):
     """Ranks on different hosts reduce through the program-order links: bit-equal to the negotiated
     allreduce for every dtype, op and scale, a thousand steps in a row, and the same limits."""
-    checks = [over_the_links, matches_the_negotiated_allreduce, many_steps_in_a_row, what_takes_the_negotiated_path]
+    checks = [over_the_links, matches_the_negotiated_allreduce, many_steps_in_a_row, what_takes_the_negotiated_path,
+              blocking_allreduces_take_it]
     results = _across_hosts(tmp_path, checks, np_)
     assert assert_passed(results, over_the_links) == ["LinkLockstep"] * np_
     assert assert_passed(results, matches_the_negotiated_allreduce) == [24] * np_
     assert assert_passed(results, many_steps_in_a_row) == [1000] * np_
     assert_passed(results, what_takes_the_negotiated_path)
+    assert assert_passed(results, blocking_allreduces_take_it) == [6] * np_
 
 
 def test_across_hosts_a_mismatch_or_a_join_leaves_the_links(tmp_path):
@@ -257,6 +368,13 @@ def test_across_hosts_a_mismatch_or_a_join_leaves_the_links(tmp_path):
     os.makedirs(tmp_path / "join")
     results = _across_hosts(tmp_path / "join", [join_falls_back_everywhere], 3)
     assert assert_passed(results, join_falls_back_everywhere) == [True] * 3
+    os.makedirs(tmp_path / "order")
+    check = blocking_allreduces_in_another_order_go_negotiated
+    assert assert_passed(_across_hosts(tmp_path / "order", [check], 3), check) == [False] * 3
+    os.makedirs(tmp_path / "decline")
+    check = a_blocking_allreduce_meets_a_negotiated_one
+    waited = assert_passed(_across_hosts(tmp_path / "decline", [check], 3), check)
+    assert 0.3 < waited[0] < 10, waited
 
 
 def test_across_hosts_no_links_when_disabled(tmp_path):
