@@ -461,8 +461,15 @@ class Engine:
         one-host fast path of :mod:`~spark_hvd.runtime.lockstep`): the engine's recorded failure,
         then, unless a cycle is reading the links right now, aborts, lost peers and stalls. A
         failure found here fails the job on every rank, as one found by a collective does."""
-        if self._failure is not None:
-            raise copy.copy(self._failure)
+        failure = self._failure
+        if failure is not None:
+            if failure.lost_rank is not None and failure.lost_rank not in peers \
+                    and self.links.left.get(failure.lost_rank) == "shut down":
+                # A rank that said goodbye had finished its part of this exchange (it is not among
+                # those waited for): the exchange can still end; later requests fail.
+                self._check_data_stall(peers, idle, what, request)
+                return
+            raise copy.copy(failure)
         if not self._progress.acquire(blocking=False):
             return
         try:

@@ -181,8 +181,8 @@ class Session:
         pre, post = float(prescale), float(postscale)
         if isinstance(op, int) and op == ReduceOp.Adasum:
             return self._adasum(kind, arrays, name, pre, post, outs, dtype, ps, grouped, will_wait)
-        if will_wait and kind == ALLREDUCE and len(arrays) == 1 and ps == 0 and self._blocking_in_order \
-                and self.lockstep.active:
+        if will_wait and kind == ALLREDUCE and not grouped and len(arrays) == 1 and ps == 0 \
+                and self._blocking_in_order and self.lockstep.active:
             name = self.name(kind, name, ps)  # drawn once: the negotiated path below takes it as given
             done = self._in_program_order(arrays[0], op, name, pre, post, outs, dtype)
             if done is not None:

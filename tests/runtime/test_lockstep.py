@@ -99,6 +99,8 @@ def blocking_allreduces_take_it(hvd, rank, size):
     assert np.array_equal(x, np.maximum.reduce([_data(r, np.float32, 10) for r in range(size)]))
     assert float(hvd.allreduce(np.array([rank], np.float64), op=hvd.Min)[0]) == 0.0
     assert _steps(hvd) == before + 4
+    grouped = hvd.grouped_allreduce([np.ones(2, np.float32)], op=hvd.Sum)  # a list, negotiated
+    assert isinstance(grouped, list) and len(grouped) == 1 and float(grouped[0][0]) == size, grouped
     assert float(hvd.allreduce_async(np.ones(1, np.float32), op=hvd.Sum).wait()[0]) == size
     assert int(hvd.allreduce(np.ones(3, np.int64), op=hvd.Sum)[0]) == size
     assert float(hvd.allreduce(np.full(1, 2.0, np.float32), op=hvd.Product)[0]) == 2.0 ** size
