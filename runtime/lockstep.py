@@ -70,8 +70,11 @@ def mailbox_tag(key: bytes, generation: int, rank: int) -> bytes:
     return hmac.new(key, f"spark-hvd mailbox {generation} {rank}".encode(), hashlib.sha256).digest()
 
 
-def _name_hash(name: str) -> int:
-    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little", signed=True)
+def _request_hash(name: str, shape: tuple) -> int:
+    """A header's first field: the request's name and shape (ranks that reduce the same bytes in
+    different shapes differ, as the negotiation's shape check says)."""
+    text = f"{name} {tuple(shape)}"
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
 
 
 def combine_parts(flat: np.ndarray, parts: Sequence[np.ndarray], op: int, wire: str, postscale: float) -> None:
@@ -142,7 +145,8 @@ class _ProgramOrder:
                 return False
             step = self._step + 1
             try:
-                done = self._reduce(array.reshape(-1), name, wire, op, prescale, postscale, step, strict)
+                done = self._reduce(array.reshape(-1), name, array.shape, wire, op, prescale, postscale, step,
+                                    strict)
             except BaseException:
                 self._off = True
                 raise
@@ -150,8 +154,8 @@ class _ProgramOrder:
             self.reduced += done
             return done
 
-    def _reduce(self, flat: np.ndarray, name: str, wire: str, op: int, prescale: float, postscale: float,
-                step: int, strict: bool) -> bool:  # pragma: no cover - interface
+    def _reduce(self, flat: np.ndarray, name: str, shape: tuple, wire: str, op: int, prescale: float,
+                postscale: float, step: int, strict: bool) -> bool:  # pragma: no cover - interface
         """Step ``step``: ``flat`` reduced in place; False, ``flat`` untouched, when this step goes
         to the negotiated path (a rank joined, or the requests differ and not all are strict)."""
         raise NotImplementedError
@@ -238,9 +242,9 @@ class Lockstep(_ProgramOrder):
             self._off = True
             self.boxes[self.rank].counters[_LEFT] = 1
 
-    def _reduce(self, flat: np.ndarray, name: str, wire: str, op: int, prescale: float, postscale: float,
-                step: int, strict: bool) -> bool:
-        header = self._header(name, flat, wire, op, strict)
+    def _reduce(self, flat: np.ndarray, name: str, shape: tuple, wire: str, op: int, prescale: float,
+                postscale: float, step: int, strict: bool) -> bool:
+        header = self._header(name, shape, flat, wire, op, strict)
         mine = self.boxes[self.rank]
         slot = mine.slot(step % SLOTS)
         head = slot[:MAILBOX_HEADER].cast("q")
@@ -269,10 +273,12 @@ class Lockstep(_ProgramOrder):
         combine_parts(flat, parts, op, wire, postscale)
         return True
 
-    def _header(self, name: str, flat: np.ndarray, wire: str, op: int, strict: bool) -> List[int]:
-        hashed = self._hashes.get(name)
+    def _header(self, name: str, shape: tuple, flat: np.ndarray, wire: str, op: int, strict: bool) -> List[int]:
+        hashed = self._hashes.get((name, shape))
         if hashed is None:
-            hashed = self._hashes[name] = _name_hash(name)
+            if len(self._hashes) >= _PLANS:
+                self._hashes.clear()  # names that keep changing: no reuse to keep
+            hashed = self._hashes[(name, shape)] = _request_hash(name, shape)
         return [hashed, flat.nbytes, self._dtype_codes[wire], int(op), int(strict)]
 
     def _awaited(self) -> bool:
@@ -395,9 +401,9 @@ class LinkLockstep(_ProgramOrder):
         except (OSError, CollectiveError):
             pass  # a peer that is gone needs no word
 
-    def _reduce(self, flat: np.ndarray, name: str, wire: str, op: int, prescale: float, postscale: float,
-                step: int, strict: bool) -> bool:
-        key = (name, flat.nbytes, wire, op, strict)
+    def _reduce(self, flat: np.ndarray, name: str, shape: tuple, wire: str, op: int, prescale: float,
+                postscale: float, step: int, strict: bool) -> bool:
+        key = (name, shape, flat.nbytes, wire, op, strict)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plan(key, flat)
@@ -418,8 +424,8 @@ class LinkLockstep(_ProgramOrder):
     def _plan(self, key: tuple, flat: np.ndarray) -> tuple:
         """What a request of this name, size, dtype and op reuses at every step: its header, its
         message (a view of the outbox) and every rank's part (views of the outbox and inboxes)."""
-        name, nbytes, wire, op, strict = key
-        hashed = _name_hash(name)
+        name, shape, nbytes, wire, op, strict = key
+        hashed = _request_hash(name, shape)
         header = (hashed, nbytes, self._dtype_codes[wire], int(op), int(strict))
         size = _LINK_HEADER.size
         parts = [np.frombuffer(self._outbox if r == self.rank else self._inbox[r], dtype=flat.dtype, count=flat.size,

@@ -112,6 +112,22 @@ def blocking_allreduces_take_it(hvd, rank, size):
     return _steps(hvd) - before
 
 
+def the_same_bytes_in_another_shape_fail(hvd, rank, size):
+    """Blocking allreduces of the same bytes in different shapes (rank 0 a matrix, the others a cube):
+    the negotiated path's shape check fails every rank, as Horovod's does; the next request works."""
+    if size == 1:
+        return None
+    shape = (4, 6) if rank == 0 else (2, 3, 4)
+    try:
+        hvd.allreduce(np.ones(shape, np.float32), name="shaped")
+    except hvd.RankMismatchError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("no error for different shapes")
+    assert float(hvd.allreduce(np.ones(1, np.float32), op=hvd.Sum, name="after.shaped")[0]) == size
+    return message
+
+
 def blocking_allreduces_in_another_order_go_negotiated(hvd, rank, size):
     """Two threads of each rank make blocking allreduces, in one order on rank 0 and the other on
     the others (as Horovod's negotiation allows): no error, every result right. Whether the next
@@ -167,7 +183,7 @@ def a_blocking_allreduce_meets_a_negotiated_one(hvd, rank, size):
 def test_fast_path_results_and_limits():
     """At np=2 and np=3, each of the checks above on every rank, in one world per size."""
     checks = [matches_the_negotiated_allreduce, many_steps_in_a_row, what_takes_the_negotiated_path,
-              blocking_allreduces_take_it]
+              blocking_allreduces_take_it, the_same_bytes_in_another_shape_fail]
     for np_ in (1, 2, 3):
         results = launch(checks, np=np_, settings={"lockstep_bytes": 1 << 20})
         counts = assert_passed(results, matches_the_negotiated_allreduce)
@@ -175,6 +191,8 @@ def test_fast_path_results_and_limits():
         assert assert_passed(results, many_steps_in_a_row) == [0 if np_ == 1 else 1000] * np_
         assert_passed(results, what_takes_the_negotiated_path)
         assert assert_passed(results, blocking_allreduces_take_it) == [0 if np_ == 1 else 6] * np_
+        for message in assert_passed(results, the_same_bytes_in_another_shape_fail):
+            assert np_ == 1 or "shape" in message, message
 
 
 @pytest.mark.parametrize("np_", [2, 3])
