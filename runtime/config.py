@@ -140,10 +140,11 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("eager_threshold", "SPARK_HVD_EAGER_THRESHOLD", int, 32768,
             "Allreduces up to this many bytes travel inside the negotiation messages (0 disables)."),
     Setting("lockstep_bytes", "SPARK_HVD_LOCKSTEP_BYTES", int, 1 << 20,
-            "Gradient buffers up to this many bytes, of a world whose ranks share one host, are reduced through "
-            "shared-memory mailboxes in program order, without negotiation (0 disables)."),
+            "Gradient buffers and blocking allreduces up to this many bytes, of a world whose ranks share one "
+            "host, are reduced through shared-memory mailboxes in program order, without negotiation (0 disables)."),
     Setting("lockstep_link_bytes", "SPARK_HVD_LOCKSTEP_LINK_BYTES", int, 1 << 20,
-            "Gradient buffers of a world across hosts (of at most 16 ranks) whose size times the other ranks is "
+            "Gradient buffers and blocking allreduces of a world across hosts (of at most 16 ranks) whose size "
+            "times the other ranks is "
             "at most this many bytes are sent straight to every rank over TCP links of their own and reduced "
             "in program order, without negotiation (0 disables; SPARK_HVD_LOCKSTEP_BYTES=0 too)."),
     Setting("cache_capacity", "SPARK_HVD_CACHE_CAPACITY", int, 1024,
