@@ -151,7 +151,8 @@ class Session:
         """A blocking allreduce through the program-order path (see :mod:`.lockstep`), done; None
         when it takes the negotiated path: not eligible there (the same answer on every rank for
         the same request), or the ranks' requests of this step differ (every rank then negotiates
-        its own, as Horovod would have from the start, and so does every later request)."""
+        its own, as Horovod would have from the start; see :meth:`.lockstep.Lockstep.allreduce`
+        for when later requests do too)."""
         lockstep = self.lockstep
         assert lockstep is not None
         if not isinstance(raw, np.ndarray) or not isinstance(op, int) or self.engine.failure is not None \
@@ -161,6 +162,8 @@ class Session:
         if not lockstep.eligible(array, wire, op):
             return None
         out = _target(raw, array, outs[0] if outs is not None else None, ALLREDUCE)
+        if not out.flags.writeable:
+            return None  # the negotiated path says why (a rank alone here declines the others' step)
         start = time.perf_counter()
         if out is not array:
             np.copyto(out, array)
