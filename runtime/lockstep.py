@@ -57,12 +57,12 @@ _CHECK_EVERY = 0.001
 _PUBLISHED = 0  # counters index: steps this rank has published
 _LEFT = 8  # counters index: 1 once this rank has joined and publishes no more
 _STRICT = 4
+"""A header's field (after hash, bytes, dtype and op): 1 when the request is in program order by
+contract (see :meth:`_ProgramOrder.allreduce`)."""
 _DECLINE_OP = -2
 """The op of a declined step's header (see :meth:`_ProgramOrder.while_negotiating`)."""
 _DECLINE_AFTER = 0.5
 """Seconds other ranks wait at a step before a rank that negotiates meanwhile declines it."""
-"""A header's field (after hash, bytes, dtype and op): 1 when the request is in program order by
-contract (see :meth:`_ProgramOrder.allreduce`)."""
 
 
 def mailbox_tag(key: bytes, generation: int, rank: int) -> bytes:
@@ -230,7 +230,7 @@ class Lockstep(_ProgramOrder):
         super().__init__(rank, len(boxes), capacity, check)
         self.boxes = list(boxes)
         self.spin = spin
-        self._hashes: Dict[str, int] = {}
+        self._hashes: Dict[tuple, int] = {}  # (name, shape): the header's first field
 
     # Every rank reads every header of a step before any rank publishes the step after the next
     # (which overwrites the slot), so the path goes on from a step whose requests differed.
@@ -259,13 +259,18 @@ class Lockstep(_ProgramOrder):
             self._off = True  # a rank joined (or declined): everyone falls back at this step, and stays there
             return False
         others = {}
-        for r in self._peers:
-            theirs = self._their_header(r, step)
-            if theirs != header:
-                others[r] = theirs
+        parts = []
+        for r in range(self.size):
+            slot = self.boxes[r].slot(step % SLOTS)
+            if r != self.rank:
+                head = slot[:MAILBOX_HEADER].cast("q")
+                theirs = [head[0], head[1], head[2], head[3], head[4]]
+                head.release()
+                if theirs != header:
+                    others[r] = theirs
+            parts.append(np.frombuffer(slot, dtype=flat.dtype, count=flat.size, offset=MAILBOX_HEADER))
         if others:
             return self._mismatch(name, flat.nbytes, step, header, others)
-        parts = [self._part(r, step, flat) for r in range(self.size)]
         if prescale == 1.0 and self.rank < 2:
             # Its own part, still in ``flat`` and in this core's cache: the first combination
             # writes ``flat`` only after reading both operands, element by element.
@@ -292,16 +297,6 @@ class Lockstep(_ProgramOrder):
         head.release()
         mine.counters[_PUBLISHED] = step  # a release, as a step's: the ranks at this step see a mismatch
         mine.counters[_LEFT] = 1  # and the later steps' waits end as after a join
-
-    def _their_header(self, r: int, step: int) -> List[int]:
-        head = self.boxes[r].slot(step % SLOTS)[:MAILBOX_HEADER].cast("q")
-        theirs = [head[0], head[1], head[2], head[3], head[4]]
-        head.release()
-        return theirs
-
-    def _part(self, r: int, step: int, flat: np.ndarray) -> np.ndarray:
-        return np.frombuffer(self.boxes[r].slot(step % SLOTS), dtype=flat.dtype, count=flat.size,
-                             offset=MAILBOX_HEADER)
 
     def _wait(self, step: int, name: str, strict: bool) -> bool:
         """Until every rank has published ``step``: True; False when one of them joined first."""
