@@ -320,8 +320,8 @@ def allreduce(array: np.ndarray, op: int = Average, name: Optional[str] = None, 
     Where every rank of the job shares one host (or the job has program-order links across hosts,
     see :func:`allreduce_lockstep`), a blocking allreduce of float16/32/64 with Sum, Average, Min
     or Max on the global process set is exchanged in program order without negotiation, as long
-    as the ranks issue them in the same order; at the first step where they do not, every rank
-    negotiates that request and every later one, as Horovod does."""
+    as the ranks issue them in the same order; at a step where they do not, every rank negotiates
+    its request, as Horovod does (across hosts every later one too)."""
     return _reduce(ALLREDUCE, [array], op, name, prescale_factor, postscale_factor, [out], dtype,
                    process_set, grouped=False, will_wait=True).wait()
 

@@ -20,7 +20,7 @@ from .handles import RequestBook
 from .kinds import ALLREDUCE, ALLREDUCE_EAGER
 from .messages import (Announce, Meta, RequestBatch, Response, dump_requests, dump_responses, load_requests,
                        load_responses)
-from .negotiation import Coordinator, WorkerSignatures
+from .negotiation import STALL_WARNING, Coordinator, WorkerSignatures
 from .ops import storage_dtype
 from .timeline import TimelineSlot
 
@@ -182,9 +182,7 @@ class CoordinatorCycle:
             self._answer()
         lines, shutdown = coord.stalled(time.monotonic())
         if lines:
-            log.warning(
-                "spark-hvd stall: %d operation(s) are waiting for other ranks (check that every rank "
-                "calls the same collectives with the same names):\n  %s", len(lines), "\n  ".join(lines))
+            log.warning(STALL_WARNING, len(lines), "\n  ".join(lines))
         if shutdown:
             raise CollectiveError(
                 "stalled operations exceeded SPARK_HVD_STALL_SHUTDOWN_TIME_SECONDS="

@@ -28,7 +28,7 @@ from .errors import CollectiveError
 from .execution import CollectiveExecutor
 from .handles import Entry, Handle, RequestBook
 from .kinds import ALLREDUCE
-from .negotiation import Coordinator
+from .negotiation import STALL_WARNING, Coordinator
 from .timeline import TimelineSlot
 
 __all__ = ["Engine", "build_engine", "DYNAMIC_TIMELINE"]
@@ -522,8 +522,7 @@ class Engine:
             raise CollectiveError(f"stalled operations exceeded SPARK_HVD_STALL_SHUTDOWN_TIME_SECONDS={shutdown}: {line}")
         if check > 0 and idle >= check and not self._data_stall_warned:
             self._data_stall_warned = True
-            log.warning("spark-hvd stall: 1 operation(s) are waiting for other ranks (check that every rank calls "
-                        "the same collectives with the same names):\n  %s", line)
+            log.warning(STALL_WARNING, 1, line)
 
     def _abort(self, error: CollectiveError) -> None:
         if error.lost_rank is not None and self.links.left.get(error.lost_rank) == "shut down":

@@ -28,7 +28,11 @@ from .messages import Meta, Response, ResponseBatch
 from .ops import ReduceOp
 from .kinds import ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, ERROR, JOIN, KINDS
 
-__all__ = ["Coordinator", "SignatureTable", "WorkerSignatures"]
+__all__ = ["Coordinator", "SignatureTable", "WorkerSignatures", "STALL_WARNING"]
+
+STALL_WARNING = ("spark-hvd stall: %d operation(s) are waiting for other ranks (check that every rank calls the "
+                 "same collectives with the same names):\n  %s")
+"""The stall inspector's warning: how many operations wait, then a line per operation."""
 
 
 _COMPARED = {name: info.compared for name, info in KINDS.items()}
