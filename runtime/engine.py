@@ -61,8 +61,14 @@ this long (seconds): a burst shorter than that (a small model's gradients) is an
 caller that waits for it next, with no thread hand-off at all; a longer one (a large model's
 backward pass) is announced in pieces while it runs, so communication overlaps computation."""
 _PARKED = 0.005
-"""How often a parked engine thread (nothing of its own to wait for, or a caller driving) reads the
-control links anyway: aborts and goodbyes of other ranks, and frames that must not pile up."""
+"""How often an engine thread parked while a caller drives, or whose links must be polled (MPI),
+wakes to look at the control links anyway: aborts and goodbyes of other ranks, and frames that must
+not pile up."""
+_PARKED_IDLE = 0.05
+"""The longest a parked engine thread with nothing to wait for sleeps when it can wait on its
+links' descriptors: whatever arrives wakes it at once, so the timeout only bounds how long a stop
+may go unseen. Waking every ``_PARKED`` instead cost each rank of a training loop whose gradients
+take the program-order path a few percent of its steps (the wake-ups take the GIL from the loop)."""
 _LOOK_EVERY = 0.05
 """How often (seconds) a rank whose requests wait for their negotiation looks at the program-order
 path (:attr:`Engine.while_negotiating`)."""
@@ -295,7 +301,7 @@ class Engine:
         """Whether the engine thread must watch the links: requests of this rank wait on them, or
         (rank 0) requests of other ranks can be answered without one of this rank (a process set
         without rank 0, or all ranks joined). Otherwise nothing that arrives is urgent here: the
-        next request reads it, and a parked thread still reads the links every ``_PARKED`` s."""
+        next request reads it, and a parked thread still reads what arrives (see ``_PARKED_IDLE``)."""
         if self.book.queue or self.book.local:
             return True
         assert self.cycle is not None
@@ -378,11 +384,15 @@ class Engine:
 
     def _wait_for_work(self, parked: bool, timeout: Optional[float] = -1.0) -> None:
         """Block until something may need a cycle: a wake-up, a frame on a control link, or the
-        next stall check (``timeout`` -1). ``parked``: watch only the wake-up pipe, for at most
-        ``_PARKED`` seconds."""
-        if parked:
+        next stall check (``timeout`` -1). ``parked``: nothing of this rank's to wait for; watch the
+        wake-up pipe and the links for at most ``_PARKED_IDLE`` seconds, or, while a caller drives
+        (it reads the links) or where links are polled, only the pipe for at most ``_PARKED``."""
+        if parked and (self._driving or self.links.polled):
             fds = [self._wake_r]
             timeout = _PARKED
+        elif parked:
+            fds = [self._wake_r] + self.links.filenos()
+            timeout = _PARKED_IDLE
         else:
             assert self.cycle is not None
             if self.book.queue or self.links.has_frames():
