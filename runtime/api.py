@@ -307,9 +307,7 @@ def allreduce_lockstep(array: np.ndarray, op: int = Average, name: str = "lockst
     if not session.lockstep_allreduce(array, op=op, name=name, prescale=prescale_factor,
                                       postscale=postscale_factor, ps=_ps_id(process_set)):
         return None
-    handle = Handle(name)
-    handle._set(0, array)
-    return handle
+    return Handle.completed(name, array)
 
 
 def allreduce(array: np.ndarray, op: int = Average, name: Optional[str] = None, prescale_factor: float = 1.0,

@@ -42,6 +42,20 @@ class Handle:
         self._error: Optional[BaseException] = None
         self._single = single
 
+    @classmethod
+    def completed(cls, name: str, result: Any) -> "Handle":
+        """A handle whose operation is already done with ``result`` (nothing ever waits on its gate)."""
+        handle = cls.__new__(cls)
+        handle.name = name
+        handle._engine = None
+        handle._gate = None
+        handle._done = True
+        handle._results = [result]
+        handle._remaining = 0
+        handle._error = None
+        handle._single = True
+        return handle
+
     def done(self) -> bool:
         if not self._done and self._engine is not None:
             self._engine.nudge()

@@ -37,7 +37,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import numpy as np
 
@@ -81,16 +81,16 @@ def combine_parts(flat: np.ndarray, parts: Sequence[np.ndarray], op: int, wire: 
     """``flat`` = ``op`` over ``parts`` (one per rank) in rank order, so that every rank computes the
     same bits; averaged over the ranks for Average, then scaled by ``postscale``. ``flat`` may be
     one of the first two parts (combined element by element, both read before ``flat`` is written)."""
-    reduce_op = ReduceOp(op)
     if len(parts) == 1:
         np.copyto(flat, parts[0])
     else:
-        combine_into(flat, parts[0], parts[1], reduce_op, wire)
+        combine_into(flat, parts[0], parts[1], op, wire)
     for part in parts[2:]:
-        reduce_into(flat, part, reduce_op, wire)
-    if reduce_op == ReduceOp.Average:
+        reduce_into(flat, part, op, wire)
+    if op == ReduceOp.Average:
         average_inplace(flat, len(parts), wire)
-    scale_inplace(flat, postscale, wire)
+    if postscale != 1.0:
+        scale_inplace(flat, postscale, wire)
 
 
 class _ProgramOrder:
@@ -110,7 +110,13 @@ class _ProgramOrder:
         self._off = False
         self._lock = threading.Lock()
         self._dtype_codes = {wire: i + 1 for i, wire in enumerate(_WIRES)}
+        self._plans: Dict[tuple, tuple] = {}
+        """Per request (name, shape, bytes, dtype, op, strictness): what its steps reuse."""
         self._awaited_since: Optional[tuple] = None  # (this rank's step, when others were first seen past it)
+
+    def forget(self) -> None:
+        """Drop what requests reuse from step to step (before the mailboxes or links close)."""
+        self._plans.clear()
 
     @property
     def active(self) -> bool:
@@ -230,7 +236,6 @@ class Lockstep(_ProgramOrder):
         super().__init__(rank, len(boxes), capacity, check)
         self.boxes = list(boxes)
         self.spin = spin
-        self._hashes: Dict[tuple, int] = {}  # (name, shape): the header's first field
 
     # Every rank reads every header of a step before any rank publishes the step after the next
     # (which overwrites the slot), so the path goes on from a step whose requests differed.
@@ -244,47 +249,51 @@ class Lockstep(_ProgramOrder):
 
     def _reduce(self, flat: np.ndarray, name: str, shape: tuple, wire: str, op: int, prescale: float,
                 postscale: float, step: int, strict: bool) -> bool:
-        header = self._header(name, shape, flat, wire, op, strict)
-        mine = self.boxes[self.rank]
-        slot = mine.slot(step % SLOTS)
-        head = slot[:MAILBOX_HEADER].cast("q")
-        head[0], head[1], head[2], head[3], head[4] = header
-        head.release()
-        data = np.frombuffer(slot, dtype=flat.dtype, count=flat.size, offset=MAILBOX_HEADER)
+        key = (name, shape, flat.nbytes, wire, op, strict)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(key, flat)
+        header, values, heads, parts = plan
+        slot = step % SLOTS
+        heads, parts = heads[slot], parts[slot]
+        heads[self.rank][:] = values
+        data = parts[self.rank]
         np.copyto(data, flat)
         if prescale != 1.0:
             scale_inplace(data, prescale, wire)
-        mine.counters[_PUBLISHED] = step  # a release (see .ordering): header and data are visible first
+        self.boxes[self.rank].counters[_PUBLISHED] = step  # a release (see .ordering): header and data first
         if not self._wait(step, name, strict):
             self._off = True  # a rank joined (or declined): everyone falls back at this step, and stays there
             return False
         others = {}
-        parts = []
-        for r in range(self.size):
-            slot = self.boxes[r].slot(step % SLOTS)
-            if r != self.rank:
-                head = slot[:MAILBOX_HEADER].cast("q")
-                theirs = [head[0], head[1], head[2], head[3], head[4]]
-                head.release()
-                if theirs != header:
-                    others[r] = theirs
-            parts.append(np.frombuffer(slot, dtype=flat.dtype, count=flat.size, offset=MAILBOX_HEADER))
+        for r in self._peers:
+            theirs = heads[r].tolist()
+            if theirs != header:
+                others[r] = theirs
         if others:
             return self._mismatch(name, flat.nbytes, step, header, others)
         if prescale == 1.0 and self.rank < 2:
             # Its own part, still in ``flat`` and in this core's cache: the first combination
             # writes ``flat`` only after reading both operands, element by element.
+            parts = list(parts)
             parts[self.rank] = flat
         combine_parts(flat, parts, op, wire, postscale)
         return True
 
-    def _header(self, name: str, shape: tuple, flat: np.ndarray, wire: str, op: int, strict: bool) -> List[int]:
-        hashed = self._hashes.get((name, shape))
-        if hashed is None:
-            if len(self._hashes) >= _PLANS:
-                self._hashes.clear()  # names that keep changing: no reuse to keep
-            hashed = self._hashes[(name, shape)] = _request_hash(name, shape)
-        return [hashed, flat.nbytes, self._dtype_codes[wire], int(op), int(strict)]
+    def _plan(self, key: tuple, flat: np.ndarray) -> tuple:
+        """What a request of this name, size, dtype and op reuses at every step: its header (as a
+        list and as an array) and, for each slot, every rank's header and data there (views)."""
+        name, shape, nbytes, wire, op, strict = key
+        header = [_request_hash(name, shape), nbytes, self._dtype_codes[wire], int(op), int(strict)]
+        heads = [[np.frombuffer(box.slot(slot), dtype=np.int64, count=len(header)) for box in self.boxes]
+                 for slot in range(SLOTS)]
+        parts = [[np.frombuffer(box.slot(slot), dtype=flat.dtype, count=flat.size, offset=MAILBOX_HEADER)
+                  for box in self.boxes] for slot in range(SLOTS)]
+        plan = (header, np.array(header, dtype=np.int64), heads, parts)
+        if len(self._plans) >= _PLANS:
+            self._plans.clear()  # names that keep changing: no reuse to keep
+        self._plans[key] = plan
+        return plan
 
     def _awaited(self) -> bool:
         boxes, step = self.boxes, self._step
@@ -337,7 +346,7 @@ class Lockstep(_ProgramOrder):
 _LINK_HEADER = struct.Struct("<qqqqq")
 """A message's header on a program-order link: request hash, byte count, dtype code, op and strictness."""
 _PLANS = 64
-"""Requests whose views a :class:`LinkLockstep` keeps at most."""
+"""Requests whose views a :class:`Lockstep` or :class:`LinkLockstep` keeps at most."""
 _LEFT_OP = -1
 """The op of the header a rank sends when it joins: it sends no more steps."""
 
@@ -367,7 +376,6 @@ class LinkLockstep(_ProgramOrder):
         largest = capacity // max(1, size - 1)  # the largest buffer eligible()
         self._inbox = {r: bytearray(_LINK_HEADER.size + largest) for r in self._peers}
         self._outbox = bytearray(_LINK_HEADER.size + largest)
-        self._plans: Dict[tuple, tuple] = {}
         self._packed: Optional[tuple] = None
 
     def _fits(self, nbytes: int) -> bool:

@@ -98,6 +98,8 @@ class Session:
         try:
             self.engine.shutdown()
         finally:
+            if self.lockstep is not None:
+                self.lockstep.forget()  # its views of the mailboxes, which close with the world
             self.world.close()
 
     def reset_names(self) -> None:
