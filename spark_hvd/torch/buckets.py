@@ -11,8 +11,8 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch._utils
 
-__all__ = ["DEFAULT_BUCKET_CAP_MB", "bucket_params", "FlatBuffer", "copy_all", "NUMPY_DTYPES", "BUCKET_CANDIDATES",
-           "BucketTuner"]
+__all__ = ["DEFAULT_BUCKET_CAP_MB", "bucket_params", "FlatBuffer", "copy_all", "copy_grads", "NUMPY_DTYPES",
+           "BUCKET_CANDIDATES", "BucketTuner"]
 
 log = logging.getLogger("spark_hvd.torch")
 
@@ -52,20 +52,42 @@ def bucket_params(trainable: List[torch.Tensor], cap_mb: float) -> List[Tuple[to
 class FlatBuffer:
     """The buffer a part of a bucket is copied into every step, kept from step to step (allocating
     it, and splitting the result into views, cost more than the copies): the buffer, its views in
-    the gradients' shapes, and, for a CPU buffer the runtime reduces in place, its numpy array."""
+    the gradients' shapes, and, for a CPU buffer the runtime reduces in place, its numpy array;
+    ``name`` names its reduction."""
 
-    __slots__ = ("members", "flat", "views", "array")
+    __slots__ = ("members", "flat", "dtype", "device", "views", "array", "name")
 
-    def __init__(self, members: Tuple[int, ...], grads: List[torch.Tensor]) -> None:
+    def __init__(self, members: Tuple[int, ...], grads: List[torch.Tensor], name: str = "") -> None:
         self.members = members
         self.flat = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
+        self.dtype = self.flat.dtype
+        self.device = self.flat.device
         self.views = list(torch._utils._unflatten_dense_tensors(self.flat, grads))
         self.array = self.flat.numpy() if self.flat.device.type == "cpu" and self.flat.dtype in NUMPY_DTYPES \
             else None
+        self.name = name
+
+    def holds(self, members: Tuple[int, ...], first: torch.Tensor) -> bool:
+        """Whether this buffer suits gradients ``members`` whose first is ``first`` (same dtype and device)."""
+        if self.members != members or self.dtype != first.dtype:
+            return False
+        # A CPU buffer asks only whether the gradient is on the CPU (cheaper than comparing devices).
+        return first.is_cpu if self.array is not None else self.device == first.device
 
     def fill(self, grads: List[torch.Tensor]) -> torch.Tensor:
         copy_all(self.views, grads)
         return self.flat
+
+
+def copy_grads(grads: List[torch.Tensor], sources: List[torch.Tensor]) -> None:
+    """Copy ``sources`` into ``grads``, recording nothing for autograd (``torch.no_grad()`` only
+    when a gradient is part of a graph, after ``backward(create_graph=True)``: entering it costs
+    more than the copy of a small model's gradients)."""
+    if any(g.requires_grad for g in grads):
+        with torch.no_grad():
+            copy_all(grads, sources)
+    else:
+        copy_all(grads, sources)
 
 
 def copy_all(targets: List[torch.Tensor], sources: List[torch.Tensor]) -> None:

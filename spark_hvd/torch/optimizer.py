@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from contextlib import contextmanager
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch._utils
@@ -18,7 +18,7 @@ import torch._utils
 import spark_hvd.runtime as _rt
 from spark_hvd.torch.basics import Adasum, Average, Max, global_process_set
 from spark_hvd.torch.buckets import BUCKET_CANDIDATES, DEFAULT_BUCKET_CAP_MB, BucketTuner, FlatBuffer, bucket_params, \
-    copy_all
+    copy_all, copy_grads
 from spark_hvd.torch.compression import Compression, Compressor
 from spark_hvd.torch.handles import Handle, enqueue
 from spark_hvd.torch.mpi_ops import sparse_allreduce_async
@@ -193,8 +193,7 @@ class _Flat(_Pending):
     def finish(self, optimizer: _DistributedOptimizer) -> None:
         self.handle.wait()
         if self.direct and self.views is not None:
-            with torch.no_grad():
-                copy_all(self.grads, self.views)
+            copy_grads(self.grads, self.views)
             return
         if self.views is not None:
             pieces = self.views
@@ -245,12 +244,14 @@ class _DistributedOptimizer:
         # gradient hook looks its parameter up several times a step.
         self._allreduce_delay: Dict[int, int] = {id(p): backward_passes_per_step for p in trainable}
         self._handles: Dict[Any, _Pending] = {}
+        self._accumulating = False  # whether _handles holds placeholders (see _Accumulating)
         self._synchronized = False
         self._should_synchronize = True
         self._group_of: Dict[int, Tuple[torch.Tensor, ...]] = {}
         self._group_ready: Dict[Tuple[torch.Tensor, ...], int] = {}
         self._flat_buffers: Dict[Tuple[_Group, int], FlatBuffer] = {}
-        self._uniform: Set[_Group] = set()  # groups whose parameters share one dtype and device
+        # Groups whose parameters share one dtype and device, with the positions of all their members.
+        self._uniform: Dict[_Group, Tuple[int, ...]] = {}
         self._ungrouped: List[torch.Tensor] = list(trainable)  # parameters reduced one by one
         self._communicating: Optional[bool] = None  # _communicate, as asked by this step's first hook
         self._hook_handles: List[Any] = []
@@ -332,7 +333,7 @@ class _DistributedOptimizer:
                 self._group_of[id(p)] = group
             self._group_ready[group] = 0
             if len(group) > 1 and len({(p.dtype, p.device) for p in group}) == 1:
-                self._uniform.add(group)
+                self._uniform[group] = tuple(range(len(group)))
         self._ungrouped = [p for p in trainable if id(p) not in self._group_of]
 
     def set_backward_passes_per_step(self, passes: int) -> None:
@@ -391,11 +392,12 @@ class _DistributedOptimizer:
         return _Dense(handle, p, sent, ctx)
 
     def _start_group(self, group: Tuple[torch.Tensor, ...]) -> _Pending:
-        if group in self._uniform and self._compression in _ELEMENTWISE:
+        members = self._uniform.get(group)
+        if members is not None and self._compression in _ELEMENTWISE:
             # Every step of most models: dense gradients of one dtype and device, one buffer.
             grads = [p.grad for p in group]
             if not any(g is None or g.is_sparse for g in grads):
-                return self._start_flat(group, tuple(range(len(group))), grads, direct=True)
+                return self._start_flat(group, members, grads, direct=True)
         grads = [self._outgoing(p) for p in group]
         if self._compression not in _ELEMENTWISE:
             # A compressor of the user's own may depend on each tensor: compress them one by one
@@ -430,12 +432,12 @@ class _DistributedOptimizer:
         device) as one flat buffer."""
         key = (group, members[0])
         buffer = self._flat_buffers.get(key)
-        if buffer is None or buffer.members != members or buffer.flat.dtype != grads[0].dtype \
-                or buffer.flat.device != grads[0].device:
-            buffer = self._flat_buffers[key] = FlatBuffer(members, grads)
+        if buffer is None or not buffer.holds(members, grads[0]):
+            buffer = self._flat_buffers[key] = FlatBuffer(members, grads, self._parameter_names[group[members[0]]]
+                                                          + ".flat")
         sent, ctx = self._compression.compress(buffer.fill(grads))
         pre, post = self._scales()
-        name = self._parameter_names[group[members[0]]] + ".flat"
+        name = buffer.name
         own = sent is buffer.flat and buffer.array is not None
         handle: Any = None
         if own and len(members) == len(group) and len(self._group_ready) == 1 and not self._ungrouped:
@@ -469,6 +471,7 @@ class _DistributedOptimizer:
         self._allreduce_delay[key] = delay - 1
         if delay > 1:
             self._handles[p] = _ACCUMULATING
+            self._accumulating = True
             return
         if self._handles:
             self._handles.pop(p, None)  # the placeholder of the passes before
@@ -500,21 +503,22 @@ class _DistributedOptimizer:
         if not self._communicate:
             self._synchronized = True
             return
-        # Placeholders mark gradients still accumulating locally: reduce what has accumulated.
-        self._handles = {key: pending for key, pending in self._handles.items() if pending.started}
+        handles = self._handles
+        if self._accumulating:
+            # Placeholders mark gradients still accumulating locally: reduce what has accumulated.
+            handles = self._handles = {key: pending for key, pending in handles.items() if pending.started}
+            self._accumulating = False
         for p in self._ungrouped:
-            if p not in self._handles:
-                self._handles[p] = self._start(p)
+            if p not in handles:
+                handles[p] = self._start(p)
         for group in self._group_ready:
-            if group not in self._handles:
-                self._handles[group] = self._start_group(group)
-        for pending in self._handles.values():
+            if group not in handles:
+                handles[group] = self._start_group(group)
+        for pending in handles.values():
             pending.finish(self)
-        self._handles.clear()
-        for key in self._allreduce_delay:
-            self._allreduce_delay[key] = self.backward_passes_per_step
-        for group in self._group_ready:
-            self._group_ready[group] = 0
+        handles.clear()
+        self._allreduce_delay = dict.fromkeys(self._allreduce_delay, self.backward_passes_per_step)
+        self._group_ready = dict.fromkeys(self._group_ready, 0)
         self._synchronized = True
 
     @contextmanager
@@ -553,6 +557,7 @@ class _DistributedOptimizer:
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load the wrapped optimizer's state and forget any pending reduction."""
         self._handles = {}
+        self._accumulating = False
         self._communicating = None
         self._synchronized = False
         self._should_synchronize = True
