@@ -114,6 +114,20 @@ class _ProgramOrder:
         """Per request (name, shape, bytes, dtype, op, strictness): what its steps reuse."""
         self._awaited_since: Optional[tuple] = None  # (this rank's step, when others were first seen past it)
 
+    def _plan(self, flat: np.ndarray, name: str, shape: tuple, wire: str, op: int, strict: bool) -> tuple:
+        """The request's plan (see :meth:`_new_plan`), made at its first step and kept for the next."""
+        key = (name, shape, flat.nbytes, wire, op, strict)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= _PLANS:
+                self._plans.clear()  # names that keep changing: no reuse to keep
+            plan = self._plans[key] = self._new_plan(key, flat)
+        return plan
+
+    def _new_plan(self, key: tuple, flat: np.ndarray) -> tuple:  # pragma: no cover - interface
+        """What a request of ``key`` (name, shape, bytes, dtype, op, strictness) reuses at every step."""
+        raise NotImplementedError
+
     def forget(self) -> None:
         """Drop what requests reuse from step to step (before the mailboxes or links close)."""
         self._plans.clear()
@@ -249,10 +263,7 @@ class Lockstep(_ProgramOrder):
 
     def _reduce(self, flat: np.ndarray, name: str, shape: tuple, wire: str, op: int, prescale: float,
                 postscale: float, step: int, strict: bool) -> bool:
-        key = (name, shape, flat.nbytes, wire, op, strict)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plan(key, flat)
+        plan = self._plan(flat, name, shape, wire, op, strict)
         header, values, heads, parts = plan
         slot = step % SLOTS
         heads, parts = heads[slot], parts[slot]
@@ -280,7 +291,7 @@ class Lockstep(_ProgramOrder):
         combine_parts(flat, parts, op, wire, postscale)
         return True
 
-    def _plan(self, key: tuple, flat: np.ndarray) -> tuple:
+    def _new_plan(self, key: tuple, flat: np.ndarray) -> tuple:
         """What a request of this name, size, dtype and op reuses at every step: its header (as a
         list and as an array) and, for each slot, every rank's header and data there (views)."""
         name, shape, nbytes, wire, op, strict = key
@@ -289,11 +300,7 @@ class Lockstep(_ProgramOrder):
                  for slot in range(SLOTS)]
         parts = [[np.frombuffer(box.slot(slot), dtype=flat.dtype, count=flat.size, offset=MAILBOX_HEADER)
                   for box in self.boxes] for slot in range(SLOTS)]
-        plan = (header, np.array(header, dtype=np.int64), heads, parts)
-        if len(self._plans) >= _PLANS:
-            self._plans.clear()  # names that keep changing: no reuse to keep
-        self._plans[key] = plan
-        return plan
+        return header, np.array(header, dtype=np.int64), heads, parts
 
     def _awaited(self) -> bool:
         boxes, step = self.boxes, self._step
@@ -410,10 +417,7 @@ class LinkLockstep(_ProgramOrder):
 
     def _reduce(self, flat: np.ndarray, name: str, shape: tuple, wire: str, op: int, prescale: float,
                 postscale: float, step: int, strict: bool) -> bool:
-        key = (name, shape, flat.nbytes, wire, op, strict)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plan(key, flat)
+        plan = self._plan(flat, name, shape, wire, op, strict)
         header, message, parts = plan
         if self._packed is not plan:  # the outbox holds another request's header
             _LINK_HEADER.pack_into(self._outbox, 0, *header)
@@ -428,7 +432,7 @@ class LinkLockstep(_ProgramOrder):
         combine_parts(flat, parts, op, wire, postscale)
         return True
 
-    def _plan(self, key: tuple, flat: np.ndarray) -> tuple:
+    def _new_plan(self, key: tuple, flat: np.ndarray) -> tuple:
         """What a request of this name, size, dtype and op reuses at every step: its header, its
         message (a view of the outbox) and every rank's part (views of the outbox and inboxes)."""
         name, shape, nbytes, wire, op, strict = key
@@ -437,11 +441,7 @@ class LinkLockstep(_ProgramOrder):
         size = _LINK_HEADER.size
         parts = [np.frombuffer(self._outbox if r == self.rank else self._inbox[r], dtype=flat.dtype, count=flat.size,
                                offset=size) for r in range(self.size)]
-        plan = (header, memoryview(self._outbox)[:size + nbytes], parts)
-        if len(self._plans) >= _PLANS:
-            self._plans.clear()  # names that keep changing: no reuse to keep
-        self._plans[key] = plan
-        return plan
+        return header, memoryview(self._outbox)[:size + nbytes], parts
 
     def _move(self, message: memoryview, expect: Optional[tuple], name: str, step: int,
               deadline: Optional[float] = None) -> bool:
