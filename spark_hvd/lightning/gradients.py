@@ -21,7 +21,7 @@ import torch._utils
 
 import spark_hvd.runtime as _rt
 import spark_hvd.torch as hvd
-from spark_hvd.torch.buckets import DEFAULT_BUCKET_CAP_MB, FlatBuffer, bucket_params, copy_all
+from spark_hvd.torch.buckets import DEFAULT_BUCKET_CAP_MB, FlatBuffer, bucket_params, copy_grads
 from spark_hvd.torch.compression import Compressor
 
 __all__ = ["GradientAverager"]
@@ -172,8 +172,9 @@ class GradientAverager:
             parts = [(id(p), self._start(self._names[id(p)], p)) for p in bucket.params]
             return _Pending(parts, None, None)
         buffer = bucket.buffer
-        if buffer is None or buffer.flat.dtype != grads[0].dtype or buffer.flat.device != grads[0].device:
-            buffer = bucket.buffer = FlatBuffer(tuple(range(len(grads))), grads)
+        members = tuple(range(len(grads)))
+        if buffer is None or not buffer.holds(members, grads[0]):
+            buffer = bucket.buffer = FlatBuffer(members, grads, bucket.name)
         sent, context = self._compression.compress(buffer.fill(grads))
         if sent is buffer.flat and buffer.array is not None:
             # The averager's own contiguous CPU buffer: reduced in place, without a caller tensor's
@@ -212,8 +213,7 @@ class GradientAverager:
         else:
             result = self._compression.decompress(hvd.synchronize(pending.handle), pending.context)
             reduced = list(torch._utils._unflatten_dense_tensors(result.reshape(-1), [p.grad for p in bucket.params]))
-        with torch.no_grad():
-            copy_all([p.grad for p in bucket.params], reduced)
+        copy_grads([p.grad for p in bucket.params], reduced)
 
     def synchronize(self) -> None:
         """Finish averaging: start the reductions no hook started (in one order on every rank) and wait for all."""
